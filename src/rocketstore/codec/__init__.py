@@ -1,0 +1,55 @@
+"""The record format, message ids and hashes: the single codec shared by store, CLI and Spark."""
+
+from .hashing import body_crc, index_key_hash, java_string_hash, tags_hash_code
+from .hosts import Host
+from .msgid import UniqKeyGenerator, create_offset_msg_id, decode_offset_msg_id, decode_uniq_key
+from .properties import (
+    KEY_SEPARATOR,
+    NAME_VALUE_SEPARATOR,
+    PROPERTY_SEPARATOR,
+    PropertyName,
+    decode_properties,
+    encode_properties,
+    java_hashmap_order,
+    split_keys,
+)
+from .record import (
+    BLANK_MAGIC,
+    BLANK_RECORD_LEN,
+    MAGIC_V1,
+    MAGIC_V2,
+    RecordLayout,
+    blank_record,
+    decode_record,
+    encode_record,
+    read_layout,
+)
+
+__all__ = [
+    "BLANK_MAGIC",
+    "BLANK_RECORD_LEN",
+    "KEY_SEPARATOR",
+    "MAGIC_V1",
+    "MAGIC_V2",
+    "NAME_VALUE_SEPARATOR",
+    "PROPERTY_SEPARATOR",
+    "Host",
+    "PropertyName",
+    "RecordLayout",
+    "UniqKeyGenerator",
+    "blank_record",
+    "body_crc",
+    "create_offset_msg_id",
+    "decode_offset_msg_id",
+    "decode_properties",
+    "decode_record",
+    "decode_uniq_key",
+    "encode_properties",
+    "encode_record",
+    "index_key_hash",
+    "java_hashmap_order",
+    "java_string_hash",
+    "read_layout",
+    "split_keys",
+    "tags_hash_code",
+]

@@ -1,0 +1,118 @@
+"""Message ids: the offset msgId (store host + commit-log offset) and the client UNIQ_KEY.
+
+Offset msgId, 16 or 28 bytes as uppercase hex (32 or 56 chars)::
+
+    store host address (4 | 16)  port i32  commit-log offset i64
+
+UNIQ_KEY (``MessageClientIDSetter``), 16 or 28 bytes as uppercase hex::
+
+    client ip (4 | 16)  pid low 16 bits  class-loader hash i32  ms since month start i32  counter u16
+
+The time part counts from the 1st of the current month, 00:00 local time, so a decoder has to
+guess the month: the current one, or the previous one when that would put the id in the future.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import os
+import random
+import struct
+import threading
+import time
+from typing import NamedTuple
+
+from ..errors import InvalidMessageIdError
+from .hosts import Host
+
+_OFFSET = struct.Struct(">q")
+_UNIQ_TAIL = struct.Struct(">Hiih")  # pid, loader hash, time, counter (written as short)
+
+
+def create_offset_msg_id(store_host: Host | bytes, phy_offset: int) -> str:
+    """``MessageDecoder.createMessageId``."""
+    raw = store_host if isinstance(store_host, bytes | bytearray) else store_host.to_bytes()
+    return (bytes(raw) + _OFFSET.pack(phy_offset)).hex().upper()
+
+
+def decode_offset_msg_id(msg_id: str) -> tuple[Host, int]:
+    """The store host and commit-log offset of an offset msgId; raises ``InvalidMessageIdError``."""
+    text = msg_id.strip() if isinstance(msg_id, str) else ""
+    if len(text) not in (32, 56):
+        raise InvalidMessageIdError(f"a message id has 32 or 56 hex characters, not {len(text)}: {msg_id!r}")
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise InvalidMessageIdError(f"a message id is hexadecimal: {msg_id!r}") from None
+    host = Host.from_bytes(raw[:-8])
+    offset = _OFFSET.unpack_from(raw, len(raw) - 8)[0]
+    if offset < 0:
+        raise InvalidMessageIdError(f"message id {msg_id!r} holds a negative commit-log offset")
+    return host, offset
+
+
+class UniqKeyInfo(NamedTuple):
+    ip: str
+    pid: int
+    class_loader_hash: int
+    timestamp: int  # ms since the epoch, month guessed as described in the module docstring
+    counter: int
+
+
+def _month_start_ms(now_ms: int) -> tuple[int, int]:
+    """(start of this month, start of next month) in ms, local time zone."""
+    local = dt.datetime.fromtimestamp(now_ms / 1000).astimezone()
+    start = local.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    nxt = (start + dt.timedelta(days=32)).replace(day=1)
+    # replace() keeps the old UTC offset; re-localise so DST changes inside the month are honoured
+    start = start.replace(tzinfo=None).astimezone()
+    nxt = nxt.replace(tzinfo=None).astimezone()
+    return int(start.timestamp() * 1000), int(nxt.timestamp() * 1000)
+
+
+class UniqKeyGenerator:
+    """Generates UNIQ_KEYs in RocketMQ's layout, as the broker does for messages that carry none."""
+
+    def __init__(self, ip: str = "127.0.0.1", pid: int | None = None, class_loader_hash: int | None = None):
+        host = Host.parse((ip, 0))
+        self._prefix = host.to_bytes()[:-4]
+        self._pid = (os.getpid() if pid is None else pid) & 0xFFFF
+        if class_loader_hash is None:
+            class_loader_hash = random.getrandbits(32) - (1 << 31)
+        self._loader = class_loader_hash
+        self._counter = itertools.count(random.getrandbits(16))
+        self._lock = threading.Lock()
+        self._month = (0, 0)
+
+    def next(self, now_ms: int | None = None) -> str:
+        now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+        with self._lock:
+            start, nxt = self._month
+            if not start <= now < nxt:
+                self._month = start, nxt = _month_start_ms(now)
+            count = next(self._counter) & 0xFFFF
+        elapsed = now - start
+        counter = count - 0x10000 if count & 0x8000 else count
+        tail = _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, counter)
+        return (self._prefix + tail).hex().upper()
+
+
+def decode_uniq_key(uniq_key: str, now_ms: int | None = None) -> UniqKeyInfo:
+    """Split a UNIQ_KEY into its parts; raises ``InvalidMessageIdError``."""
+    text = uniq_key.strip() if isinstance(uniq_key, str) else ""
+    if len(text) not in (32, 56):
+        raise InvalidMessageIdError(f"a UNIQ_KEY has 32 or 56 hex characters, not {len(text)}: {uniq_key!r}")
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise InvalidMessageIdError(f"a UNIQ_KEY is hexadecimal: {uniq_key!r}") from None
+    ip = Host.from_bytes(raw[:-12] + b"\0\0\0\0").ip
+    pid, loader, elapsed, counter = _UNIQ_TAIL.unpack_from(raw, len(raw) - 12)
+    now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    start, _ = _month_start_ms(now)
+    stamp = start + elapsed
+    if stamp >= now:  # not earlier than now: it was made in the previous month
+        prev_start, _ = _month_start_ms(start - 1)
+        stamp = prev_start + elapsed
+    return UniqKeyInfo(ip, pid, loader, stamp, counter & 0xFFFF)

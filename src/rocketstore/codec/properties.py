@@ -1,0 +1,116 @@
+"""The properties string: ``name \\x01 value \\x02`` pairs, and the property names the store uses.
+
+Parsing follows ``MessageDecoder.string2messageProperties`` exactly (pieces without a name or a
+value are dropped, a repeated name keeps its last value), because real stores contain such
+pieces. Encoding is strict instead: a value that would not survive the round trip is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ..errors import InvalidPropertyError
+from .hashing import java_string_hash
+
+NAME_VALUE_SEPARATOR = "\x01"
+PROPERTY_SEPARATOR = "\x02"
+KEY_SEPARATOR = " "
+MAX_PROPERTIES_LENGTH = 32767  # PROPLEN is an i16
+
+
+class PropertyName:
+    """RocketMQ's ``MessageConst`` property names."""
+
+    KEYS = "KEYS"
+    TAGS = "TAGS"
+    UNIQ_KEY = "UNIQ_KEY"
+    WAIT = "WAIT"
+    DELAY = "DELAY"
+    DUP_INFO = "DUP_INFO"
+    INNER_NUM = "INNER_NUM"
+    INNER_BASE = "INNER_BASE"
+    CRC32 = "__CRC32#"
+    REAL_TOPIC = "REAL_TOPIC"
+    REAL_QUEUE_ID = "REAL_QID"
+    TRANSACTION_PREPARED = "TRAN_MSG"
+    PRODUCER_GROUP = "PGROUP"
+    RETRY_TOPIC = "RETRY_TOPIC"
+    CLUSTER = "CLUSTER"
+    INNER_MULTI_DISPATCH = "INNER_MULTI_DISPATCH"
+    MSG_REGION = "MSG_REGION"
+    TRACE_SWITCH = "TRACE_ON"
+    MAX_RECONSUME_TIMES = "MAX_RECONSUME_TIMES"
+    ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
+    SHARDING_KEY = "__SHARDINGKEY"
+    TIMER_DELIVER_MS = "TIMER_DELIVER_MS"
+    TIMER_DELAY_SEC = "TIMER_DELAY_SEC"
+    TIMER_DELAY_MS = "TIMER_DELAY_MS"
+
+
+def decode_properties(text: str) -> dict[str, str]:
+    """Parse a properties string the way RocketMQ does (lenient; never raises)."""
+    result: dict[str, str] = {}
+    length = len(text)
+    index = 0
+    while index < length:
+        end = text.find(PROPERTY_SEPARATOR, index)
+        if end < 0:
+            end = length
+        if end - index >= 3:
+            sep = text.find(NAME_VALUE_SEPARATOR, index)
+            if index < sep < end - 1:
+                result[text[index:sep]] = text[sep + 1 : end]
+        index = end + 1
+    return result
+
+
+def check_property(name: str, value: str) -> None:
+    """Raise unless ``name=value`` survives encoding and decoding unchanged."""
+    if not isinstance(name, str) or not isinstance(value, str):
+        raise InvalidPropertyError(f"property names and values must be str, got {name!r}={value!r}")
+    if not name or not value:
+        raise InvalidPropertyError(f"property {name!r} has an empty name or value (RocketMQ drops those)")
+    for sep in (NAME_VALUE_SEPARATOR, PROPERTY_SEPARATOR):
+        if sep in name or sep in value:
+            raise InvalidPropertyError(f"property {name!r} contains a separator character (\\x01 or \\x02)")
+
+
+def encode_properties(properties: Mapping[str, str], *, java_order: bool = True) -> str:
+    """Serialise properties, in the broker's HashMap order when ``java_order`` (see ``java_hashmap_order``)."""
+    names: Iterable[str] = java_hashmap_order(properties) if java_order else properties
+    parts = []
+    for name in names:
+        value = properties[name]
+        check_property(name, value)
+        parts.append(f"{name}{NAME_VALUE_SEPARATOR}{value}{PROPERTY_SEPARATOR}")
+    return "".join(parts)
+
+
+def java_hashmap_order(names: Iterable[str], initial_capacity: int = 128) -> list[str]:
+    """The iteration order of a ``java.util.HashMap`` filled with ``names`` in order.
+
+    The broker (``SendMessageProcessor``) rebuilds every properties string from a HashMap of
+    initial capacity 128, so a record is byte-identical to a broker's only in this order:
+    ascending bucket ``(h ^ h >>> 16) & (capacity - 1)``, insertion order within a bucket, with
+    the capacity doubled whenever the map grows past 3/4 of it. (Buckets of 8 or more names turn
+    into trees whose order differs; no real message has that many colliding property names.)
+    """
+    ordered = list(dict.fromkeys(names))
+    capacity = 1
+    while capacity < initial_capacity:
+        capacity <<= 1
+    while len(ordered) > capacity * 3 // 4:
+        capacity <<= 1
+
+    def bucket(name: str) -> int:
+        h = java_string_hash(name) & 0xFFFFFFFF
+        return (h ^ (h >> 16)) & (capacity - 1)
+
+    return sorted(ordered, key=bucket)  # sorted() is stable: insertion order within a bucket
+
+
+def split_keys(keys: str | None) -> list[str]:
+    """The non-empty tokens of a KEYS value, in order (RocketMQ indexes each one)."""
+    if not keys:
+        return []
+    return [k for k in keys.split(KEY_SEPARATOR) if k]

@@ -1,0 +1,329 @@
+"""The commit-log record: the one encoder and decoder used by the store, the CLI and Spark.
+
+Layout (big-endian; each IPv6 host adds 12 bytes to every later position)::
+
+    0  TOTALSIZE i32        4  MAGICCODE i32       8  BODYCRC i32        12 QUEUEID i32
+    16 FLAG i32             20 QUEUEOFFSET i64     28 PHYSICALOFFSET i64 36 SYSFLAG i32
+    40 BORNTIMESTAMP i64    48 BORNHOST 8|20       56 STORETIMESTAMP i64 64 STOREHOST 8|20
+    72 RECONSUMETIMES i32   76 PREPARED_TX i64     84 BODYLEN i32        88 BODY
+       TOPICLEN i8 (V1) | i16 (V2), TOPIC utf-8, PROPLEN i16, PROPERTIES utf-8
+
+A segment ends with an 8-byte BLANK record ``[i32 bytes left in the file][i32 0xCBD43194]``.
+Validation mirrors ``CommitLog.checkMessageAndReturnSize`` but reports *why* a record is bad,
+and never trusts a length field: every one is bounded by the bytes actually present.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+from ..errors import (
+    BadMagicError,
+    ChecksumError,
+    CorruptDataError,
+    TruncatedRecordError,
+    UnsupportedFormatError,
+)
+from ..message import MessageExt, SysFlag
+from .hashing import body_crc
+from .hosts import Host
+from .properties import PropertyName, decode_properties
+
+MAGIC_V1: Final = -626843481  # 0xDAA320A7
+MAGIC_V2: Final = -626843477  # 0xDAA320AB
+BLANK_MAGIC: Final = -875286124  # 0xCBD43194
+BLANK_RECORD_LEN: Final = 8  # END_FILE_MIN_BLANK_LENGTH
+FIXED_PART_LEN: Final = 88  # everything but body, topic and properties, with IPv4 hosts
+V6_EXTRA_LEN: Final = 12
+MIN_RECORD_LEN: Final = FIXED_PART_LEN + 1 + 2
+CRC32_RESERVED_LEN: Final = 20  # __CRC32# \x01 10 digits \x02
+MAX_TOPIC_LEN_V1: Final = 127
+MAX_PROPERTIES_LEN: Final = 32767
+
+QUEUE_OFFSET_POS: Final = 20
+PHY_OFFSET_POS: Final = 28
+SYSFLAG_POS: Final = 36
+BORN_HOST_POS: Final = 48
+
+HEAD_FMT: Final = ">iiiiiqqiq"  # size, magic, body crc, queue id, flag, queue offset, phy offset, sysflag, born ts
+_HEAD = struct.Struct(HEAD_FMT)
+_TAIL = struct.Struct(">iqi")  # reconsume times, prepared tx offset, body length
+_I64 = struct.Struct(">q")
+_I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
+_SIZE_MAGIC = struct.Struct(">ii")
+assert _HEAD.size == 48 and _TAIL.size == 16
+
+_CRC_PREFIX = f"{PropertyName.CRC32}\x01".encode()
+
+
+def host_lengths(sys_flag: int) -> tuple[int, int]:
+    """(born host length, store host length) for a sysflag."""
+    return (20 if sys_flag & SysFlag.BORNHOST_V6 else 8), (20 if sys_flag & SysFlag.STOREHOST_V6 else 8)
+
+
+def store_timestamp_pos(sys_flag: int) -> int:
+    return BORN_HOST_POS + host_lengths(sys_flag)[0]
+
+
+def record_length(body_len: int, topic_len: int, props_len: int, sys_flag: int, version: int) -> int:
+    """``calMsgLength``: the TOTALSIZE a record with these parts must have."""
+    born, store = host_lengths(sys_flag)
+    return FIXED_PART_LEN + (born - 8) + (store - 8) + body_len + (2 if version == MAGIC_V2 else 1) \
+        + topic_len + 2 + props_len
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+def encode_record(
+    *,
+    topic: bytes,
+    body: bytes,
+    properties: bytes,
+    queue_id: int,
+    flag: int,
+    sys_flag: int,
+    born_timestamp: int,
+    born_host: bytes,
+    store_host: bytes,
+    reconsume_times: int = 0,
+    prepared_transaction_offset: int = 0,
+    queue_offset: int = 0,
+    phy_offset: int = 0,
+    store_timestamp: int = 0,
+    version: int = MAGIC_V1,
+    crc: int | None = None,
+) -> bytearray:
+    """Build one record. Hosts are raw (address + port); the sysflag's V6 bits must match them.
+
+    Field ranges are the caller's responsibility (``struct.error`` otherwise); the store checks
+    every user-supplied value before it gets here.
+    """
+    size = record_length(len(body), len(topic), len(properties), sys_flag, version)
+    out = bytearray(size)
+    _HEAD.pack_into(out, 0, size, version, body_crc(body) if crc is None else crc, queue_id, flag,
+                    queue_offset, phy_offset, sys_flag, born_timestamp)
+    pos = BORN_HOST_POS
+    out[pos : pos + len(born_host)] = born_host
+    pos += len(born_host)
+    _I64.pack_into(out, pos, store_timestamp)
+    pos += 8
+    out[pos : pos + len(store_host)] = store_host
+    pos += len(store_host)
+    _TAIL.pack_into(out, pos, reconsume_times, prepared_transaction_offset, len(body))
+    pos += 16
+    out[pos : pos + len(body)] = body
+    pos += len(body)
+    if version == MAGIC_V2:
+        _I16.pack_into(out, pos, len(topic))
+        pos += 2
+    else:
+        out[pos] = len(topic)
+        pos += 1
+    out[pos : pos + len(topic)] = topic
+    pos += len(topic)
+    _I16.pack_into(out, pos, len(properties))
+    pos += 2
+    out[pos : pos + len(properties)] = properties
+    return out
+
+
+def blank_record(remaining: int) -> bytes:
+    """The end-of-file record for a segment with ``remaining`` bytes left."""
+    return _SIZE_MAGIC.pack(remaining, BLANK_MAGIC)
+
+
+def fill_in_place(buf: bytearray | memoryview, pos: int, *, queue_offset: int, phy_offset: int,
+                  store_timestamp: int, sys_flag: int) -> None:
+    """Write the three fields only known under the put lock (``MessageExtEncoder`` leaves them 0)."""
+    _I64.pack_into(buf, pos + QUEUE_OFFSET_POS, queue_offset)
+    _I64.pack_into(buf, pos + PHY_OFFSET_POS, phy_offset)
+    _I64.pack_into(buf, pos + store_timestamp_pos(sys_flag), store_timestamp)
+
+
+def property_crc_suffix(crc: int) -> bytes:
+    """``__CRC32#\\x01`` + the 10 decimal digits of ``crc`` least-significant first + ``\\x02``."""
+    return _CRC_PREFIX + f"{crc:010d}"[::-1].encode() + b"\x02"
+
+
+def seal_property_crc(buf: bytearray | memoryview, pos: int, size: int) -> None:
+    """Fill the 20 reserved bytes at the record's end with the CRC of everything before them."""
+    start = pos + size - CRC32_RESERVED_LEN
+    crc = zlib.crc32(buf[pos:start]) & 0x7FFFFFFF
+    buf[start : pos + size] = property_crc_suffix(crc)
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RecordLayout:
+    """Where the variable parts of a validated record are (absolute positions in its buffer)."""
+
+    size: int
+    magic: int
+    sys_flag: int
+    body_pos: int
+    body_len: int
+    topic_pos: int
+    topic_len: int
+    props_pos: int
+    props_len: int
+
+
+def read_layout(buf, pos: int, limit: int | None = None, *, check_crc: bool = False,
+                verify_prop_crc: bool = False, path: str | None = None, base: int = 0) -> RecordLayout | None:
+    """Validate the record at ``buf[pos]`` and return its layout, or ``None`` for a BLANK record.
+
+    ``limit`` is where the readable bytes end (default: the buffer end). ``path`` and ``base``
+    (the buffer's offset in the commit log) only make error messages point at the right place.
+    Raises ``BadMagicError``, ``TruncatedRecordError`` or ``ChecksumError``.
+    """
+    end = len(buf) if limit is None else limit
+    where = base + pos
+    if end - pos < 8:
+        raise TruncatedRecordError(f"only {max(end - pos, 0)} bytes left, no record header", path, where)
+    size, magic = _SIZE_MAGIC.unpack_from(buf, pos)
+    if magic == BLANK_MAGIC:
+        if size < BLANK_RECORD_LEN or size != end - pos:
+            raise TruncatedRecordError(f"blank record claims {size} bytes but {end - pos} remain", path, where)
+        return None
+    if magic not in (MAGIC_V1, MAGIC_V2):
+        if size == 0 and magic == 0:
+            raise TruncatedRecordError("no record here (zero bytes)", path, where)
+        raise BadMagicError(f"bad magic code 0x{magic & 0xFFFFFFFF:08X}", path, where)
+    if size < MIN_RECORD_LEN or size > end - pos:
+        raise TruncatedRecordError(f"record size {size} does not fit the {end - pos} bytes left", path, where)
+    stop = pos + size
+    sys_flag = _I32.unpack_from(buf, pos + SYSFLAG_POS)[0]
+    born_len, store_len = host_lengths(sys_flag)
+    body_len_pos = pos + FIXED_PART_LEN - 4 + (born_len - 8) + (store_len - 8)
+    if body_len_pos + 4 > stop:
+        raise TruncatedRecordError("record too short for its hosts", path, where)
+    body_len = _I32.unpack_from(buf, body_len_pos)[0]
+    body_pos = body_len_pos + 4
+    if body_len < 0 or body_pos + body_len > stop:
+        raise TruncatedRecordError(f"body length {body_len} runs past the record end", path, where)
+    topic_len_pos = body_pos + body_len
+    if magic == MAGIC_V2:
+        if topic_len_pos + 2 > stop:
+            raise TruncatedRecordError("record ends inside the topic length", path, where)
+        topic_len = _I16.unpack_from(buf, topic_len_pos)[0]
+        topic_pos = topic_len_pos + 2
+    else:
+        if topic_len_pos + 1 > stop:
+            raise TruncatedRecordError("record ends inside the topic length", path, where)
+        topic_len = buf[topic_len_pos]
+        topic_len = topic_len - 256 if topic_len > 127 else topic_len  # Java reads a signed byte
+        topic_pos = topic_len_pos + 1
+    if topic_len < 0 or topic_pos + topic_len + 2 > stop:
+        raise TruncatedRecordError(f"topic length {topic_len} runs past the record end", path, where)
+    props_len_pos = topic_pos + topic_len
+    props_len = _I16.unpack_from(buf, props_len_pos)[0]
+    props_pos = props_len_pos + 2
+    if props_len < 0 or props_pos + props_len != stop:
+        raise TruncatedRecordError(
+            f"record size {size} disagrees with its parts (body {body_len}, topic {topic_len}, "
+            f"properties {props_len})", path, where)
+    if check_crc:
+        if verify_prop_crc:
+            _verify_property_crc(buf, pos, size, props_len, path, where)
+        elif body_len > 0:
+            stored = _I32.unpack_from(buf, pos + 8)[0]
+            actual = zlib.crc32(buf[body_pos : body_pos + body_len]) & 0x7FFFFFFF
+            if actual != stored:
+                raise ChecksumError(f"body CRC {actual} does not match the stored {stored}", path, where)
+    return RecordLayout(size, magic, sys_flag, body_pos, body_len, topic_pos, topic_len, props_pos, props_len)
+
+
+def _verify_property_crc(buf, pos: int, size: int, props_len: int, path: str | None, where: int) -> None:
+    if props_len < CRC32_RESERVED_LEN:
+        raise ChecksumError("record has no __CRC32# property", path, where)
+    start = pos + size - CRC32_RESERVED_LEN
+    suffix = bytes(buf[start : pos + size])
+    digits = suffix[len(_CRC_PREFIX) : -1]
+    if not suffix.startswith(_CRC_PREFIX) or not digits.isdigit() or suffix[-1:] != b"\x02":
+        raise ChecksumError("record has no __CRC32# property", path, where)
+    stored = int(digits[::-1])
+    actual = zlib.crc32(buf[pos:start]) & 0x7FFFFFFF
+    if stored != actual:
+        raise ChecksumError(f"record CRC {actual} does not match __CRC32# {stored}", path, where)
+
+
+def decode_record(buf, pos: int = 0, limit: int | None = None, *, check_crc: bool = False,
+                  verify_prop_crc: bool = False, read_body: bool = True, decompress: bool = False,
+                  max_body_size: int = 64 << 20, path: str | None = None, base: int = 0) -> MessageExt | None:
+    """Decode the record at ``buf[pos]`` (``MessageDecoder.decode``); ``None`` for a BLANK record.
+
+    With ``decompress`` a compressed body is inflated and the COMPRESSED bit cleared, as
+    RocketMQ's consumer does; the stored ``body_crc`` is kept. ``max_body_size`` bounds the
+    inflated size, so a hostile record cannot exhaust memory.
+    """
+    layout = read_layout(buf, pos, limit, check_crc=check_crc, verify_prop_crc=verify_prop_crc,
+                         path=path, base=base)
+    if layout is None:
+        return None
+    return message_from_layout(buf, pos, layout, read_body=read_body, decompress=decompress,
+                               max_body_size=max_body_size, path=path, base=base)
+
+
+def message_from_layout(buf, pos: int, layout: RecordLayout, *, read_body: bool = True,
+                        decompress: bool = False, max_body_size: int = 64 << 20,
+                        path: str | None = None, base: int = 0) -> MessageExt:
+    (size, _magic, crc, queue_id, flag, queue_offset, phy_offset, sys_flag, born_ts) = _HEAD.unpack_from(buf, pos)
+    born_len, store_len = host_lengths(sys_flag)
+    born_host = Host.from_bytes(buf[pos + BORN_HOST_POS : pos + BORN_HOST_POS + born_len])
+    p = pos + BORN_HOST_POS + born_len
+    store_ts = _I64.unpack_from(buf, p)[0]
+    store_host_raw = bytes(buf[p + 8 : p + 8 + store_len])
+    p += 8 + store_len
+    reconsume, prepared, _body_len = _TAIL.unpack_from(buf, p)
+    body = bytes(buf[layout.body_pos : layout.body_pos + layout.body_len]) if read_body else b""
+    if read_body and decompress and sys_flag & SysFlag.COMPRESSED:
+        body = decompress_body(body, sys_flag, max_body_size, path, base + pos)
+        sys_flag &= ~SysFlag.COMPRESSED
+    topic = bytes(buf[layout.topic_pos : layout.topic_pos + layout.topic_len]).decode("utf-8", "replace")
+    props = bytes(buf[layout.props_pos : layout.props_pos + layout.props_len]).decode("utf-8", "replace")
+    msg_id = (store_host_raw + bytes(buf[pos + PHY_OFFSET_POS : pos + PHY_OFFSET_POS + 8])).hex().upper()
+    return MessageExt(
+        topic=topic, body=body, queue_id=queue_id, flag=flag, queue_offset=queue_offset,
+        commit_log_offset=phy_offset, sys_flag=sys_flag, born_timestamp=born_ts, born_host=born_host,
+        store_timestamp=store_ts, store_host=Host.from_bytes(store_host_raw), reconsume_times=reconsume,
+        prepared_transaction_offset=prepared, body_crc=crc, properties=decode_properties(props),
+        store_size=size, msg_id=msg_id, magic_code=layout.magic,
+    )
+
+
+def decompress_body(body: bytes, sys_flag: int, max_size: int, path: str | None = None,
+                    offset: int | None = None) -> bytes:
+    """Inflate a body by the sysflag's compression type (0 and 3: zlib, 1: LZ4 frame, 2: zstd)."""
+    kind = (sys_flag & SysFlag.COMPRESSION_TYPE_MASK) >> 8
+    try:
+        if kind in (0, 3):
+            inflater = zlib.decompressobj()
+            out = inflater.decompress(body, max_size + 1)
+        elif kind == 1:
+            try:
+                import lz4.frame  # type: ignore[import-not-found]
+            except ImportError:
+                raise UnsupportedFormatError("LZ4 body: install rocketstore[compression]", path, offset) from None
+            out = lz4.frame.decompress(body)
+        elif kind == 2:
+            try:
+                import zstandard  # type: ignore[import-not-found]
+            except ImportError:
+                raise UnsupportedFormatError("zstd body: install rocketstore[compression]", path, offset) from None
+            out = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_size + 1)
+        else:
+            raise UnsupportedFormatError(f"unknown compression type {kind}", path, offset)
+    except (zlib.error, RuntimeError, ValueError) as exc:
+        raise CorruptDataError(f"compressed body does not inflate: {exc}", path, offset) from None
+    except Exception as exc:  # lz4/zstandard raise their own error classes
+        if isinstance(exc, CorruptDataError):
+            raise
+        raise CorruptDataError(f"compressed body does not inflate: {exc}", path, offset) from None
+    if len(out) > max_size:
+        raise CorruptDataError(f"compressed body inflates beyond {max_size} bytes", path, offset)
+    return out

@@ -1,0 +1,221 @@
+"""The commit log: every message of every topic, appended to one run of segments.
+
+Appends happen under one put lock, which assigns the physical offset, the per topic-queue
+queue offset and the store timestamp together, so queue offsets grow with physical offsets.
+A write is made crash-atomic by ordering: all bytes of a record (or a whole batch) except the
+first 8 are copied first, then the first record's size and magic. The space past the write
+position is always zero (segments are created zeroed and recovery zeroes torn tails), so a
+process killed at any instant leaves either the complete append or nothing that decodes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .codec.record import (
+    BLANK_RECORD_LEN,
+    RecordLayout,
+    blank_record,
+    fill_in_place,
+    message_from_layout,
+    read_layout,
+    seal_property_crc,
+)
+from .config import StoreConfig
+from .encoder import PendingRecord
+from .errors import MessageNotFoundError, MessageTooLargeError, OffsetOutOfRangeError
+from .mapped.file import MappedFile
+from .mapped.file_queue import MappedFileQueue
+from .message import MessageExt
+
+COMMITLOG_DIR = "commitlog"
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """Where one record went (``AppendMessageResult``)."""
+
+    phy_offset: int
+    queue_offset: int
+    store_timestamp: int
+    size: int
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class CommitLog:
+    """Append, read and scan the commit log of one store."""
+
+    def __init__(self, root: Path, config: StoreConfig, *, read_only: bool = False) -> None:
+        self.config = config
+        self.read_only = read_only
+        self.directory = root / COMMITLOG_DIR
+        self.mapped_files = MappedFileQueue(self.directory, config.mapped_file_size_commit_log,
+                                            read_only=read_only, preallocate=config.preallocate)
+        self.put_lock = threading.Lock()
+        # next queue offset of each (topic, queue id); rebuilt by recovery
+        self.queue_offsets: dict[tuple[str, int], int] = {}
+        self.last_store_timestamp = 0
+        self.last_append: tuple[int, int] = (0, 0)  # (end offset, store time) of the newest record
+        self._batch_limit = config.mapped_file_size_commit_log - BLANK_RECORD_LEN
+
+    def load(self) -> None:
+        self.mapped_files.load()
+
+    # --- offsets -----------------------------------------------------------------------------
+
+    @property
+    def min_offset(self) -> int:
+        return self.mapped_files.min_offset()
+
+    @property
+    def max_offset(self) -> int:
+        """The end of the readable log: every byte below it belongs to a complete record."""
+        return self.mapped_files.max_offset()
+
+    @property
+    def flushed_offset(self) -> int:
+        return self.mapped_files.flushed_where
+
+    def roll_next_file_offset(self, phy_offset: int) -> int:
+        size = self.config.mapped_file_size_commit_log
+        return phy_offset + size - phy_offset % size
+
+    # --- append ------------------------------------------------------------------------------
+
+    def append(self, records: list[PendingRecord]) -> list[AppendResult]:
+        """Append records contiguously in one segment (``putMessage`` / ``putMessages``)."""
+        total = sum(r.size for r in records)
+        if total > self._batch_limit:
+            raise MessageTooLargeError(
+                f"batch of {total} bytes does not fit one {self.config.mapped_file_size_commit_log}-byte segment")
+        seal = self.config.enabled_append_prop_crc
+        with self.put_lock:
+            store_ts = max(now_ms(), self.last_store_timestamp)  # never backwards: time lookups bisect
+            mapped = self.mapped_files.last_for_write()
+            if total + BLANK_RECORD_LEN > mapped.remaining:
+                mapped = self._roll(mapped)
+            pos = mapped.wrote_position
+            phy = mapped.file_from_offset + pos
+            assigned: dict[tuple[str, int], int] = {}
+            results = []
+            for rec in records:
+                queue_offset = 0
+                if rec.takes_queue_offset:
+                    key = (rec.topic, rec.queue_id)
+                    queue_offset = assigned.get(key, self.queue_offsets.get(key, 0))
+                    assigned[key] = queue_offset + 1
+                fill_in_place(rec.data, 0, queue_offset=queue_offset, phy_offset=phy, store_timestamp=store_ts,
+                              sys_flag=rec.sys_flag)
+                if seal:
+                    seal_property_crc(rec.data, 0, rec.size)
+                results.append(AppendResult(phy, queue_offset, store_ts, rec.size))
+                phy += rec.size
+            self._write_atomically(mapped, pos, records)
+            mapped.wrote_position = pos + total
+            self.queue_offsets.update(assigned)
+            self.last_store_timestamp = store_ts
+            self.last_append = (phy, store_ts)
+        return results
+
+    def _roll(self, mapped: MappedFile) -> MappedFile:
+        """Close ``mapped`` with a BLANK record and start the next segment.
+
+        The new segment is created first, so a failure (disk full) leaves the log unchanged.
+        """
+        nxt = self.mapped_files.create_file(mapped.file_end_offset)
+        pos = mapped.wrote_position
+        mapped.write(pos, blank_record(mapped.file_size - pos))
+        mapped.wrote_position = mapped.file_size
+        return nxt
+
+    @staticmethod
+    def _write_atomically(mapped: MappedFile, pos: int, records: list[PendingRecord]) -> None:
+        first = records[0].data
+        mapped.write(pos + 8, memoryview(first)[8:])
+        at = pos + len(first)
+        for rec in records[1:]:
+            mapped.write(at, rec.data)
+            at += rec.size
+        mapped.write(pos, memoryview(first)[:8])  # the commit point: size + magic of the first record
+
+    # --- read --------------------------------------------------------------------------------
+
+    def locate(self, phy_offset: int, *, check_crc: bool | None = None) -> tuple[MappedFile, int, RecordLayout]:
+        """Find and validate the record starting at ``phy_offset``.
+
+        Unlike RocketMQ, the offset must be a record start (its PHYSICALOFFSET field must agree),
+        so a wrong offset is an error rather than garbage. Raises ``OffsetOutOfRangeError``,
+        ``MessageNotFoundError`` or a ``CorruptDataError``.
+        """
+        if not isinstance(phy_offset, int) or isinstance(phy_offset, bool):
+            raise OffsetOutOfRangeError(f"commit-log offset must be an integer, not {phy_offset!r}")
+        low, high = self.min_offset, self.max_offset
+        if not low <= phy_offset < high:
+            raise OffsetOutOfRangeError(f"commit-log offset {phy_offset} is outside [{low}, {high})")
+        mapped = self.mapped_files.find(phy_offset)
+        if mapped is None:
+            raise OffsetOutOfRangeError(f"no segment holds commit-log offset {phy_offset}")
+        pos = phy_offset - mapped.file_from_offset
+        check = self.config.check_crc_on_read if check_crc is None else check_crc
+        layout = read_layout(mapped.buffer, pos, mapped.wrote_position, check_crc=check,
+                             verify_prop_crc=check and self.config.force_verify_prop_crc,
+                             path=str(mapped.path), base=mapped.file_from_offset)
+        if layout is None:
+            raise MessageNotFoundError(f"commit-log offset {phy_offset} is the end-of-segment blank record")
+        stored = int.from_bytes(mapped.buffer[pos + 28 : pos + 36], "big", signed=True)
+        if stored != phy_offset:
+            raise MessageNotFoundError(
+                f"commit-log offset {phy_offset} is not the start of a message (the record there says {stored})")
+        return mapped, pos, layout
+
+    def get_message(self, phy_offset: int, *, decompress: bool = False, read_body: bool = True) -> MessageExt:
+        mapped, pos, layout = self.locate(phy_offset)
+        return message_from_layout(mapped.buffer, pos, layout, read_body=read_body, decompress=decompress,
+                                   max_body_size=max(self.config.max_message_size, 64 << 20),
+                                   path=str(mapped.path), base=mapped.file_from_offset)
+
+    def get_record_bytes(self, phy_offset: int) -> bytes:
+        """The raw record (``selectOneMessageByOffset``)."""
+        mapped, pos, layout = self.locate(phy_offset)
+        return mapped.read(pos, layout.size)
+
+    def iter_messages(self, from_offset: int | None = None, to_offset: int | None = None, *,
+                      check_crc: bool | None = None, read_body: bool = True) -> Iterator[MessageExt]:
+        """Decode records in log order from ``from_offset`` (a record start) to ``to_offset``.
+
+        Raises ``CorruptDataError`` on a record that does not decode, instead of ending silently.
+        """
+        for mapped, pos, layout in self.iter_layouts(from_offset, to_offset, check_crc=check_crc):
+            yield message_from_layout(mapped.buffer, pos, layout, read_body=read_body,
+                                      path=str(mapped.path), base=mapped.file_from_offset)
+
+    def iter_layouts(self, from_offset: int | None = None, to_offset: int | None = None, *,
+                     check_crc: bool | None = None) -> Iterator[tuple[MappedFile, int, RecordLayout]]:
+        check = self.config.check_crc_on_read if check_crc is None else check_crc
+        end = self.max_offset if to_offset is None else min(to_offset, self.max_offset)
+        offset = self.min_offset if from_offset is None else max(from_offset, self.min_offset)
+        while offset < end:
+            mapped = self.mapped_files.find(offset)
+            if mapped is None:
+                return
+            pos = offset - mapped.file_from_offset
+            limit = mapped.wrote_position
+            buf = mapped.buffer
+            while pos < limit and mapped.file_from_offset + pos < end:
+                layout = read_layout(buf, pos, limit if limit < mapped.file_size else mapped.file_size,
+                                     check_crc=check, path=str(mapped.path), base=mapped.file_from_offset)
+                if layout is None:
+                    break
+                yield mapped, pos, layout
+                pos += layout.size
+            offset = mapped.file_end_offset
+
+    def close(self) -> None:
+        self.mapped_files.close()

@@ -1,0 +1,180 @@
+"""Store configuration: RocketMQ's ``MessageStoreConfig`` names in snake_case, with its defaults.
+
+Only settings that change what is written or how it is recovered live here; a value that must
+match the files on disk (segment sizes, index geometry) is checked again when a store opens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+class FlushDiskType(enum.StrEnum):
+    """``flushDiskType``: when a put is acknowledged."""
+
+    ASYNC_FLUSH = "ASYNC_FLUSH"  # in the page cache: survives a process crash, not a power loss
+    SYNC_FLUSH = "SYNC_FLUSH"  # on disk (msync) before the put returns
+
+
+DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+_DELAY_UNITS_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Settings of one store; the RocketMQ name of each is in its comment."""
+
+    # --- files
+    mapped_file_size_commit_log: int = GIB  # mappedFileSizeCommitLog
+    mapped_file_size_consume_queue: int = 300_000 * 20  # mappedFileSizeConsumeQueue
+    max_hash_slot_num: int = 5_000_000  # maxHashSlotNum
+    max_index_num: int = 5_000_000 * 4  # maxIndexNum
+    preallocate: bool = True  # rocketstore: reserve segment blocks up front, so a full disk fails
+    #                           the roll, not a later write into the mapping (SIGBUS)
+
+    # --- messages
+    max_message_size: int = 4 * MIB  # maxMessageSize (body; the record may add 64 KiB)
+    auto_message_version_on_topic_len: bool = True  # autoMessageVersionOnTopicLen
+    enabled_append_prop_crc: bool = False  # enabledAppendPropCRC
+    force_verify_prop_crc: bool = False  # forceVerifyPropCRC
+    message_delay_level: str = DEFAULT_DELAY_LEVELS  # messageDelayLevel
+    store_host: str = "127.0.0.1:10911"  # brokerIP1 + listenPort: goes into every offset msgId
+
+    # --- flush and durability
+    flush_disk_type: FlushDiskType = FlushDiskType.ASYNC_FLUSH  # flushDiskType
+    flush_interval_commit_log: int = 500  # flushIntervalCommitLog (ms)
+    flush_commit_log_least_pages: int = 4  # flushCommitLogLeastPages
+    flush_commit_log_thorough_interval: int = 10_000  # flushCommitLogThoroughInterval (ms)
+    sync_flush_timeout: int = 5_000  # syncFlushTimeout (ms)
+    flush_interval_consume_queue: int = 1_000  # flushIntervalConsumeQueue (ms)
+    flush_consume_queue_least_pages: int = 2  # flushConsumeQueueLeastPages
+    flush_consume_queue_thorough_interval: int = 60_000  # flushConsumeQueueThoroughInterval (ms)
+
+    # --- recovery and reads
+    check_crc_on_recover: bool = True  # checkCRCOnRecover
+    check_crc_on_read: bool = True  # rocketstore: never hand out a record whose body CRC fails
+    message_index_enable: bool = True  # messageIndexEnable
+    message_index_safe: bool = False  # messageIndexSafe
+    max_msgs_num_batch: int = 64  # maxMsgsNumBatch
+    default_query_max_num: int = 32  # defaultQueryMaxNum
+    recovery_salvage_max_bytes: int = 64 * MIB  # rocketstore: torn-tail bytes kept in recovery/
+
+    # --- retention
+    file_reserved_time: int = 72  # fileReservedTime (hours)
+    disk_max_used_space_ratio: int = 75  # diskMaxUsedSpaceRatio (%)
+
+    _delay_levels_ms: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.flush_disk_type, str):
+            try:
+                object.__setattr__(self, "flush_disk_type", FlushDiskType(self.flush_disk_type))
+            except ValueError:
+                raise ConfigError(
+                    f"flush_disk_type must be ASYNC_FLUSH or SYNC_FLUSH, not {self.flush_disk_type!r}"
+                ) from None
+        _check_range("mapped_file_size_commit_log", self.mapped_file_size_commit_log, 1024, (1 << 31) - 1)
+        _check_range("mapped_file_size_consume_queue", self.mapped_file_size_consume_queue, 20, (1 << 31) - 1)
+        if self.mapped_file_size_consume_queue % 20:
+            raise ConfigError("mapped_file_size_consume_queue must be a multiple of 20 (the unit size)")
+        _check_range("max_hash_slot_num", self.max_hash_slot_num, 1, 100_000_000)
+        _check_range("max_index_num", self.max_index_num, 2, 100_000_000)
+        _check_range("max_message_size", self.max_message_size, 1, (1 << 31) - 65_537)
+        _check_range("flush_interval_commit_log", self.flush_interval_commit_log, 1, 3_600_000)
+        _check_range("sync_flush_timeout", self.sync_flush_timeout, 1, 3_600_000)
+        _check_range("max_msgs_num_batch", self.max_msgs_num_batch, 1, 1_000_000)
+        _check_range("disk_max_used_space_ratio", self.disk_max_used_space_ratio, 10, 95)
+        _check_range("file_reserved_time", self.file_reserved_time, 0, 1_000_000)
+        parse_store_host(self.store_host)
+        object.__setattr__(self, "_delay_levels_ms", parse_delay_levels(self.message_delay_level))
+
+    @property
+    def delay_levels_ms(self) -> tuple[int, ...]:
+        """Delay of level i (1-based) in milliseconds at index i-1."""
+        return self._delay_levels_ms
+
+    def replace(self, **changes: object) -> StoreConfig:
+        """A copy with some settings changed (the config itself is immutable)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_broker_conf(cls, path: str | Path, **overrides: object) -> StoreConfig:
+        """Read the settings this class knows from a RocketMQ ``broker.conf`` (camelCase keys).
+
+        Unknown keys are ignored, as the broker ignores keys of other components.
+        """
+        known = {_camel(f.name): f for f in dataclasses.fields(cls) if f.init}
+        values: dict[str, object] = {}
+        for raw in Path(path).read_text(encoding="utf-8").splitlines():
+            line = raw.strip()
+            if not line or line.startswith(("#", "!")) or "=" not in line:
+                continue
+            key, value = (part.strip() for part in line.split("=", 1))
+            f = known.get(key)
+            if f is None:
+                continue
+            values[f.name] = _coerce(f, value)
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def _coerce(f: dataclasses.Field, value: str) -> object:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    if kind == "bool":
+        return value.lower() == "true"
+    if kind == "int":
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{_camel(f.name)} must be an integer, not {value!r}") from None
+    return value
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer in [{low}, {high}], not {value!r}")
+
+
+def parse_delay_levels(spec: str) -> tuple[int, ...]:
+    """``"1s 5s 1m"`` -> (1000, 5000, 60000), as RocketMQ parses ``messageDelayLevel``."""
+    levels = []
+    for token in spec.split():
+        match = re.fullmatch(r"(\d+)([smhd])", token)
+        if not match:
+            raise ConfigError(f"message_delay_level: cannot parse {token!r} (expected e.g. 10s, 5m, 2h)")
+        levels.append(int(match.group(1)) * _DELAY_UNITS_MS[match.group(2)])
+    if not levels:
+        raise ConfigError("message_delay_level must name at least one level")
+    return tuple(levels)
+
+
+def parse_store_host(text: str) -> tuple[str, int]:
+    """``"10.0.0.1:10911"`` or ``"[2001:db8::1]:10911"`` -> (ip, port), checked."""
+    import ipaddress
+
+    if text.startswith("["):
+        ip, _, port = text[1:].partition("]:")
+    else:
+        ip, _, port = text.rpartition(":")
+    try:
+        ipaddress.ip_address(ip)
+        port_number = int(port)
+    except ValueError:
+        raise ConfigError(f"store_host must look like 10.0.0.1:10911 or [::1]:10911, not {text!r}") from None
+    if not 0 <= port_number <= 0xFFFF:
+        raise ConfigError(f"store_host port out of range: {text!r}")
+    return ip, port_number

@@ -1,0 +1,108 @@
+"""The exception tree: every failure rocketstore reports is one of these.
+
+Bad input raises before anything is written, so catching a ``RocketStoreError`` from a put
+means the store is unchanged. Errors about stored data carry the file and the byte offset,
+because an operator has to be able to go and look.
+"""
+
+from __future__ import annotations
+
+
+class RocketStoreError(Exception):
+    """Base of all rocketstore errors."""
+
+
+class ConfigError(RocketStoreError, ValueError):
+    """A ``StoreConfig`` value is out of range or inconsistent with the files on disk."""
+
+
+class StoreLockedError(RocketStoreError):
+    """Another writer (a rocketstore process or a RocketMQ broker) holds the store's lock file."""
+
+
+class StoreClosedError(RocketStoreError):
+    """The store was used after ``close()``."""
+
+
+class ReadOnlyStoreError(RocketStoreError):
+    """A write was attempted on a store opened with ``read_only=True``."""
+
+
+class StoreIOError(RocketStoreError, OSError):
+    """The operating system refused an operation (disk full, permissions, read-only file system).
+
+    Raised after the store has put itself back into a consistent state: nothing partial is visible.
+    """
+
+
+# --- bad messages -----------------------------------------------------------------------------
+
+class MessageIllegalError(RocketStoreError, ValueError):
+    """A message RocketMQ would reject with MESSAGE_ILLEGAL; nothing was written."""
+
+
+class MessageTooLargeError(MessageIllegalError):
+    """The body or the whole record exceeds ``max_message_size`` or does not fit a segment."""
+
+
+class PropertiesTooLargeError(MessageIllegalError):
+    """The encoded properties exceed 32767 bytes (RocketMQ's PROPERTIES_SIZE_EXCEEDED)."""
+
+
+class InvalidTopicError(MessageIllegalError):
+    """The topic name is empty, too long, has characters RocketMQ forbids, or names a system topic."""
+
+
+class InvalidPropertyError(MessageIllegalError):
+    """A property name or value is empty or contains a separator (\\x01 or \\x02)."""
+
+
+class InvalidFlagError(MessageIllegalError):
+    """A flag, sysflag or numeric field does not fit its on-disk width or sets unknown bits."""
+
+
+# --- lookups ------------------------------------------------------------------------------------
+
+class MessageNotFoundError(RocketStoreError, LookupError):
+    """No message exists where one was asked for."""
+
+
+class OffsetOutOfRangeError(MessageNotFoundError):
+    """A commit-log offset lies outside the store's ``[min_phy_offset, max_phy_offset)``."""
+
+
+class InvalidMessageIdError(RocketStoreError, ValueError):
+    """A message id or UNIQ_KEY string is not of RocketMQ's form."""
+
+
+# --- damaged data -------------------------------------------------------------------------------
+
+class CorruptDataError(RocketStoreError):
+    """Stored bytes do not decode; ``path`` and ``offset`` say where, ``reason`` says what was found."""
+
+    def __init__(self, reason: str, path: str | None = None, offset: int | None = None) -> None:
+        self.reason = reason
+        self.path = path
+        self.offset = offset
+        where = ""
+        if path is not None:
+            where += f" in {path}"
+        if offset is not None:
+            where += f" at offset {offset}"
+        super().__init__(f"{reason}{where}")
+
+
+class BadMagicError(CorruptDataError):
+    """The record's magic code is none of V1, V2 or BLANK."""
+
+
+class ChecksumError(CorruptDataError):
+    """A body CRC or a record CRC (``__CRC32#``) does not match the stored bytes."""
+
+
+class TruncatedRecordError(CorruptDataError):
+    """A length field points past the end of the available bytes, or disagrees with the others."""
+
+
+class UnsupportedFormatError(CorruptDataError):
+    """Well-formed data this build cannot read (for example an LZ4 body without the lz4 package)."""

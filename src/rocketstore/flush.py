@@ -1,0 +1,109 @@
+"""Getting the commit log onto the disk: ASYNC_FLUSH and SYNC_FLUSH with group commit.
+
+ASYNC_FLUSH (``FlushRealTimeService``): a thread msyncs every ``flush_interval_commit_log`` ms
+when at least ``flush_commit_log_least_pages`` pages are dirty, and everything every
+``flush_commit_log_thorough_interval`` ms. A put returns once its bytes are in the page cache.
+
+SYNC_FLUSH (``GroupCommitService``): a put returns once its bytes are msynced. Instead of
+handing requests to a flush thread, the first waiting writer becomes the leader and flushes
+everything written so far; writers that arrive meanwhile wait and are covered by the next
+flush, so concurrent puts share one msync without a thread hand-off per put.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .checkpoint import StoreCheckpoint
+from .commitlog import CommitLog
+from .config import FlushDiskType, StoreConfig
+
+log = logging.getLogger(__name__)
+
+
+class CommitLogFlusher:
+    """Owns every msync of the commit log and the checkpoint's ``physicMsgTimestamp``."""
+
+    def __init__(self, commit_log: CommitLog, checkpoint: StoreCheckpoint, config: StoreConfig) -> None:
+        self.commit_log = commit_log
+        self.checkpoint = checkpoint
+        self.config = config
+        self.sync = config.flush_disk_type is FlushDiskType.SYNC_FLUSH
+        self._flush_lock = threading.Lock()  # one msync pass at a time
+        self._cond = threading.Condition()
+        self._leader_active = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.flush_count = 0
+        self.last_error: BaseException | None = None
+
+    # --- the one flush routine -----------------------------------------------------------------
+
+    def flush(self, least_pages: int = 0) -> int:
+        """msync what has been written; returns the flushed offset."""
+        end, store_ts = self.commit_log.last_append
+        with self._flush_lock:
+            flushed = self.commit_log.mapped_files.flush(least_pages)
+            self.flush_count += 1
+        if store_ts and flushed >= end:
+            self.checkpoint.physic_msg_timestamp = max(self.checkpoint.physic_msg_timestamp, store_ts)
+        return flushed
+
+    # --- SYNC_FLUSH --------------------------------------------------------------------------
+
+    def wait_flushed(self, offset: int, timeout_ms: int | None = None) -> bool:
+        """Block until the log is flushed up to ``offset``; False on timeout (FLUSH_DISK_TIMEOUT)."""
+        deadline = time.monotonic() + (self.config.sync_flush_timeout if timeout_ms is None else timeout_ms) / 1000
+        with self._cond:
+            while self.commit_log.flushed_offset < offset:
+                if not self._leader_active:
+                    self._leader_active = True
+                    self._cond.release()
+                    try:
+                        self.flush(0)
+                    finally:
+                        self._cond.acquire()
+                        self._leader_active = False
+                        self._cond.notify_all()
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    # --- background thread -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rocketstore-flush", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = self.config.flush_interval_commit_log / 1000
+        thorough_every = self.config.flush_commit_log_thorough_interval / 1000
+        checkpoint_every = self.config.flush_consume_queue_thorough_interval / 1000
+        last_thorough = last_checkpoint = time.monotonic()
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            try:
+                if not self.sync:
+                    thorough = now - last_thorough >= thorough_every
+                    self.flush(0 if thorough else self.config.flush_commit_log_least_pages)
+                    if thorough:
+                        last_thorough = now
+                if now - last_checkpoint >= checkpoint_every:
+                    self.checkpoint.flush()
+                    last_checkpoint = now
+            except Exception as exc:  # keep flushing; the error is reported by the next put or close
+                self.last_error = exc
+                log.error("background flush failed: %s", exc)
+
+    def shutdown(self) -> None:
+        """Stop the thread and flush everything (clean shutdown)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.flush(0)

@@ -1,0 +1,132 @@
+"""The files that say a store is in use: ``lock`` (one writer) and ``abort`` (running, or crashed).
+
+``lock`` holds an exclusive POSIX record lock on byte 0, the lock a RocketMQ broker takes with
+``FileChannel.tryLock``, so rocketstore and a broker keep each other out. POSIX locks belong to
+the process and vanish when *any* descriptor of the file is closed, so a BSD ``flock`` is taken
+as well and an in-process registry refuses a second writer in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from .errors import StoreIOError, StoreLockedError
+
+LOCK_FILE = "lock"
+ABORT_FILE = "abort"
+
+_held: set[tuple[int, int]] = set()
+_held_guard = threading.Lock()
+
+
+class StoreLock:
+    """The writer's lock on a store root."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / LOCK_FILE
+        self._fd = -1
+        self._key: tuple[int, int] | None = None
+
+    def acquire(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot open {self.path}: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            with _held_guard:
+                if key in _held:
+                    raise StoreLockedError(f"{self.path.parent} is already open for writing in this process")
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+                except OSError as exc:
+                    if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        raise StoreLockedError(
+                            f"{self.path.parent} is locked by another writer (a rocketstore process or a "
+                            f"RocketMQ broker); open it with read_only=True to read it") from None
+                    raise
+                _held.add(key)
+            if st.st_size == 0:
+                os.pwrite(fd, b"lock", 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._key = fd, key
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        with _held_guard:
+            _held.discard(self._key)  # type: ignore[arg-type]
+        with contextlib.suppress(OSError):
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
+        os.close(self._fd)  # also drops the flock
+        self._fd = -1
+
+
+def is_locked(root: Path) -> bool:
+    """Whether some writer holds ``root/lock`` right now (probed with a shared flock, released at once)."""
+    path = root / LOCK_FILE
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    with _held_guard:
+        if (st.st_dev, st.st_ino) in _held:
+            # Never open the file here: closing any descriptor would drop this process's POSIX lock.
+            return True
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+class AbortFile:
+    """``abort`` exists from start-up to clean shutdown; finding it at open means the last run crashed."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / ABORT_FILE
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def create(self) -> None:
+        """Keep the old content as ``abort.bak`` and write this process's PID."""
+        try:
+            if self.path.exists():
+                shutil.copyfile(self.path, self.path.with_name(ABORT_FILE + ".bak"))
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                os.write(fd, str(os.getpid()).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(self.path.parent)
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot write {self.path}: {exc.strerror}") from exc
+
+    def delete(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        _fsync_dir(self.path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    from .mapped.file import fsync_dir
+
+    fsync_dir(directory)

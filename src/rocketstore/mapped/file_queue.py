@@ -1,0 +1,182 @@
+"""An ordered run of segments forming one log (RocketMQ's ``MappedFileQueue``).
+
+Used by the commit log and by each consume queue. Segment ``k`` starts where segment ``k-1``
+ends; offsets are global byte positions in the log.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import CorruptDataError, StoreIOError
+from .file import MappedFile, fsync_dir, parse_segment_name, segment_name
+
+
+class MappedFileQueue:
+    """The segments of one log directory, sorted by start offset."""
+
+    def __init__(self, directory: Path, mapped_file_size: int, *, read_only: bool = False,
+                 preallocate: bool = True) -> None:
+        self.directory = directory
+        self.mapped_file_size = mapped_file_size
+        self.read_only = read_only
+        self.preallocate = preallocate
+        self.files: list[MappedFile] = []
+        self._starts: list[int] = []
+        self.flushed_where = 0
+
+    def load(self) -> None:
+        """Map every segment. A zero-length *last* file (a crash during creation) is removed.
+
+        Any other size mismatch, a gap between segments or a foreign file name is corruption.
+        """
+        if not self.directory.is_dir():
+            return
+        names = []
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(".tmp") and not self.read_only:
+                os.unlink(entry.path)  # an allocation interrupted by a crash
+                continue
+            if parse_segment_name(entry.name) is None:
+                continue  # RocketMQ would choke on it; we leave foreign files alone
+            names.append(entry.name)
+        names.sort()
+        for i, name in enumerate(names):
+            path = self.directory / name
+            size = path.stat().st_size
+            if size == 0 and i == len(names) - 1:
+                if not self.read_only:
+                    path.unlink()
+                continue
+            if size != self.mapped_file_size:
+                raise CorruptDataError(
+                    f"segment is {size} bytes but the configured size is {self.mapped_file_size}", str(path))
+            mapped = MappedFile(path, self.mapped_file_size, read_only=self.read_only)
+            if self.files and mapped.file_from_offset != self.files[-1].file_end_offset:
+                mapped.close()
+                raise CorruptDataError(
+                    f"segment does not start where {self.files[-1].path.name} ends (a segment is missing)",
+                    str(path))
+            mapped.wrote_position = mapped.flushed_position = self.mapped_file_size
+            self.files.append(mapped)
+        self._starts = [f.file_from_offset for f in self.files]
+
+    # --- lookup ------------------------------------------------------------------------------
+
+    @property
+    def last(self) -> MappedFile | None:
+        return self.files[-1] if self.files else None
+
+    @property
+    def first(self) -> MappedFile | None:
+        return self.files[0] if self.files else None
+
+    def min_offset(self) -> int:
+        return self.files[0].file_from_offset if self.files else 0
+
+    def max_offset(self) -> int:
+        last = self.last
+        return last.file_from_offset + last.wrote_position if last else 0
+
+    def find(self, offset: int) -> MappedFile | None:
+        """The segment holding ``offset``, or None."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0:
+            return None
+        mapped = self.files[i]
+        return mapped if offset < mapped.file_end_offset else None
+
+    def index_of(self, mapped: MappedFile) -> int:
+        return bisect.bisect_left(self._starts, mapped.file_from_offset)
+
+    # --- growth ------------------------------------------------------------------------------
+
+    def create_file(self, start_offset: int) -> MappedFile:
+        """Append a new segment starting at ``start_offset`` (which must continue the log)."""
+        if self.read_only:
+            raise StoreIOError(30, f"cannot create a segment in read-only {self.directory}")
+        if start_offset % self.mapped_file_size:
+            raise CorruptDataError(f"segment start {start_offset} is not a multiple of the segment size",
+                                   str(self.directory))
+        if self.files and start_offset != self.files[-1].file_end_offset:
+            raise CorruptDataError(f"segment start {start_offset} does not continue the log", str(self.directory))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        mapped = MappedFile.create(self.directory / segment_name(start_offset), self.mapped_file_size,
+                                   preallocate=self.preallocate)
+        self.files.append(mapped)
+        self._starts.append(start_offset)
+        return mapped
+
+    def last_for_write(self, start_if_empty: int = 0) -> MappedFile:
+        """The segment to append to: the last one, or a new one if there is none or it is full."""
+        last = self.last
+        if last is None:
+            return self.create_file(start_if_empty - start_if_empty % self.mapped_file_size)
+        if last.is_full():
+            return self.create_file(last.file_end_offset)
+        return last
+
+    # --- durability --------------------------------------------------------------------------
+
+    def flush(self, least_pages: int = 0) -> int:
+        """Flush from ``flushed_where`` on; returns the new flushed offset."""
+        while True:
+            mapped = self.find(self.flushed_where)
+            if mapped is None:
+                return self.flushed_where
+            mapped.flush(least_pages)
+            self.flushed_where = mapped.file_from_offset + mapped.flushed_position
+            if mapped.flushed_position < mapped.file_size or mapped is self.last:
+                return self.flushed_where
+
+    # --- truncation and deletion -------------------------------------------------------------
+
+    def truncate_dirty_files(self, offset: int, discard: Callable[[MappedFile], None] | None = None) -> None:
+        """Make ``offset`` the end of the log: set positions there, drop every later segment.
+
+        ``discard`` decides what happens to a dropped segment (default: delete it).
+        """
+        keep: list[MappedFile] = []
+        for mapped in self.files:
+            if mapped.file_from_offset + mapped.file_size <= offset:
+                keep.append(mapped)
+            elif mapped.file_from_offset <= offset:
+                pos = offset - mapped.file_from_offset
+                mapped.wrote_position = mapped.flushed_position = pos
+                keep.append(mapped)
+            elif discard is None:
+                mapped.destroy()
+            else:
+                mapped.close()
+                discard(mapped)
+        if len(keep) != len(self.files):
+            self.files = keep
+            self._starts = [f.file_from_offset for f in keep]
+            fsync_dir(self.directory)
+        self.flushed_where = min(self.flushed_where, offset) if self.flushed_where else offset
+
+    def delete_first(self, count: int) -> list[MappedFile]:
+        """Remove the ``count`` oldest segments (retention); never the last one."""
+        count = min(count, len(self.files) - 1)
+        gone = self.files[:count]
+        for mapped in gone:
+            mapped.destroy()
+        self.files = self.files[count:]
+        self._starts = self._starts[count:]
+        if gone:
+            fsync_dir(self.directory)
+        return gone
+
+    def destroy(self) -> None:
+        for mapped in self.files:
+            mapped.destroy()
+        self.files = []
+        self._starts = []
+        self.flushed_where = 0
+
+    def close(self) -> None:
+        for mapped in self.files:
+            mapped.close()

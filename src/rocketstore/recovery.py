@@ -1,0 +1,253 @@
+"""Finding the end of the commit log again after a clean shutdown or a crash.
+
+The scan validates records (with CRCs) from a start segment chosen as RocketMQ does, stops at
+the first record that does not validate, and makes that point the end of the log. Unlike
+RocketMQ, the cut destroys nothing and leaves nothing behind:
+
+* the torn tail is zeroed, so it can never be decoded as a message later, after its bytes
+  have been copied to ``recovery/`` (up to ``recovery_salvage_max_bytes``);
+* segments past the cut are moved to ``recovery/`` instead of being deleted;
+* a damaged record in a segment the checkpoint vouches for does not cut the log there: those
+  segments are not re-validated (as in RocketMQ), only read for their headers.
+
+A read-only store recovers in memory only and never writes a byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import StoreCheckpoint
+from .codec.record import RecordLayout, read_layout
+from .commitlog import CommitLog
+from .errors import CorruptDataError
+from .mapped.file import MappedFile
+
+log = logging.getLogger(__name__)
+
+RECOVERY_DIR = "recovery"
+_ZERO_CHUNK = bytes(1 << 20)
+
+# Called for every valid record in log order: (segment, position in it, layout).
+RecordVisitor = Callable[[MappedFile, int, RecordLayout], None]
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    """What recovery found and did; kept on the store for operators and tests."""
+
+    abnormal: bool
+    start_offset: int = 0  # where CRC-checked scanning began
+    end_offset: int = 0  # the recovered end of the log
+    records_checked: int = 0
+    stop_reason: str | None = None  # the error that ended the scan, None at a clean end
+    cut_bytes: int = 0  # torn-tail bytes zeroed after the end
+    salvaged: list[str] = field(default_factory=list)  # files written or moved to recovery/
+    seconds: float = 0.0
+
+
+def choose_start_index(commit_log: CommitLog, checkpoint: StoreCheckpoint, *, abnormal: bool,
+                       dispatch_from: int = -1) -> int:
+    """The segment to start validating from (``recoverNormally`` / ``recoverAbnormally``).
+
+    Normal: the newest segment whose first record is valid and already dispatched
+    (``dispatch_from``), else the third-last (RocketMQ 5.0-5.3.1). Abnormal: the newest segment
+    whose first record is valid and stored before the checkpoint's safe time; else the first.
+    """
+    files = commit_log.mapped_files.files
+    if not files:
+        return 0
+    if not abnormal:
+        if dispatch_from >= 0:
+            for i in range(len(files) - 1, 0, -1):
+                first = _first_record(files[i], commit_log)
+                if first is not None and first[1] != 0 and first[0] <= dispatch_from:
+                    return i
+            return 0
+        return max(0, len(files) - 3)
+    if not checkpoint.trusted:
+        return 0
+    safe = checkpoint.min_timestamp
+    if commit_log.config.message_index_enable and commit_log.config.message_index_safe:
+        safe = checkpoint.min_timestamp_index
+    for i in range(len(files) - 1, -1, -1):
+        first = _first_record(files[i], commit_log)
+        if first is not None and first[1] != 0 and first[1] <= safe:
+            return i
+    return 0
+
+
+def _first_record(mapped: MappedFile, commit_log: CommitLog) -> tuple[int, int] | None:
+    """(PHYSICALOFFSET, STORETIMESTAMP) of a segment's first record if it validates, else None."""
+    try:
+        layout = read_layout(mapped.buffer, 0, mapped.file_size, check_crc=commit_log.config.check_crc_on_recover)
+    except CorruptDataError:
+        return None
+    if layout is None:
+        return None
+    buf = mapped.buffer
+    phy = int.from_bytes(buf[28:36], "big", signed=True)
+    ts_pos = 48 + (20 if layout.sys_flag & 0x10 else 8)
+    return phy, int.from_bytes(buf[ts_pos : ts_pos + 8], "big", signed=True)
+
+
+def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root: Path, *, abnormal: bool,
+                       visit: RecordVisitor | None = None, dispatch_from: int = -1,
+                       visit_from_index: int = 0) -> RecoveryReport:
+    """Validate the log, fix its end, and call ``visit`` for each record from segment ``visit_from_index``.
+
+    Segments before the start segment are only read (headers, no CRC) when ``visit`` needs them.
+    """
+    started = time.monotonic()
+    report = RecoveryReport(abnormal=abnormal)
+    files = commit_log.mapped_files.files
+    if not files:
+        report.seconds = time.monotonic() - started
+        return report
+    start = choose_start_index(commit_log, checkpoint, abnormal=abnormal, dispatch_from=dispatch_from)
+    report.start_offset = files[start].file_from_offset
+    if visit is not None:
+        for mapped in files[visit_from_index:start]:
+            _visit_trusted(mapped, visit)
+
+    check_crc = commit_log.config.check_crc_on_recover
+    verify_prop = check_crc and commit_log.config.force_verify_prop_crc
+    end_file, end_pos = files[start], 0
+    for i in range(start, len(files)):
+        mapped = files[i]
+        buf, size, pos = mapped.buffer, mapped.file_size, 0
+        end_file, end_pos = mapped, 0
+        blank = False
+        while True:
+            try:
+                layout = read_layout(buf, pos, size, check_crc=check_crc, verify_prop_crc=verify_prop,
+                                     path=str(mapped.path), base=mapped.file_from_offset)
+            except CorruptDataError as exc:
+                report.stop_reason = None if _is_zero_tail(buf, pos) else str(exc)
+                break
+            if layout is None:
+                blank = True
+                break
+            if visit is not None:
+                visit(mapped, pos, layout)
+            report.records_checked += 1
+            pos += layout.size
+            end_pos = pos
+        if not blank or i == len(files) - 1:
+            break  # stopped inside this segment, or it was the last one
+    report.end_offset = end_file.file_from_offset + end_pos
+    if commit_log.read_only:
+        _truncate_in_memory(commit_log, report.end_offset)
+    else:
+        _cut(commit_log, end_file, end_pos, root, report)
+    commit_log.mapped_files.flushed_where = report.end_offset
+    report.seconds = time.monotonic() - started
+    if report.stop_reason or report.cut_bytes or report.salvaged:
+        log.warning("recovery ended the commit log at %d: %s (zeroed %d bytes, kept %s)", report.end_offset,
+                    report.stop_reason or "torn tail", report.cut_bytes, report.salvaged)
+    return report
+
+
+def _visit_trusted(mapped: MappedFile, visit: RecordVisitor) -> None:
+    """Read a segment the checkpoint vouches for; damage ends this segment's reading, not the log."""
+    buf, size, pos = mapped.buffer, mapped.file_size, 0
+    while pos < size:
+        try:
+            layout = read_layout(buf, pos, size, path=str(mapped.path), base=mapped.file_from_offset)
+        except CorruptDataError as exc:
+            log.error("skipping the rest of trusted segment %s: %s", mapped.path.name, exc)
+            return
+        if layout is None:
+            return
+        visit(mapped, pos, layout)
+        pos += layout.size
+
+
+def _is_zero_tail(buf, pos: int) -> bool:
+    """Whether the scan simply reached the zeroes after the last record (a clean end)."""
+    return buf[pos : pos + 8] == b"\0" * 8 or len(buf) - pos < 8
+
+
+def _truncate_in_memory(commit_log: CommitLog, end: int) -> None:
+    commit_log.mapped_files.truncate_dirty_files(end, discard=lambda mapped: None)
+
+
+def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report: RecoveryReport) -> None:
+    """Zero the torn tail of ``mapped`` after ``pos`` (salvaging it) and move later segments away."""
+    tail_end = _last_nonzero_end(mapped, pos)
+    stamp = time.strftime("%Y%m%d%H%M%S")
+    if tail_end > pos:
+        salvage_dir = root / RECOVERY_DIR
+        salvage_dir.mkdir(exist_ok=True)
+        keep = min(tail_end - pos, commit_log.config.recovery_salvage_max_bytes)
+        target = salvage_dir / f"commitlog-{mapped.file_from_offset + pos:020d}-{stamp}.tail"
+        with open(target, "wb") as out:
+            out.write(mapped.buffer[pos : pos + keep])
+            out.flush()
+            os.fsync(out.fileno())
+        report.salvaged.append(str(target))
+        buf = mapped.buffer
+        for start in range(pos, tail_end, len(_ZERO_CHUNK)):
+            stop = min(start + len(_ZERO_CHUNK), tail_end)
+            buf[start:stop] = _ZERO_CHUNK[: stop - start]
+        buf.flush()
+        report.cut_bytes = tail_end - pos
+
+    def move_away(dropped: MappedFile) -> None:
+        salvage_dir = root / RECOVERY_DIR
+        salvage_dir.mkdir(exist_ok=True)
+        target = salvage_dir / f"commitlog-{dropped.path.name}-{stamp}.segment"
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(dropped.path, target)
+            report.salvaged.append(str(target))
+
+    commit_log.mapped_files.truncate_dirty_files(mapped.file_from_offset + pos, discard=move_away)
+
+
+def _last_nonzero_end(mapped: MappedFile, start: int) -> int:
+    """One past the last non-zero byte of ``mapped`` at or after ``start`` (``start`` if none).
+
+    Holes are skipped with SEEK_DATA/SEEK_HOLE where the file system supports them, so a mostly
+    empty pre-allocated segment is not read page by page.
+    """
+    buf, size = mapped.buffer, mapped.file_size
+    regions = _data_regions(mapped.path, start, size)
+    last = start
+    for region_start, region_end in regions:
+        for chunk_start in range(region_start, region_end, len(_ZERO_CHUNK)):
+            chunk_end = min(chunk_start + len(_ZERO_CHUNK), region_end)
+            chunk = buf[chunk_start:chunk_end]
+            if chunk != _ZERO_CHUNK[: len(chunk)]:
+                last = chunk_start + len(chunk.rstrip(b"\0"))
+    return last
+
+
+def _data_regions(path: Path, start: int, end: int) -> list[tuple[int, int]]:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return [(start, end)]
+    regions = []
+    try:
+        pos = start
+        while pos < end:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break  # ENXIO: no data after pos
+            if data >= end:
+                break
+            hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+            regions.append((max(data, start), hole))
+            pos = hole
+    except OSError:
+        return [(start, end)]
+    finally:
+        os.close(fd)
+    return regions
