@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .codec.record import (
     BLANK_RECORD_LEN,
+    PHY_OFFSET_POS,
     RecordLayout,
     blank_record,
     fill_in_place,
@@ -27,7 +28,7 @@ from .codec.record import (
 )
 from .config import StoreConfig
 from .encoder import PendingRecord
-from .errors import MessageNotFoundError, MessageTooLargeError, OffsetOutOfRangeError
+from .errors import CorruptDataError, MessageNotFoundError, MessageTooLargeError, OffsetOutOfRangeError
 from .mapped.file import MappedFile
 from .mapped.file_queue import MappedFileQueue
 from .message import MessageExt
@@ -164,16 +165,26 @@ class CommitLog:
             raise OffsetOutOfRangeError(f"no segment holds commit-log offset {phy_offset}")
         pos = phy_offset - mapped.file_from_offset
         check = self.config.check_crc_on_read if check_crc is None else check_crc
-        layout = read_layout(mapped.buffer, pos, mapped.wrote_position, check_crc=check,
-                             verify_prop_crc=check and self.config.force_verify_prop_crc,
-                             path=str(mapped.path), base=mapped.file_from_offset)
+        try:
+            layout = read_layout(mapped.buffer, pos, mapped.wrote_position, check_crc=check,
+                                 verify_prop_crc=check and self.config.force_verify_prop_crc,
+                                 path=str(mapped.path), base=mapped.file_from_offset)
+        except CorruptDataError:
+            if self._stored_phy_offset(mapped, pos) == phy_offset:
+                raise  # a record starts here and it is damaged
+            raise MessageNotFoundError(f"commit-log offset {phy_offset} is not the start of a message") from None
         if layout is None:
             raise MessageNotFoundError(f"commit-log offset {phy_offset} is the end-of-segment blank record")
-        stored = int.from_bytes(mapped.buffer[pos + 28 : pos + 36], "big", signed=True)
+        stored = self._stored_phy_offset(mapped, pos)
         if stored != phy_offset:
             raise MessageNotFoundError(
                 f"commit-log offset {phy_offset} is not the start of a message (the record there says {stored})")
         return mapped, pos, layout
+
+    @staticmethod
+    def _stored_phy_offset(mapped: MappedFile, pos: int) -> int | None:
+        raw = mapped.buffer[pos + PHY_OFFSET_POS : pos + PHY_OFFSET_POS + 8]
+        return int.from_bytes(raw, "big", signed=True) if len(raw) == 8 else None
 
     def get_message(self, phy_offset: int, *, decompress: bool = False, read_body: bool = True) -> MessageExt:
         mapped, pos, layout = self.locate(phy_offset)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import StoreCheckpoint
-from .codec.record import RecordLayout, read_layout
+from .codec.record import BLANK_RECORD_LEN, RecordLayout, read_layout
 from .commitlog import CommitLog
 from .errors import CorruptDataError
 from .mapped.file import MappedFile
@@ -145,7 +145,7 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
     if commit_log.read_only:
         _truncate_in_memory(commit_log, report.end_offset)
     else:
-        _cut(commit_log, end_file, end_pos, root, report)
+        _cut(commit_log, end_file, end_pos, root, report, at_blank=blank)
     commit_log.mapped_files.flushed_where = report.end_offset
     report.seconds = time.monotonic() - started
     if report.stop_reason or report.cut_bytes or report.salvaged:
@@ -178,9 +178,18 @@ def _truncate_in_memory(commit_log: CommitLog, end: int) -> None:
     commit_log.mapped_files.truncate_dirty_files(end, discard=lambda mapped: None)
 
 
-def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report: RecoveryReport) -> None:
-    """Zero the torn tail of ``mapped`` after ``pos`` (salvaging it) and move later segments away."""
-    tail_end = _last_nonzero_end(mapped, pos)
+def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report: RecoveryReport, *,
+         at_blank: bool = False) -> None:
+    """Zero the torn tail of ``mapped`` after ``pos`` (salvaging it) and move later segments away.
+
+    A BLANK record closing the last segment is not data: the log simply continues in its place,
+    as RocketMQ does, so it is zeroed without being salvaged.
+    """
+    tail_end = _last_nonzero_end(mapped, pos + BLANK_RECORD_LEN if at_blank else pos)
+    if at_blank and tail_end == pos + BLANK_RECORD_LEN:
+        mapped.buffer[pos:tail_end] = bytes(BLANK_RECORD_LEN)
+        mapped.buffer.flush()
+        tail_end = pos
     stamp = time.strftime("%Y%m%d%H%M%S")
     if tail_end > pos:
         salvage_dir = root / RECOVERY_DIR

@@ -1,0 +1,25 @@
+"""Shared fixtures: small-geometry store configs and the golden vectors directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rocketstore import StoreConfig
+
+VECTORS_DIR = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+
+
+@pytest.fixture
+def vectors() -> Path:
+    if not VECTORS_DIR.is_dir():
+        pytest.skip(f"golden vectors not found at {VECTORS_DIR}")
+    return VECTORS_DIR
+
+
+@pytest.fixture
+def small_config() -> StoreConfig:
+    """4 KiB commit-log segments: rolls happen after a handful of messages."""
+    return StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 50,
+                       max_hash_slot_num=97, max_index_num=500, flush_interval_commit_log=10)

@@ -1,0 +1,213 @@
+"""Recovery: torn tails, damaged records, checkpoint trust, odd segment files, real RocketMQ files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.checkpoint import StoreCheckpoint
+from rocketstore.codec import decode_record, read_layout
+from rocketstore.errors import ChecksumError, CorruptDataError, OffsetOutOfRangeError
+
+
+def fill(store: MessageStore, count: int, size: int = 60) -> list:
+    return [store.put_message(Message(f"T{i % 2}", bytes([65 + i % 26]) * size, keys=[f"k{i}"], queue_id=i % 3))
+            for i in range(count)]
+
+
+def segment_of(root: Path, phy: int, size: int = 4096) -> tuple[Path, int]:
+    return root / "commitlog" / f"{phy - phy % size:020d}", phy % size
+
+
+def body_pos(path: Path, pos: int) -> int:
+    return read_layout(path.read_bytes(), pos).body_pos
+
+
+def crash(root: Path) -> None:
+    """Make the next open see a crashed run (what SIGKILL leaves behind)."""
+    (root / "abort").write_text("999999")
+
+
+def test_torn_append_is_cut_salvaged_and_zeroed(tmp_path, small_config):
+    small_config = small_config.replace(mapped_file_size_commit_log=1 << 16)
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = fill(store, 20)
+        end = store.max_phy_offset
+        torn = bytes(store.commit_log.get_record_bytes(results[-1].commit_log_offset))
+    path, pos = segment_of(tmp_path, end, 1 << 16)
+    with open(path, "r+b") as f:  # a kill mid-append: everything but the first 8 bytes landed
+        f.seek(pos + 8)
+        f.write(torn[8:])
+    crash(tmp_path)
+    with MessageStore.open(tmp_path, small_config) as store:
+        report = store.recovery
+        assert report.abnormal and report.end_offset == end
+        assert report.cut_bytes == len(torn)  # from the end of the log to the last non-zero byte
+        salvage = [Path(p) for p in report.salvaged if p.endswith(".tail")]
+        assert salvage and salvage[0].read_bytes() == b"\0" * 8 + torn[8:]
+        assert path.read_bytes()[pos : pos + len(torn)] == bytes(len(torn)), "the torn bytes are zeroed"
+        for r in results:
+            assert store.look_message_by_offset(r.commit_log_offset).msg_id == r.msg_id
+        again = store.put_message(Message("T0", b"after the crash"))
+        assert again.commit_log_offset == end
+        assert again.queue_offset == sum(1 for i in range(20) if i % 2 == 0 and i % 3 == 0)
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert store.look_message_by_offset(end).body == b"after the crash"
+
+
+@pytest.mark.parametrize("abnormal", [True, False])
+def test_damaged_record_ends_the_log_and_later_segments_are_moved_aside(tmp_path, small_config, abnormal):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = fill(store, 120)
+    last_segment = sorted((tmp_path / "commitlog").iterdir())[-1]
+    start = int(last_segment.name)
+    victims = [r for r in results if start - 4096 <= r.commit_log_offset < start]  # second-last segment
+    victim = victims[len(victims) // 2]
+    path, pos = segment_of(tmp_path, victim.commit_log_offset)
+    with open(path, "r+b") as f:  # flip one body byte: the body CRC no longer matches
+        f.seek(body_pos(path, pos) + 10)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    if abnormal:
+        crash(tmp_path)
+    with MessageStore.open(tmp_path, small_config) as store:
+        report = store.recovery
+        assert report.end_offset == victim.commit_log_offset
+        assert "CRC" in report.stop_reason
+        kept = [r for r in results if r.commit_log_offset < victim.commit_log_offset]
+        for r in kept:
+            assert store.look_message_by_offset(r.commit_log_offset).msg_id == r.msg_id
+        assert sum(1 for _ in store.iter_messages()) == len(kept)
+        moved = [p for p in report.salvaged if p.endswith(".segment")]
+        assert moved and Path(moved[0]).stat().st_size == 4096
+        assert not last_segment.exists()
+        with pytest.raises(OffsetOutOfRangeError):  # the damaged record is no longer part of the log
+            store.look_message_by_offset(victim.commit_log_offset)
+
+
+def test_checksum_failure_on_read_is_reported_not_returned(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        r = fill(store, 3)[1]
+        path, pos = segment_of(tmp_path, r.commit_log_offset)
+        store.commit_log.mapped_files.find(r.commit_log_offset).buffer[body_pos(path, pos) + 5] ^= 0x01
+        with pytest.raises(ChecksumError) as info:
+            store.look_message_by_offset(r.commit_log_offset)
+        assert info.value.offset == r.commit_log_offset and info.value.path == str(path)
+
+
+def test_abnormal_recovery_starts_at_the_checkpoint_safe_segment(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        fill(store, 200)
+    checkpoint = StoreCheckpoint.load(tmp_path / "checkpoint")
+    checkpoint.physic_msg_timestamp += 10_000  # as if flushed 10 s after the last put
+    checkpoint.logics_msg_timestamp = checkpoint.physic_msg_timestamp
+    checkpoint.flush()
+    crash(tmp_path)
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert store.recovery.abnormal and store.recovery.start_offset > 0
+        assert sum(1 for _ in store.iter_messages()) == 200
+
+
+def test_damaged_checkpoint_is_not_trusted(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        fill(store, 200)
+    raw = bytearray((tmp_path / "checkpoint").read_bytes())
+    raw[3] ^= 0x40
+    (tmp_path / "checkpoint").write_bytes(bytes(raw))
+    crash(tmp_path)
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert not store.checkpoint.trusted
+        assert store.recovery.start_offset == 0
+        assert sum(1 for _ in store.iter_messages()) == 200
+
+
+def test_checkpoint_layout_matches_rocketmq(tmp_path):
+    """Spec E10: the five i64 fields at 0/8/16/24/32; RocketMQ ignores rocketstore's seal after them."""
+    cp = StoreCheckpoint(tmp_path / "checkpoint", physic_msg_timestamp=1700000000123,
+                         logics_msg_timestamp=1700000000100, index_msg_timestamp=1699999990000,
+                         confirm_phy_offset=128)
+    cp.flush()
+    data = (tmp_path / "checkpoint").read_bytes()
+    assert len(data) == 4096
+    assert data[:40].hex() == ("0000018bcfe5687b" "0000018bcfe56864" "0000018bcfe540f0" "0000000000000000"
+                               "0000000000000080")
+    assert data[40:44] == b"RSCK" and data[48:] == bytes(4048)
+    (tmp_path / "checkpoint").write_bytes(data[:40] + bytes(4056))  # as RocketMQ writes it: no seal
+    loaded = StoreCheckpoint.load(tmp_path / "checkpoint")
+    assert loaded.trusted and loaded.confirm_phy_offset == 128 and loaded.min_timestamp == 1700000000100 - 3000
+
+
+def test_zero_length_last_segment_is_dropped_and_stale_temp_files_removed(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        fill(store, 10)
+        end = store.max_phy_offset
+    (tmp_path / "commitlog" / f"{8192 * 4:020d}").write_bytes(b"")
+    (tmp_path / "commitlog" / "00000000000000040960.tmp").write_bytes(b"partial")
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert store.max_phy_offset == end
+    assert sorted(p.name for p in (tmp_path / "commitlog").iterdir())[-1].isdigit()
+    assert not list((tmp_path / "commitlog").glob("*.tmp"))
+
+
+def test_segment_of_wrong_size_or_missing_segment_refuses_to_open(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        fill(store, 100)
+    files = sorted((tmp_path / "commitlog").iterdir())
+    with pytest.raises(CorruptDataError, match="configured size"):
+        MessageStore.open(tmp_path, small_config.replace(mapped_file_size_commit_log=8192))
+    files[1].unlink()
+    with pytest.raises(CorruptDataError, match="missing"):
+        MessageStore.open(tmp_path, small_config)
+    assert not (tmp_path / "lock").exists() or MessageStore.open(tmp_path / "other", small_config).close() is None
+
+
+def copy_vector_store(vectors: Path, name: str, root: Path) -> Path:
+    (root / "commitlog").mkdir(parents=True)
+    shutil.copy(vectors / name / "00000000000000000000", root / "commitlog" / "00000000000000000000")
+    (root / "commitlog" / "00000000000000000000").chmod(0o644)
+    return root
+
+
+def test_store_rooted_on_rocketmq_commit_log_opens_and_reads(vectors, tmp_path):
+    root = copy_vector_store(vectors, "v4_commitlog", tmp_path / "store")
+    expected = [json.loads(line) for line in (vectors / "v4_commitlog" / "decode.jsonl").read_text().splitlines()]
+    config = StoreConfig(mapped_file_size_commit_log=8192)
+    for read_only in (True, False):
+        with MessageStore.open(root, config, read_only=read_only) as store:
+            got = list(store.iter_messages())
+            assert [m.commit_log_offset for m in got] == [e["pos"] for e in expected if "msgId" in e]
+            for e, m in zip(expected, got, strict=False):
+                assert (m.msg_id, m.topic, m.queue_offset, m.properties) == (e["msgId"], e["topic"], e["queueOffset"],
+                                                                             e["properties"])
+                assert store.look_message_by_offset(e["pos"]).store_timestamp == e["storeTimestamp"]
+            assert store.next_queue_offset("TopicTest", 0) == 2 and store.next_queue_offset("TopicTest", 3) == 18
+    with MessageStore.open(root, config) as store:  # as RocketMQ would: the last segment's BLANK is overwritten
+        assert store.recovery.salvaged == [] and store.recovery.stop_reason is None
+        r = store.put_message(Message("TopicTest", b"from rocketstore"))
+        assert r.commit_log_offset == 1650 and r.queue_offset == 2
+    with MessageStore.open(root, config, read_only=True) as store:
+        assert [m.body for m in store.iter_messages()][-1] == b"from rocketstore"
+
+
+def test_damaged_rocketmq_commit_log_recovers_the_valid_prefix(vectors, tmp_path):
+    root = copy_vector_store(vectors, "v6_commitlog_corrupt", tmp_path / "store")
+    original = (root / "commitlog" / "00000000000000000000").read_bytes()
+    config = StoreConfig(mapped_file_size_commit_log=8192)
+    with MessageStore.open(root, config, read_only=True) as store:
+        assert store.recovery.end_offset == 184 and "past the record end" in store.recovery.stop_reason
+        assert [m.commit_log_offset for m in store.iter_messages()] == [0]
+    assert (root / "commitlog" / "00000000000000000000").read_bytes() == original
+    crash(root)
+    with MessageStore.open(root, config) as store:
+        assert store.recovery.end_offset == 184
+        tail = Path(next(p for p in store.recovery.salvaged if p.endswith(".tail")))
+        assert original[184:].rstrip(b"\0") == tail.read_bytes()
+        r = store.put_message(Message("TopicTest", b"next"))
+        assert r.commit_log_offset == 184
+    data = (root / "commitlog" / "00000000000000000000").read_bytes()
+    assert decode_record(data, 184).body == b"next" and data[184 + r.store_size :] == bytes(8192 - 184 - r.store_size)

@@ -1,0 +1,326 @@
+"""MessageStore: puts, reads, segment rolls, batches, bad input, locking, read-only opens."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from rocketstore import FlushDiskType, Message, MessageStore, PutMessageStatus, StoreConfig, StoreNotFoundError
+from rocketstore.codec import BLANK_MAGIC, decode_offset_msg_id, read_layout
+from rocketstore.errors import (
+    InvalidFlagError,
+    InvalidPropertyError,
+    InvalidTopicError,
+    MessageIllegalError,
+    MessageNotFoundError,
+    MessageTooLargeError,
+    OffsetOutOfRangeError,
+    PropertiesTooLargeError,
+    ReadOnlyStoreError,
+    StoreClosedError,
+    StoreLockedError,
+)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under root (the lock file excluded: opening it would drop a POSIX lock)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+def put_many(store: MessageStore, count: int, topics: int = 3, queues: int = 2, size: int = 40):
+    return [store.put_message(Message(f"Topic{i % topics}", bytes([i % 256]) * size, tags=f"Tag{i % 2}",
+                                      keys=[f"key-{i}", f"shared-{i % 5}"], queue_id=i % queues))
+            for i in range(count)]
+
+
+def test_put_then_read_back_every_field(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        result = store.put_message(Message("TopicTest", b"hello", tags="TagA", keys=["order-1", "order-2"],
+                                           properties={"color": "red"}, queue_id=3, flag=7))
+        assert result.status is PutMessageStatus.PUT_OK and result.ok
+        assert result.queue_offset == 0 and result.commit_log_offset == 0
+        msg = store.look_message_by_offset(result.commit_log_offset)
+    assert (msg.topic, msg.body, msg.queue_id, msg.flag, msg.queue_offset) == ("TopicTest", b"hello", 3, 7, 0)
+    assert msg.tags == "TagA" and msg.keys == ["order-1", "order-2"] and msg.properties["color"] == "red"
+    assert msg.uniq_key == result.uniq_key and len(result.uniq_key) == 32
+    assert msg.msg_id == result.msg_id
+    assert decode_offset_msg_id(result.msg_id) == (msg.store_host, 0)
+    assert str(msg.store_host) == "127.0.0.1:10911"
+    assert msg.store_timestamp == result.store_timestamp and msg.store_size == result.store_size
+    assert msg.born_timestamp <= msg.store_timestamp
+
+
+def test_queue_offsets_are_dense_per_queue_and_times_never_go_back(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = put_many(store, 300)
+        seen: dict[tuple[str, int], list[int]] = {}
+        last_ts = 0
+        for msg in store.iter_messages():
+            seen.setdefault((msg.topic, msg.queue_id), []).append(msg.queue_offset)
+            assert msg.store_timestamp >= last_ts
+            last_ts = msg.store_timestamp
+    assert sum(len(v) for v in seen.values()) == 300
+    for offsets in seen.values():
+        assert offsets == list(range(len(offsets)))
+    assert [r.commit_log_offset for r in results] == sorted(r.commit_log_offset for r in results)
+
+
+def test_segments_roll_with_blank_records_and_exact_names(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = put_many(store, 200, size=100)
+    files = sorted((tmp_path / "commitlog").iterdir())
+    assert len(files) > 5
+    for i, path in enumerate(files):
+        assert path.name == f"{i * 4096:020d}" and path.stat().st_size == 4096
+    for path in files[:-1]:  # every closed segment ends with a BLANK covering exactly the rest
+        data = path.read_bytes()
+        pos = 0
+        while True:
+            layout = read_layout(data, pos)
+            if layout is None:
+                assert int.from_bytes(data[pos + 4 : pos + 8], "big", signed=True) == BLANK_MAGIC
+                assert int.from_bytes(data[pos : pos + 4], "big") == 4096 - pos
+                break
+            pos += layout.size
+    for r in results:  # no record spans two segments
+        assert r.commit_log_offset // 4096 == (r.commit_log_offset + r.store_size - 1) // 4096
+
+
+def test_batch_is_contiguous_shares_store_time_and_moves_whole_to_next_segment(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.put_message(Message("T", b"x" * 3500))  # leaves ~450 bytes in segment 0
+        batch = [Message("T", b"y" * 100, keys=[f"b{i}"], queue_id=1) for i in range(4)]
+        results = store.put_messages(batch)
+    assert all(r.commit_log_offset >= 4096 for r in results), "a batch never splits across segments"
+    assert [r.queue_offset for r in results] == [0, 1, 2, 3]
+    assert len({r.store_timestamp for r in results}) == 1
+    for a, b in itertools.pairwise(results):
+        assert b.commit_log_offset == a.commit_log_offset + a.store_size
+
+
+def test_batch_may_span_topics_and_queues(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = store.put_messages([Message("A", b"1"), Message("B", b"2", queue_id=5), Message("A", b"3")])
+        assert [r.queue_offset for r in results] == [0, 0, 1]
+        assert store.next_queue_offset("A", 0) == 2 and store.next_queue_offset("B", 5) == 1
+
+
+def test_reopen_keeps_everything_and_continues_queue_offsets(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        before = put_many(store, 150)
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert not store.recovery.abnormal
+        for r in before:
+            msg = store.look_message_by_offset(r.commit_log_offset)
+            assert msg.queue_offset == r.queue_offset and msg.msg_id == r.msg_id
+        nxt = store.put_message(Message("Topic0", b"more"))
+        assert nxt.queue_offset == sum(1 for i in range(150) if i % 3 == 0 and i % 2 == 0)
+        assert nxt.commit_log_offset >= before[-1].commit_log_offset + before[-1].store_size
+
+
+def test_transaction_prepared_and_rollback_get_no_queue_offset(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        a = store.put_message(Message("Tx", b"half", sys_flag=0x4))
+        b = store.put_message(Message("Tx", b"normal"))
+        c = store.put_message(Message("Tx", b"rollback", sys_flag=0xC))
+        d = store.put_message(Message("Tx", b"commit", sys_flag=0x8))
+    assert (a.queue_offset, b.queue_offset, c.queue_offset, d.queue_offset) == (0, 0, 0, 1)
+
+
+@pytest.mark.parametrize("offset_kind", ["negative", "past_end", "mid_record", "blank", "not_int"])
+def test_bad_offsets_raise_typed_errors(tmp_path, small_config, offset_kind):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = put_many(store, 60, size=200)
+        last_in_first = max((r for r in results if r.commit_log_offset < 4096), key=lambda r: r.commit_log_offset)
+        offset = {"negative": -1, "past_end": store.max_phy_offset, "mid_record": results[1].commit_log_offset + 3,
+                  "blank": last_in_first.commit_log_offset + last_in_first.store_size, "not_int": "12"}[offset_kind]
+        expected = OffsetOutOfRangeError if offset_kind in ("negative", "past_end", "not_int") else MessageNotFoundError
+        with pytest.raises(expected):
+            store.look_message_by_offset(offset)
+
+
+BAD_MESSAGES = {
+    "empty_topic": (Message("", b"x"), InvalidTopicError),
+    "path_escape_topic": (Message("../../etc/passwd", b"x"), InvalidTopicError),
+    "slash_topic": (Message("a/b", b"x"), InvalidTopicError),
+    "dot_topic": (Message("..", b"x"), InvalidTopicError),
+    "long_topic": (Message("T" * 128, b"x"), InvalidTopicError),
+    "nul_topic": (Message("a\0b", b"x"), InvalidTopicError),
+    "unicode_topic": (Message("订单", b"x"), InvalidTopicError),
+    "body_too_large": (Message("T", b"x" * 5000), MessageTooLargeError),
+    "props_too_large": (Message("T", b"x", properties={"p": "v" * 40000}), PropertiesTooLargeError),
+    "separator_in_value": (Message("T", b"x", properties={"p": "a\x02b"}), InvalidPropertyError),
+    "separator_in_name": (Message("T", b"x", properties={"p\x01q": "v"}), InvalidPropertyError),
+    "empty_value": (Message("T", b"x", properties={"p": ""}), InvalidPropertyError),
+    "space_in_key": (Message("T", b"x", keys=["a b"]), InvalidPropertyError),
+    "unknown_sysflag": (Message("T", b"x", sys_flag=0x800), InvalidFlagError),
+    "inner_batch_sysflag": (Message("T", b"x", sys_flag=0x80), InvalidFlagError),
+    "flag_too_big": (Message("T", b"x", flag=1 << 31), InvalidFlagError),
+    "negative_queue": (Message("T", b"x", queue_id=-1), InvalidFlagError),
+    "none_body": (Message("T", None), MessageIllegalError),  # type: ignore[arg-type]
+    "bad_born_host": (Message("T", b"x", born_host="not-a-host"), InvalidFlagError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MESSAGES))
+def test_bad_input_raises_specific_error_and_writes_nothing(tmp_path, case):
+    config = StoreConfig(mapped_file_size_commit_log=4096, max_message_size=4000)
+    message, error = BAD_MESSAGES[case]
+    with MessageStore.open(tmp_path, config) as store:
+        put_many(store, 5)
+        store.flush()
+        before, end = tree_digest(tmp_path), store.max_phy_offset
+        with pytest.raises(error):
+            store.put_message(message)
+        with pytest.raises(error):  # one bad message fails the whole batch
+            store.put_messages([Message("T", b"fine"), message])
+        assert store.max_phy_offset == end
+        store.flush()
+        assert tree_digest(tmp_path) == before
+        assert store.put_message(Message("Topic0", b"still works")).ok
+
+
+def test_record_too_large_for_a_segment_is_rejected(tmp_path):
+    config = StoreConfig(mapped_file_size_commit_log=4096)  # max_message_size 4 MiB, but segments are 4 KiB
+    with MessageStore.open(tmp_path, config) as store:
+        with pytest.raises(MessageTooLargeError):
+            store.put_message(Message("T", b"x" * 4090))
+        with pytest.raises(MessageTooLargeError):
+            store.put_messages([Message("T", b"x" * 1500) for _ in range(3)])
+        assert store.max_phy_offset == 0
+
+
+def test_second_writer_in_same_process_is_refused(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config), pytest.raises(StoreLockedError):
+        MessageStore.open(tmp_path, small_config)
+    with MessageStore.open(tmp_path, small_config):  # released on close
+        pass
+
+
+def test_second_writer_in_another_process_is_refused(tmp_path, small_config):
+    code = ("import sys; from rocketstore import MessageStore, StoreConfig; from rocketstore.errors import "
+            "StoreLockedError\ntry:\n"
+            "    MessageStore.open(sys.argv[1], StoreConfig(mapped_file_size_commit_log=4096))\n"
+            "except StoreLockedError as e:\n    print('LOCKED', e); sys.exit(3)\nsys.exit(0)")
+    with MessageStore.open(tmp_path, small_config):
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                              check=False)
+    assert proc.returncode == 3 and "LOCKED" in proc.stdout
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                              check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_read_only_open_sees_data_and_changes_nothing(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as writer:
+        results = put_many(writer, 80)
+        writer.flush()
+        before = tree_digest(tmp_path)
+        with MessageStore.open(tmp_path, small_config, read_only=True) as reader:  # beside a live writer
+            assert reader.look_message_by_offset(results[-1].commit_log_offset).msg_id == results[-1].msg_id
+            assert sum(1 for _ in reader.iter_messages()) == 80
+            with pytest.raises(ReadOnlyStoreError):
+                reader.put_message(Message("T", b"x"))
+        assert tree_digest(tmp_path) == before
+
+
+def test_read_only_open_of_crashed_store_writes_nothing(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        put_many(store, 30)
+        end = store.max_phy_offset
+    (tmp_path / "abort").write_text("12345")
+    last = sorted((tmp_path / "commitlog").iterdir())[-1]
+    with open(last, "r+b") as f:  # garbage after the end: a torn write
+        f.seek(end - int(last.name) + 8)
+        f.write(b"\x07" * 50)
+    before = tree_digest(tmp_path)
+    with MessageStore.open(tmp_path, small_config, read_only=True) as reader:
+        assert reader.recovery.abnormal
+        assert sum(1 for _ in reader.iter_messages()) == 30
+    assert tree_digest(tmp_path) == before
+    assert not (tmp_path / "lock").exists() or (tmp_path / "lock").read_bytes() == b"lock"
+
+
+def test_read_only_open_of_missing_store(tmp_path):
+    with pytest.raises(StoreNotFoundError):
+        MessageStore.open(tmp_path / "nothing-here", read_only=True)
+    assert not (tmp_path / "nothing-here").exists()
+
+
+def test_closed_store_refuses_use(tmp_path, small_config):
+    store = MessageStore.open(tmp_path, small_config)
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(StoreClosedError):
+        store.put_message(Message("T", b"x"))
+    with pytest.raises(StoreClosedError):
+        store.look_message_by_offset(0)
+
+
+def test_abort_file_lives_while_open_and_checkpoint_is_4096_bytes(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert (tmp_path / "abort").read_text() == str(os.getpid())
+        put_many(store, 10)
+    assert not (tmp_path / "abort").exists()
+    data = (tmp_path / "checkpoint").read_bytes()
+    assert len(data) == 4096 and data[48:] == bytes(4048)
+    physic = int.from_bytes(data[0:8], "big")
+    with MessageStore.open(tmp_path, small_config, read_only=True) as store:
+        last = list(store.iter_messages())[-1]
+    assert physic == last.store_timestamp
+
+
+def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path):
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    with MessageStore.open(tmp_path, config) as store:
+        result = store.put_message(Message("Durable", b"durable"))
+        assert result.ok and store.flushed_phy_offset >= result.commit_log_offset + result.store_size
+        flushes_before = store.flusher.flush_count
+        errors: list[BaseException] = []
+
+        def producer(n: int) -> None:
+            try:
+                for i in range(50):
+                    r = store.put_message(Message("T", f"{n}-{i}".encode(), queue_id=n))
+                    assert r.ok and store.flushed_phy_offset >= r.commit_log_offset + r.store_size
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=producer, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert store.flusher.flush_count - flushes_before < 400, "group commit shares flushes between puts"
+        for q in range(8):
+            assert store.next_queue_offset("T", q) == 50
+
+
+def test_sync_flush_wait_false_skips_the_wait(tmp_path):
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, flush_disk_type="SYNC_FLUSH")
+    with MessageStore.open(tmp_path, config) as store:
+        count = store.flusher.flush_count
+        assert store.put_message(Message("T", b"x", properties={"WAIT": "false"})).ok
+        assert store.flusher.flush_count == count
+
+
+def test_async_flush_flushes_in_background(tmp_path):
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, flush_interval_commit_log=5,
+                         flush_commit_log_thorough_interval=20)
+    with MessageStore.open(tmp_path, config) as store:
+        r = store.put_message(Message("T", b"x"))
+        deadline = threading.Event()
+        for _ in range(200):
+            if store.flushed_phy_offset >= r.commit_log_offset + r.store_size:
+                break
+            deadline.wait(0.01)
+        assert store.flushed_phy_offset >= r.commit_log_offset + r.store_size
