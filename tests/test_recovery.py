@@ -211,3 +211,23 @@ def test_damaged_rocketmq_commit_log_recovers_the_valid_prefix(vectors, tmp_path
         assert r.commit_log_offset == 184
     data = (root / "commitlog" / "00000000000000000000").read_bytes()
     assert decode_record(data, 184).body == b"next" and data[184 + r.store_size :] == bytes(8192 - 184 - r.store_size)
+
+
+def test_property_crc_is_written_verified_and_catches_damaged_properties(tmp_path):
+    config = StoreConfig(mapped_file_size_commit_log=1 << 16, enabled_append_prop_crc=True,
+                         force_verify_prop_crc=True)
+    with MessageStore.open(tmp_path, config) as store:
+        results = [store.put_message(Message("T", f"body {i}".encode(), keys=[f"k{i}"])) for i in range(10)]
+        raw = store.commit_log.get_record_bytes(results[0].commit_log_offset)
+        assert raw[-20:-11] == b"__CRC32#\x01" and raw[-1:] == b"\x02"
+        assert "__CRC32#" in store.look_message_by_offset(results[0].commit_log_offset).properties
+    victim = results[6]
+    path, pos = segment_of(tmp_path, victim.commit_log_offset, 1 << 16)
+    layout = read_layout(path.read_bytes(), pos)
+    with open(path, "r+b") as f:  # damage a KEYS byte: the body CRC cannot see it, the record CRC can
+        f.seek(layout.props_pos + 6)
+        f.write(b"Z")
+    crash(tmp_path)
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.recovery.end_offset == victim.commit_log_offset
+        assert "__CRC32#" in store.recovery.stop_reason

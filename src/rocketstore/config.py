@@ -112,14 +112,15 @@ class StoreConfig:
 
         Unknown keys are ignored, as the broker ignores keys of other components.
         """
-        known = {_camel(f.name): f for f in dataclasses.fields(cls) if f.init}
+        # RocketMQ spells acronyms in capitals (checkCRCOnRecover), so keys match case-insensitively.
+        known = {f.name.replace("_", ""): f for f in dataclasses.fields(cls) if f.init}
         values: dict[str, object] = {}
         for raw in Path(path).read_text(encoding="utf-8").splitlines():
             line = raw.strip()
             if not line or line.startswith(("#", "!")) or "=" not in line:
                 continue
             key, value = (part.strip() for part in line.split("=", 1))
-            f = known.get(key)
+            f = known.get(key.lower())
             if f is None:
                 continue
             values[f.name] = _coerce(f, value)
