@@ -1,0 +1,257 @@
+"""One hash-index file (RocketMQ's ``IndexFile`` + ``IndexHeader``), byte-identical to RocketMQ's.
+
+Layout (big-endian; S = hash slots, N = index entries; 420,000,040 bytes with the defaults)::
+
+    header   0 beginTimestamp i64   8 endTimestamp i64   16 beginPhyOffset i64   24 endPhyOffset i64
+             32 hashSlotCount i32 (slots in use)         36 indexCount i32 (next entry number)
+    slots    40 + slot*4, slot in [0, S): i32 number of the newest entry in the slot (0 = empty)
+    entries  40 + S*4 + n*20, n in [1, N): keyHash i32 | phyOffset i64 | timeDiff i32 (s) | prevIndex i32
+
+Entry 0 is never used: the in-memory index count starts at 1, so a file holds N-1 entries.
+``keyHash`` is ``|String.hashCode(topic#key)|`` (MIN_VALUE -> 0); ``timeDiff`` is seconds since
+``beginTimestamp``, truncated. Only the 32-bit hash is stored, so a lookup returns the offsets of
+every key sharing that hash: callers that need exact answers must read the records and compare
+keys (``MessageStore.query_message`` does).
+
+RocketMQ's quirks are reproduced on purpose: a file created by rollover inherits the previous
+file's end offset and time, its first entry's timeDiff is computed against that inherited
+begin time before begin is overwritten, and a walk stops at the first entry older than
+``begin``. Header writes go straight to the mapping as in Java; ``flush`` rewrites all six.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+from ..codec.hashing import index_key_hash
+from ..errors import CorruptDataError, StoreIOError
+from ..mapped.file import fsync_dir
+
+INDEX_HEADER_SIZE = 40
+HASH_SLOT_SIZE = 4
+INDEX_ENTRY_SIZE = 20
+INVALID_INDEX = 0
+INT_MAX = (1 << 31) - 1
+
+HEADER_FMT = ">qqqqii"
+ENTRY_FMT = ">iqii"  # keyHash, phyOffset, timeDiff, prevIndex
+_HEADER = struct.Struct(HEADER_FMT)
+_ENTRY = struct.Struct(ENTRY_FMT)
+_I32 = struct.Struct(">i")
+_I64 = struct.Struct(">q")
+assert _HEADER.size == INDEX_HEADER_SIZE and _ENTRY.size == INDEX_ENTRY_SIZE
+
+_BEGIN_TS, _END_TS, _BEGIN_PHY, _END_PHY, _SLOT_COUNT, _INDEX_COUNT = 0, 8, 16, 24, 32, 36
+
+
+def index_file_size(hash_slot_num: int, index_num: int) -> int:
+    return INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE + index_num * INDEX_ENTRY_SIZE
+
+
+class IndexFile:
+    """A mapped index file. Create with ``IndexFile.create``, reopen with ``IndexFile.open``."""
+
+    def __init__(self, path: Path, hash_slot_num: int, index_num: int, mm: mmap.mmap, fd: int,
+                 read_only: bool) -> None:
+        self.path = Path(path)
+        self.hash_slot_num = hash_slot_num
+        self.index_num = index_num
+        self.read_only = read_only
+        self._mm: mmap.mmap | None = mm
+        self._fd = fd
+        self._entries_at = INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE
+        (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
+         self.hash_slot_count, self.index_count) = _HEADER.unpack_from(mm, 0)
+        if self.index_count <= 0:
+            self.index_count = 1
+        if self.index_count > index_num or self.hash_slot_count < 0:
+            self.close()
+            raise CorruptDataError(f"index header holds impossible counts (indexCount {self.index_count}, "
+                                   f"hashSlotCount {self.hash_slot_count}, {index_num} entries)", str(path))
+
+    @staticmethod
+    def _check_geometry(hash_slot_num: int, index_num: int) -> None:
+        if not (0 < hash_slot_num <= INT_MAX // HASH_SLOT_SIZE and 1 < index_num <= INT_MAX // INDEX_ENTRY_SIZE):
+            raise ValueError(f"bad index geometry: {hash_slot_num} slots, {index_num} entries")
+
+    @classmethod
+    def create(cls, path: str | Path, hash_slot_num: int, index_num: int, end_phy_offset: int = 0,
+               end_timestamp: int = 0) -> IndexFile:
+        """A new zero-filled file; a file that continues a full one inherits its end offset and time."""
+        cls._check_geometry(hash_slot_num, index_num)
+        path = Path(path)
+        size = index_file_size(hash_slot_num, index_num)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                os.ftruncate(fd, size)
+                os.rename(tmp, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            fsync_dir(path.parent)
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot create index file {path}: {exc.strerror}") from exc
+        index = cls(path, hash_slot_num, index_num, mm, fd, read_only=False)
+        if end_phy_offset > 0:
+            index._set_i64(_BEGIN_PHY, end_phy_offset)
+            index._set_i64(_END_PHY, end_phy_offset)
+        if end_timestamp > 0:
+            index._set_i64(_BEGIN_TS, end_timestamp)
+            index._set_i64(_END_TS, end_timestamp)
+        return index
+
+    @classmethod
+    def open(cls, path: str | Path, hash_slot_num: int, index_num: int, *, read_only: bool = False) -> IndexFile:
+        """Map an existing file; its size must match the geometry (else ``CorruptDataError``)."""
+        cls._check_geometry(hash_slot_num, index_num)
+        path = Path(path)
+        size = index_file_size(hash_slot_num, index_num)
+        try:
+            fd = os.open(path, (os.O_RDONLY if read_only else os.O_RDWR) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot open index file {path}: {exc.strerror}") from exc
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise CorruptDataError(f"index file is {actual} bytes; {hash_slot_num} slots and {index_num} "
+                                       f"entries need {size}", str(path))
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, hash_slot_num, index_num, mm, fd, read_only)
+
+    # --- header -------------------------------------------------------------------------------
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        if self._mm is None:
+            raise StoreIOError(9, f"index file {self.path} is closed")
+        return self._mm
+
+    _FIELD_NAMES = {_BEGIN_TS: "begin_timestamp", _END_TS: "end_timestamp", _BEGIN_PHY: "begin_phy_offset",
+                    _END_PHY: "end_phy_offset"}
+
+    def _set_i64(self, pos: int, value: int) -> None:
+        setattr(self, self._FIELD_NAMES[pos], value)
+        _I64.pack_into(self.buffer, pos, value)
+
+    def is_write_full(self) -> bool:
+        return self.index_count >= self.index_num
+
+    def is_time_matched(self, begin: int, end: int) -> bool:
+        """Whether [begin, end] overlaps the file's [beginTimestamp, endTimestamp] (``isTimeMatched``)."""
+        b, e = self.begin_timestamp, self.end_timestamp
+        return (begin < b and end > e) or (b <= begin <= e) or (b <= end <= e)
+
+    # --- put and select ----------------------------------------------------------------------
+
+    def slot_of(self, key: str) -> tuple[int, int]:
+        key_hash = index_key_hash(key)
+        return key_hash, key_hash % self.hash_slot_num
+
+    def put_key(self, key: str, phy_offset: int, store_timestamp: int) -> bool:
+        """Add one entry (``putKey``); False when the file is full."""
+        key_hash, slot = self.slot_of(key)
+        return self.put_hash(key_hash, slot, phy_offset, store_timestamp)
+
+    def put_hash(self, key_hash: int, slot: int, phy_offset: int, store_timestamp: int) -> bool:
+        count = self.index_count
+        if count >= self.index_num:
+            return False
+        buf = self.buffer
+        slot_pos = INDEX_HEADER_SIZE + slot * HASH_SLOT_SIZE
+        slot_value = _I32.unpack_from(buf, slot_pos)[0]
+        if slot_value <= INVALID_INDEX or slot_value > count:
+            slot_value = INVALID_INDEX
+        time_diff = 0
+        if self.begin_timestamp > 0:
+            diff = store_timestamp - self.begin_timestamp
+            time_diff = 0 if diff < 0 else min(diff // 1000, INT_MAX)
+        _ENTRY.pack_into(buf, self._entries_at + count * INDEX_ENTRY_SIZE, key_hash, phy_offset, time_diff, slot_value)
+        _I32.pack_into(buf, slot_pos, count)
+        if count <= 1:
+            self._set_i64(_BEGIN_PHY, phy_offset)
+            self._set_i64(_BEGIN_TS, store_timestamp)
+        if slot_value == INVALID_INDEX:
+            self.hash_slot_count += 1
+            _I32.pack_into(buf, _SLOT_COUNT, self.hash_slot_count)
+        self.index_count = count + 1
+        _I32.pack_into(buf, _INDEX_COUNT, self.index_count)
+        self._set_i64(_END_PHY, phy_offset)
+        self._set_i64(_END_TS, store_timestamp)
+        return True
+
+    def select_phy_offsets(self, key: str, max_num: int, begin: int, end: int,
+                           into: list[int] | None = None) -> list[int]:
+        """Offsets of entries whose hash equals the key's, newest first (``selectPhyOffset``).
+
+        ``into`` is the list shared across files by a multi-file query; ``max_num`` caps its length.
+        """
+        result = [] if into is None else into
+        key_hash, slot = self.slot_of(key)
+        buf = self.buffer
+        count = self.index_count
+        n = _I32.unpack_from(buf, INDEX_HEADER_SIZE + slot * HASH_SLOT_SIZE)[0]
+        if n <= INVALID_INDEX or n > count or count <= 1:
+            return result
+        begin_ts = self.begin_timestamp
+        for _ in range(count):  # a chain visits each entry at most once; the bound survives a corrupt file
+            if len(result) >= max_num or n >= self.index_num:
+                break
+            hash_read, phy_read, time_diff, prev = _ENTRY.unpack_from(buf, self._entries_at + n * INDEX_ENTRY_SIZE)
+            if time_diff < 0:
+                break
+            time_read = begin_ts + time_diff * 1000
+            if hash_read == key_hash and begin <= time_read <= end:
+                result.append(phy_read)
+            if prev <= INVALID_INDEX or prev > count or prev == n or time_read < begin:
+                break
+            n = prev
+        return result
+
+    def entry(self, n: int) -> tuple[int, int, int, int]:
+        """Entry ``n`` as (keyHash, phyOffset, timeDiff, prevIndex)."""
+        return _ENTRY.unpack_from(self.buffer, self._entries_at + n * INDEX_ENTRY_SIZE)
+
+    # --- durability --------------------------------------------------------------------------
+
+    def write_header(self) -> None:
+        """``IndexHeader.updateByteBuffer``: all six fields from memory."""
+        _HEADER.pack_into(self.buffer, 0, self.begin_timestamp, self.end_timestamp, self.begin_phy_offset,
+                          self.end_phy_offset, self.hash_slot_count, self.index_count)
+
+    def flush(self) -> None:
+        if self.read_only or self._mm is None:
+            return
+        self.write_header()
+        try:
+            self._mm.flush()
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"msync of {self.path} failed: {exc.strerror}") from exc
+
+    def close(self) -> None:
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def destroy(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def __repr__(self) -> str:
+        return (f"IndexFile({self.path.name}, entries={self.index_count - 1}/{self.index_num - 1}, "
+                f"time=[{self.begin_timestamp}, {self.end_timestamp}], phy=[{self.begin_phy_offset}, "
+                f"{self.end_phy_offset}])")

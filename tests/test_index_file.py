@@ -1,0 +1,161 @@
+"""IndexFile: RocketMQ's bytes and answers, on the golden files, the spec's examples and random input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rocketstore.codec import index_key_hash, java_string_hash
+from rocketstore.errors import CorruptDataError
+from rocketstore.index import IndexFile, index_file_size
+
+LONG_MAX = (1 << 63) - 1
+
+
+def build_from_tsv(folder: Path, target: Path, slots: int, entries: int) -> tuple[IndexFile, int | None, int]:
+    index = IndexFile.create(target, slots, entries)
+    full_at, puts = None, 0
+    for line_no, line in enumerate((folder / "input.tsv").read_text(encoding="utf-8").splitlines(), 1):
+        key, phy, ts = line.split("\t")
+        if not index.put_key(key, int(phy), int(ts)):
+            full_at = line_no
+            break
+        puts += 1
+    index.flush()
+    return index, full_at, puts
+
+
+@pytest.mark.parametrize("name", ["v1_collisions_97x500", "v2_full_97x500"])
+def test_golden_index_rebuilt_byte_for_byte_and_queried_identically(vectors, tmp_path, name):
+    folder = vectors / name
+    expected = json.loads((folder / "expected_queries.json").read_text())
+    index, full_at, puts = build_from_tsv(folder, tmp_path / expected["file"], expected["hashSlotNum"],
+                                          expected["indexNum"])
+    stdout = dict(line.split("\t") for line in (folder / "build_stdout.txt").read_text().splitlines())
+    assert puts == int(stdout["PUT"])
+    assert full_at == (int(stdout["FULL"]) if "FULL" in stdout else None)
+    assert (tmp_path / expected["file"]).read_bytes() == (folder / expected["file"]).read_bytes()
+    header = expected["header"]
+    for golden in (index, IndexFile.open(folder / expected["file"], expected["hashSlotNum"], expected["indexNum"],
+                                         read_only=True)):
+        assert (golden.begin_timestamp, golden.end_timestamp) == (header["beginTimestamp"], header["endTimestamp"])
+        assert (golden.begin_phy_offset, golden.end_phy_offset) == (header["beginPhyOffset"], header["endPhyOffset"])
+        assert (golden.hash_slot_count, golden.index_count) == (header["hashSlotCount"], header["indexCount"])
+        assert golden.is_write_full() == header["isWriteFull"]
+        for q in expected["queries"]:
+            assert golden.select_phy_offsets(q["key"], q["maxNum"], q["begin"], q["end"]) == q["offsets"], q
+            assert golden.is_time_matched(q["begin"], q["end"]) == q["isTimeMatched"], q
+        golden.close()
+
+
+def test_golden_hashes(vectors):
+    rows = json.loads((vectors / "v1_collisions_97x500" / "hashes.json").read_text())
+    assert len(rows) >= 100
+    for row in rows:
+        assert java_string_hash(row["key"]) == row["hashCode"], row
+        assert index_key_hash(row["key"]) == row["indexKeyHash"], row
+        assert row["indexKeyHash"] % 97 == row["slot"]
+
+
+def spec_e7(tmp_path: Path) -> IndexFile:
+    index = IndexFile.create(tmp_path / "e7", 10, 5)
+    assert index.put_key("TopicTest#order-1", 0, 1700000000123)
+    assert index.put_key("Ea#20231001123456", 128, 1700000001500)
+    assert index.put_key("FB#20231001123456", 256, 1700000002999)
+    assert index.put_key("TopicTest#order-1", 384, 1700000004000)
+    return index
+
+
+def test_spec_e7_bytes_and_queries(tmp_path):
+    index = spec_e7(tmp_path)
+    assert not index.put_key("TopicTest#x", 512, 1700000005000), "indexCount 5 >= 5: full"
+    assert index.is_write_full()
+    index.flush()
+    data = (tmp_path / "e7").read_bytes()
+    assert len(data) == index_file_size(10, 5) == 180
+    assert data[:40].hex() == ("0000018bcfe5687b" "0000018bcfe577a0" "0000000000000000" "0000000000000180"
+                               "00000002" "00000005")
+    slots = [int.from_bytes(data[40 + 4 * i : 44 + 4 * i], "big") for i in range(10)]
+    assert slots == [0, 0, 0, 3, 4, 0, 0, 0, 0, 0]
+    assert data[0x64:0xB4].hex() == ("6d0746d0" "0000000000000000" "00000000" "00000000"
+                                     "012ad057" "0000000000000080" "00000001" "00000000"
+                                     "012ad057" "0000000000000100" "00000002" "00000002"
+                                     "6d0746d0" "0000000000000180" "00000003" "00000001")
+    assert index.select_phy_offsets("Ea#20231001123456", 64, 0, LONG_MAX) == [256, 128]
+    assert index.select_phy_offsets("TopicTest#order-1", 64, 1700000001000, LONG_MAX) == [384]
+    assert index.select_phy_offsets("TopicTest#order-1", 64, 0, 1700000003500) == [384, 0]
+
+
+def test_spec_e8_rollover_quirk(tmp_path):
+    full = spec_e7(tmp_path)
+    nxt = IndexFile.create(tmp_path / "e8", 10, 5, full.end_phy_offset, full.end_timestamp)
+    assert nxt.put_key("TopicTest#order-3", 512, 1700000006500)
+    nxt.flush()
+    data = (tmp_path / "e8").read_bytes()
+    assert data[:40].hex() == ("0000018bcfe58164" "0000018bcfe58164" "0000000000000200" "0000000000000200"
+                               "00000001" "00000002")
+    assert int.from_bytes(data[40 + 2 * 4 : 44 + 2 * 4], "big") == 1
+    assert data[0x64:0x78].hex() == "6d0746ce" "0000000000000200" "00000002" "00000000"
+    assert nxt.select_phy_offsets("TopicTest#order-3", 64, 1700000006000, 1700000007000) == []
+    assert nxt.select_phy_offsets("TopicTest#order-3", 64, 1700000006000, 1700000009000) == [512]
+
+
+def test_fresh_file_counts_and_reopen(tmp_path):
+    index = IndexFile.create(tmp_path / "f", 7, 9)
+    assert index.index_count == 1 and index.hash_slot_count == 0
+    assert (tmp_path / "f").read_bytes()[32:40] == bytes(8), "nothing written before the first put"
+    assert index.select_phy_offsets("k", 64, 0, LONG_MAX) == []
+    index.put_key("T#k", 10, 1000)
+    index.close()
+    again = IndexFile.open(tmp_path / "f", 7, 9)
+    assert (again.index_count, again.hash_slot_count) == (2, 1)
+    assert again.select_phy_offsets("T#k", 64, 0, LONG_MAX) == [10]
+
+
+def test_open_rejects_wrong_geometry_and_impossible_header(tmp_path):
+    IndexFile.create(tmp_path / "f", 7, 9).close()
+    with pytest.raises(CorruptDataError):
+        IndexFile.open(tmp_path / "f", 8, 9)
+    with open(tmp_path / "f", "r+b") as f:
+        f.seek(36)
+        f.write((1000).to_bytes(4, "big"))
+    with pytest.raises(CorruptDataError, match="impossible"):
+        IndexFile.open(tmp_path / "f", 7, 9)
+
+
+def test_walk_terminates_on_a_cyclic_chain(tmp_path):
+    index = IndexFile.create(tmp_path / "f", 1, 10)
+    for i in range(5):
+        index.put_key(f"T#{i}", i, 1000 + i)
+    entries_at = 40 + 4
+    index.buffer[entries_at + 1 * 20 + 16 : entries_at + 1 * 20 + 20] = (4).to_bytes(4, "big")  # 1 -> 4: a cycle
+    found = index.select_phy_offsets("T#0", 1000, 0, LONG_MAX)
+    assert len(found) <= 5
+
+
+keys = st.sampled_from(["T#a", "T#b", "T#Aa", "T#BB", "T#c", "U#a", "T#订单", "T#😀", "polygenelubricants"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(puts=st.lists(st.tuples(keys, st.integers(0, 5000)), min_size=1, max_size=60),
+       slots=st.integers(1, 13), max_num=st.integers(1, 70))
+def test_select_matches_a_model_of_the_chains(tmp_path_factory, puts, slots, max_num):
+    """With rising times and an all-time window, a lookup returns every entry of equal hash, newest first."""
+    path = tmp_path_factory.mktemp("idx") / "f"
+    index = IndexFile.create(path, slots, 40)
+    stored = []
+    ts = 1_700_000_000_000
+    for key, step in puts:
+        ts += step
+        if not index.put_key(key, len(stored) * 100, ts):
+            assert len(stored) == 39
+            break
+        stored.append((key, len(stored) * 100))
+    for key in {k for k, _ in puts}:
+        expected = [phy for k, phy in reversed(stored) if index_key_hash(k) == index_key_hash(key)][:max_num]
+        assert index.select_phy_offsets(key, max_num, 0, LONG_MAX) == expected
+    index.close()
