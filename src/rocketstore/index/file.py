@@ -21,10 +21,12 @@ begin time before begin is overwritten, and a walk stops at the first entry olde
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
 from pathlib import Path
+from typing import ClassVar
 
 from ..codec.hashing import index_key_hash
 from ..errors import CorruptDataError, StoreIOError
@@ -135,8 +137,8 @@ class IndexFile:
             raise StoreIOError(9, f"index file {self.path} is closed")
         return self._mm
 
-    _FIELD_NAMES = {_BEGIN_TS: "begin_timestamp", _END_TS: "end_timestamp", _BEGIN_PHY: "begin_phy_offset",
-                    _END_PHY: "end_phy_offset"}
+    _FIELD_NAMES: ClassVar[dict[int, str]] = {_BEGIN_TS: "begin_timestamp", _END_TS: "end_timestamp",
+                                              _BEGIN_PHY: "begin_phy_offset", _END_PHY: "end_phy_offset"}
 
     def _set_i64(self, pos: int, value: int) -> None:
         setattr(self, self._FIELD_NAMES[pos], value)
@@ -239,10 +241,8 @@ class IndexFile:
     def close(self) -> None:
         mm, self._mm = self._mm, None
         if mm is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a reader still holds a view; unmapped when it goes
                 mm.close()
-            except BufferError:
-                pass
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
