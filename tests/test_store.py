@@ -172,11 +172,13 @@ BAD_MESSAGES = {
 
 @pytest.mark.parametrize("case", sorted(BAD_MESSAGES))
 def test_bad_input_raises_specific_error_and_writes_nothing(tmp_path, case):
-    config = StoreConfig(mapped_file_size_commit_log=4096, max_message_size=4000)
+    config = StoreConfig(mapped_file_size_commit_log=4096, max_message_size=4000, max_hash_slot_num=97,
+                         max_index_num=500)
     message, error = BAD_MESSAGES[case]
     with MessageStore.open(tmp_path, config) as store:
         put_many(store, 5)
         store.flush()
+        store.wait_for_dispatch()
         before, end = tree_digest(tmp_path), store.max_phy_offset
         with pytest.raises(error):
             store.put_message(message)
@@ -184,12 +186,13 @@ def test_bad_input_raises_specific_error_and_writes_nothing(tmp_path, case):
             store.put_messages([Message("T", b"fine"), message])
         assert store.max_phy_offset == end
         store.flush()
+        store.wait_for_dispatch()
         assert tree_digest(tmp_path) == before
         assert store.put_message(Message("Topic0", b"still works")).ok
 
 
 def test_record_too_large_for_a_segment_is_rejected(tmp_path):
-    config = StoreConfig(mapped_file_size_commit_log=4096)  # max_message_size 4 MiB, but segments are 4 KiB
+    config = StoreConfig(mapped_file_size_commit_log=4096, max_hash_slot_num=97, max_index_num=500)
     with MessageStore.open(tmp_path, config) as store:
         with pytest.raises(MessageTooLargeError):
             store.put_message(Message("T", b"x" * 4090))
@@ -223,6 +226,8 @@ def test_read_only_open_sees_data_and_changes_nothing(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as writer:
         results = put_many(writer, 80)
         writer.flush()
+        writer.wait_for_dispatch()
+        writer.checkpoint_now()
         before = tree_digest(tmp_path)
         with MessageStore.open(tmp_path, small_config, read_only=True) as reader:  # beside a live writer
             assert reader.look_message_by_offset(results[-1].commit_log_offset).msg_id == results[-1].msg_id
@@ -279,7 +284,7 @@ def test_abort_file_lives_while_open_and_checkpoint_is_4096_bytes(tmp_path, smal
 
 
 def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path):
-    config = StoreConfig(mapped_file_size_commit_log=1 << 20, flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500, flush_disk_type=FlushDiskType.SYNC_FLUSH)
     with MessageStore.open(tmp_path, config) as store:
         result = store.put_message(Message("Durable", b"durable"))
         assert result.ok and store.flushed_phy_offset >= result.commit_log_offset + result.store_size
@@ -306,7 +311,7 @@ def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path)
 
 
 def test_sync_flush_wait_false_skips_the_wait(tmp_path):
-    config = StoreConfig(mapped_file_size_commit_log=1 << 20, flush_disk_type="SYNC_FLUSH")
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500, flush_disk_type="SYNC_FLUSH")
     with MessageStore.open(tmp_path, config) as store:
         count = store.flusher.flush_count
         assert store.put_message(Message("T", b"x", properties={"WAIT": "false"})).ok
@@ -314,7 +319,8 @@ def test_sync_flush_wait_false_skips_the_wait(tmp_path):
 
 
 def test_async_flush_flushes_in_background(tmp_path):
-    config = StoreConfig(mapped_file_size_commit_log=1 << 20, flush_interval_commit_log=5,
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500,
+                         flush_interval_commit_log=5,
                          flush_commit_log_thorough_interval=20)
     with MessageStore.open(tmp_path, config) as store:
         r = store.put_message(Message("T", b"x"))

@@ -186,6 +186,21 @@ class CommitLog:
         raw = mapped.buffer[pos + PHY_OFFSET_POS : pos + PHY_OFFSET_POS + 8]
         return int.from_bytes(raw, "big", signed=True) if len(raw) == 8 else None
 
+    def store_time(self, phy_offset: int, size: int = 0) -> int:
+        """Store timestamp of the record at ``phy_offset``, or -1 if it is outside the log (``getStoreTime``)."""
+        if phy_offset < self.min_offset or phy_offset + max(size, 0) > self.max_offset:
+            return -1
+        mapped = self.mapped_files.find(phy_offset)
+        if mapped is None:
+            return -1
+        pos = phy_offset - mapped.file_from_offset
+        buf = mapped.buffer
+        if pos + 64 > mapped.file_size:
+            return -1
+        sys_flag = int.from_bytes(buf[pos + 36 : pos + 40], "big", signed=True)
+        ts_pos = pos + 48 + (20 if sys_flag & 0x10 else 8)
+        return int.from_bytes(buf[ts_pos : ts_pos + 8], "big", signed=True)
+
     def get_message(self, phy_offset: int, *, decompress: bool = False, read_body: bool = True) -> MessageExt:
         mapped, pos, layout = self.locate(phy_offset)
         return message_from_layout(mapped.buffer, pos, layout, read_body=read_body, decompress=decompress,

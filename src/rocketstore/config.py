@@ -70,6 +70,7 @@ class StoreConfig:
 
     # --- retention
     file_reserved_time: int = 72  # fileReservedTime (hours)
+    delete_when: str = "04"  # deleteWhen: local hours (";"-separated) when expired files are deleted
     disk_max_used_space_ratio: int = 75  # diskMaxUsedSpaceRatio (%)
 
     _delay_levels_ms: tuple[int, ...] = field(init=False, repr=False, compare=False)

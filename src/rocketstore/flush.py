@@ -77,28 +77,25 @@ class CommitLogFlusher:
     # --- background thread -------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.sync:
+            return  # SYNC_FLUSH writers flush themselves (group commit)
         self._thread = threading.Thread(target=self._run, name="rocketstore-flush", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         interval = self.config.flush_interval_commit_log / 1000
         thorough_every = self.config.flush_commit_log_thorough_interval / 1000
-        checkpoint_every = self.config.flush_consume_queue_thorough_interval / 1000
-        last_thorough = last_checkpoint = time.monotonic()
+        last_thorough = time.monotonic()
         while not self._stop.wait(interval):
             now = time.monotonic()
+            thorough = now - last_thorough >= thorough_every
             try:
-                if not self.sync:
-                    thorough = now - last_thorough >= thorough_every
-                    self.flush(0 if thorough else self.config.flush_commit_log_least_pages)
-                    if thorough:
-                        last_thorough = now
-                if now - last_checkpoint >= checkpoint_every:
-                    self.checkpoint.flush()
-                    last_checkpoint = now
-            except Exception as exc:  # keep flushing; the error is reported by the next put or close
+                self.flush(0 if thorough else self.config.flush_commit_log_least_pages)
+            except Exception as exc:  # keep flushing; the error is reported by close()
                 self.last_error = exc
                 log.error("background flush failed: %s", exc)
+            if thorough:
+                last_thorough = now
 
     def shutdown(self) -> None:
         """Stop the thread and flush everything (clean shutdown)."""

@@ -8,27 +8,29 @@ files; it sees the log as it was when opened.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .checkpoint import StoreCheckpoint
-from .codec.record import RecordLayout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
+from .consumequeue import ConsumeQueueTable
+from .dispatch import Dispatcher
 from .encoder import MessageEncoder, PendingRecord
 from .errors import ReadOnlyStoreError, RocketStoreError, StoreClosedError, StoreIOError
 from .flush import CommitLogFlusher
+from .index.service import IndexService
 from .lifecycle import AbortFile, StoreLock
-from .mapped.file import MappedFile
 from .message import Message, MessageExt, PutMessageResult, PutMessageStatus, SysFlag
+from .reads import GetMessageResult, StoreReader
 from .recovery import RecoveryReport, recover_commit_log
+from .retention import RetentionReport, delete_expired_files
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint"
-_QUEUE_FIELDS = struct.Struct(">iiq")  # queue id, flag, queue offset at record position 12
 
 
 class StoreNotFoundError(RocketStoreError, FileNotFoundError):
@@ -48,9 +50,17 @@ class MessageStore:
         self.encoder = MessageEncoder(config)
         self.commit_log = CommitLog(root, config, read_only=read_only)
         self.checkpoint = StoreCheckpoint(root / CHECKPOINT_FILE, read_only=read_only)
+        self.queues = ConsumeQueueTable(root, config, read_only=read_only)
+        self.index: IndexService | None = None
         self.flusher: CommitLogFlusher | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.reader: StoreReader | None = None
         self.recovery: RecoveryReport | None = None
+        self.index_entries_repaired = 0
         self._close_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._maintenance: threading.Thread | None = None
+        self._logics_timestamp = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -83,16 +93,87 @@ class MessageStore:
             self._lock.acquire()
         abnormal = self._abort.exists()
         self.commit_log.load()
+        self.queues.load()
         self.checkpoint = StoreCheckpoint.load(self.root / CHECKPOINT_FILE, read_only=self.read_only)
-        table: dict[tuple[str, int], int] = {}
+        self.index = IndexService(self.root, self.config, self.checkpoint, read_only=self.read_only)
+        self.index.load()
+        dispatch_from = self.queues.recover()
         self.recovery = recover_commit_log(self.commit_log, self.checkpoint, self.root, abnormal=abnormal,
-                                           visit=_queue_offset_visitor(table))
-        self.commit_log.queue_offsets = table
+                                           dispatch_from=dispatch_from)
+        end = self.recovery.end_offset
+        if not self.commit_log.mapped_files.files:
+            if not self.read_only:
+                self.queues.destroy_all()
+        elif not self.read_only:
+            self.queues.truncate_dirty(end)
+        self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
+        self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics)
+        self.dispatcher.reput_from_offset = self._reput_start(abnormal, dispatch_from)
+        if not self.read_only:
+            self.dispatcher.dispatch_available()  # catch up before the first put or read
+        for (topic, queue_id), queue in self.queues.queues.items():
+            queue.correct_min_offset(self.commit_log.min_offset)
+            self.commit_log.queue_offsets[(topic, queue_id)] = queue.max_offset_in_queue
         self.commit_log.last_store_timestamp = self._last_store_timestamp()
+        self.reader = StoreReader(self.commit_log, self.queues, self.index, self.config)
         if not self.read_only:
             self._abort.create()
             self.flusher = CommitLogFlusher(self.commit_log, self.checkpoint, self.config)
             self.flusher.start()
+            self.dispatcher.start()
+            self._maintenance = threading.Thread(target=self._maintain, name="rocketstore-maintenance",
+                                                 daemon=True)
+            self._maintenance.start()
+
+    def _reput_start(self, abnormal: bool, dispatch_from: int) -> int:
+        """Where dispatch resumes: after the consume queues, or, after a crash, from the point recovery
+        trusted and from the newest index entry, whichever is older (duplicates are absorbed)."""
+        log_min = self.commit_log.min_offset
+        start = dispatch_from if dispatch_from >= 0 else log_min
+        if abnormal:
+            start = min(start, self.recovery.start_offset)
+        if self.index is not None and self.index.files and self.config.message_index_enable:
+            newest = self.index.files[-1]
+            start = min(start, newest.end_phy_offset if newest.index_count > 1 else newest.begin_phy_offset)
+        elif self.config.message_index_enable and not self.index.files:
+            start = log_min
+        return max(start, log_min)
+
+    def _note_logics(self, store_timestamp: int) -> None:
+        self._logics_timestamp = store_timestamp
+
+    def _maintain(self) -> None:
+        """Consume-queue and index flushing, checkpointing and retention (RocketMQ's other services)."""
+        interval = self.config.flush_interval_consume_queue / 1000
+        thorough_every = self.config.flush_consume_queue_thorough_interval / 1000
+        clean_every = 10.0
+        last_thorough = last_clean = time.monotonic()
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            try:
+                if now - last_thorough >= thorough_every:
+                    self.checkpoint_now()
+                    last_thorough = now
+                else:
+                    self.queues.flush(self.config.flush_consume_queue_least_pages)
+                    if self.index is not None:
+                        self.index.flush()
+                if now - last_clean >= clean_every:
+                    self.delete_expired_files()
+                    last_clean = now
+            except Exception:  # never let housekeeping kill the store; the next pass retries
+                log.exception("store maintenance failed")
+
+    def checkpoint_now(self) -> None:
+        """Flush consume queues and index fully, then record how far they are durable."""
+        self._check_open(write=True)
+        logics = self._logics_timestamp
+        self.queues.flush(0)
+        if self.index is not None:
+            self.index.flush()
+        if logics:
+            self.checkpoint.logics_msg_timestamp = logics
+        self.checkpoint.flush()
 
     def _last_store_timestamp(self) -> int:
         end = self.commit_log.max_offset
@@ -116,14 +197,28 @@ class MessageStore:
                 return
             self._closed = True
             try:
-                if not self.read_only and self.flusher is not None:
+                self._stop.set()
+                if self._maintenance is not None:
+                    self._maintenance.join()
+                if not self.read_only and self.flusher is not None and self.dispatcher is not None:
                     self.flusher.shutdown()
+                    self.dispatcher.shutdown()
+                    logics = self._logics_timestamp
+                    self.queues.flush(0)
+                    if self.index is not None:
+                        self.index.flush()
+                    if logics:
+                        self.checkpoint.logics_msg_timestamp = logics
                     self.checkpoint.flush()
-                    self._abort.delete()
+                    if self.dispatcher.behind_bytes() == 0:  # else the next open re-dispatches
+                        self._abort.delete()
             finally:
                 self._release()
 
     def _release(self) -> None:
+        if self.index is not None:
+            self.index.close()
+        self.queues.close()
         self.commit_log.close()
         if self._lock is not None:
             self._lock.release()
@@ -158,12 +253,15 @@ class MessageStore:
         if not records:
             return []
         appended = self.commit_log.append(records)
+        assert self.dispatcher is not None
+        self.dispatcher.wake()
         status = PutMessageStatus.PUT_OK
         if self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH and any(r.wait_store for r in records):
             end = appended[-1].phy_offset + appended[-1].size
             assert self.flusher is not None
             if not self.flusher.wait_flushed(end):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
+            self.dispatcher.wake()
         return [_result(status, rec, res, self.encoder.store_host_raw) for rec, res in zip(records, appended,
                                                                                               strict=True)]
 
@@ -174,6 +272,89 @@ class MessageStore:
         return self.flusher.flush(0)
 
     # --- reads -------------------------------------------------------------------------------
+
+    def wait_for_dispatch(self, timeout: float = 5.0) -> bool:
+        """Block until consume queues and index cover everything written so far (False on timeout).
+
+        Dispatch runs in the background as in RocketMQ; call this to read your own writes.
+        """
+        self._check_open()
+        if self.read_only or self.dispatcher is None:
+            return True
+        target = self.commit_log.flushed_offset if self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH \
+            else self.commit_log.max_offset
+        return self.dispatcher.wait_dispatched(target, timeout)
+
+    def get_message(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
+                    tags: str | Iterable[str] | None = None) -> GetMessageResult:
+        """Messages of one queue from a queue offset (``getMessage``), with RocketMQ's statuses.
+
+        ``tags`` is a subscription such as ``"TagA || TagB"`` (None or ``"*"``: all).
+        """
+        self._check_open()
+        return self._reader().get_message(topic, queue_id, offset, max_msgs, tags)
+
+    def get_offset_in_queue_by_time(self, topic: str, queue_id: int, timestamp: int,
+                                    boundary: str = "lower") -> int:
+        """The queue offset of the first ("lower") or last ("upper") message stored at ``timestamp``,
+        or of its neighbour when none was (``getOffsetInQueueByTime``)."""
+        self._check_open()
+        return self._reader().offset_by_time(topic, queue_id, timestamp, boundary)
+
+    def get_min_offset_in_queue(self, topic: str, queue_id: int) -> int:
+        self._check_open()
+        queue = self.queues.get(topic, queue_id)
+        return queue.min_offset_in_queue if queue else 0
+
+    def get_max_offset_in_queue(self, topic: str, queue_id: int) -> int:
+        """The next queue offset to be dispatched (0 for an unknown queue)."""
+        self._check_open()
+        queue = self.queues.get(topic, queue_id)
+        return queue.max_offset_in_queue if queue else 0
+
+    def get_earliest_message_time(self, topic: str | None = None, queue_id: int | None = None) -> int:
+        """Store time of the oldest message of a queue, or of the whole store; -1 if there is none."""
+        self._check_open()
+        return self._reader().earliest_message_time(topic, queue_id)
+
+    def query_message(self, topic: str, key: str, max_num: int = 64, begin: int = 0,
+                      end: int | None = None) -> list[MessageExt]:
+        """Messages of ``topic`` carrying ``key`` in their KEYS, stored in [begin, end] (ms).
+
+        Exact, unlike RocketMQ's store: colliding keys never match. The newest ``max_num``
+        (at most ``max_msgs_num_batch``) are returned, oldest first.
+        """
+        self._check_open()
+        return self._reader().query_message(topic, key, max_num, begin, end)
+
+    def query_message_by_uniq_key(self, topic: str, uniq_key: str) -> list[MessageExt]:
+        """Messages of ``topic`` whose UNIQ_KEY (the producer's msgId) is ``uniq_key``; a producer
+        retry can store one twice."""
+        self._check_open()
+        return self._reader().query_by_uniq_key(topic, uniq_key)
+
+    def view_message_by_id(self, msg_id: str) -> MessageExt:
+        """The message with this offset msgId (or UNIQ_KEY). Raises ``MessageNotFoundError`` or
+        ``InvalidMessageIdError``."""
+        self._check_open()
+        return self._reader().view_message_by_id(msg_id)
+
+    def topics(self) -> list[str]:
+        """Topics that have consume queues."""
+        return self.queues.topics()
+
+    def queue_ids(self, topic: str) -> list[int]:
+        return sorted(q for t, q in self.queues.queues if t == topic)
+
+    def _reader(self) -> StoreReader:
+        assert self.reader is not None
+        return self.reader
+
+    def delete_expired_files(self, *, now_ms: int | None = None, immediately: bool = False) -> RetentionReport:
+        """Apply retention now (the maintenance thread also does every 10 s)."""
+        self._check_open(write=True)
+        return delete_expired_files(self.commit_log, self.queues, self.index, self.config, now_ms=now_ms,
+                                    immediately=immediately)
 
     def look_message_by_offset(self, phy_offset: int, *, decompress: bool = False) -> MessageExt:
         """The message whose record starts at ``phy_offset`` (``lookMessageByOffset``).
@@ -215,17 +396,3 @@ def _result(status: PutMessageStatus, rec: PendingRecord, res, store_host_raw: b
     return PutMessageResult(status=status, msg_id=msg_id, uniq_key=rec.uniq_key, commit_log_offset=res.phy_offset,
                             queue_offset=res.queue_offset, store_timestamp=res.store_timestamp, store_size=res.size)
 
-
-def _queue_offset_visitor(table: dict[tuple[str, int], int]):
-    """Recovery visitor that rebuilds the next queue offset of each (topic, queue id)."""
-
-    def visit(mapped: MappedFile, pos: int, layout: RecordLayout) -> None:
-        if SysFlag.transaction_type(layout.sys_flag) in (SysFlag.TRANSACTION_PREPARED_TYPE,
-                                                          SysFlag.TRANSACTION_ROLLBACK_TYPE):
-            return
-        buf = mapped.buffer
-        queue_id, _flag, queue_offset = _QUEUE_FIELDS.unpack_from(buf, pos + 12)
-        topic = bytes(buf[layout.topic_pos : layout.topic_pos + layout.topic_len]).decode("utf-8", "replace")
-        table[(topic, queue_id)] = queue_offset + 1
-
-    return visit

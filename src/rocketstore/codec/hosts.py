@@ -56,7 +56,8 @@ class Host(NamedTuple):
             raise InvalidFlagError(f"not an IP address: {ip!r}") from None
         if not 0 <= port <= 0xFFFF:
             raise InvalidFlagError(f"port out of range in {text!r}")
-        return cls(str(address), port)
+        family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+        return cls(socket.inet_ntop(family, address.packed), port)  # the same spelling as from_bytes
 
     def __str__(self) -> str:
         if not self.is_ipv6:

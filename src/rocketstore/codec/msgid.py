@@ -30,6 +30,11 @@ _OFFSET = struct.Struct(">q")
 _UNIQ_TAIL = struct.Struct(">Hiih")  # pid, loader hash, time, counter (written as short)
 
 
+def _java_int(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value & 0x80000000 else value
+
+
 def create_offset_msg_id(store_host: Host | bytes, phy_offset: int) -> str:
     """``MessageDecoder.createMessageId``."""
     raw = store_host if isinstance(store_host, bytes | bytearray) else store_host.to_bytes()
@@ -92,7 +97,9 @@ class UniqKeyGenerator:
             if not start <= now < nxt:
                 self._month = start, nxt = _month_start_ms(now)
             count = next(self._counter) & 0xFFFF
-        elapsed = now - start
+        elapsed = _java_int(now - start)  # Java casts to int: wraps after ~24.86 days of a month
+        if -1_000_000 < elapsed < 0:
+            elapsed = 0
         counter = count - 0x10000 if count & 0x8000 else count
         tail = _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, counter)
         return (self._prefix + tail).hex().upper()
@@ -111,6 +118,7 @@ def decode_uniq_key(uniq_key: str, now_ms: int | None = None) -> UniqKeyInfo:
     pid, loader, elapsed, counter = _UNIQ_TAIL.unpack_from(raw, len(raw) - 12)
     now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     start, _ = _month_start_ms(now)
+    elapsed &= 0xFFFFFFFF  # undo the int cast: no month is 2^32 ms long
     stamp = start + elapsed
     if stamp >= now:  # not earlier than now: it was made in the previous month
         prev_start, _ = _month_start_ms(start - 1)

@@ -25,6 +25,7 @@ import contextlib
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -197,26 +198,43 @@ class IndexFile:
         ``into`` is the list shared across files by a multi-file query; ``max_num`` caps its length.
         """
         result = [] if into is None else into
+        if len(result) >= max_num:
+            return result
         key_hash, slot = self.slot_of(key)
+        for hash_read, phy, time_read in self._walk(slot, begin):
+            if hash_read == key_hash and begin <= time_read <= end:
+                result.append(phy)
+            if len(result) >= max_num:
+                break
+        return result
+
+    def iter_phy_offsets(self, key: str, begin: int = 0) -> Iterator[int]:
+        """Every offset in the key's chain with an equal hash, newest first, stopping as RocketMQ
+        does at the first entry older than ``begin`` (no count limit, no upper time bound)."""
+        key_hash, slot = self.slot_of(key)
+        for hash_read, phy, _time_read in self._walk(slot, begin):
+            if hash_read == key_hash:
+                yield phy
+
+    def _walk(self, slot: int, begin: int) -> Iterator[tuple[int, int, int]]:
+        """(keyHash, phyOffset, decoded time) of each entry of a slot's chain, with RocketMQ's stop rules."""
         buf = self.buffer
         count = self.index_count
         n = _I32.unpack_from(buf, INDEX_HEADER_SIZE + slot * HASH_SLOT_SIZE)[0]
         if n <= INVALID_INDEX or n > count or count <= 1:
-            return result
+            return
         begin_ts = self.begin_timestamp
         for _ in range(count):  # a chain visits each entry at most once; the bound survives a corrupt file
-            if len(result) >= max_num or n >= self.index_num:
-                break
+            if n >= self.index_num:
+                return
             hash_read, phy_read, time_diff, prev = _ENTRY.unpack_from(buf, self._entries_at + n * INDEX_ENTRY_SIZE)
             if time_diff < 0:
-                break
+                return
             time_read = begin_ts + time_diff * 1000
-            if hash_read == key_hash and begin <= time_read <= end:
-                result.append(phy_read)
+            yield hash_read, phy_read, time_read
             if prev <= INVALID_INDEX or prev > count or prev == n or time_read < begin:
-                break
+                return
             n = prev
-        return result
 
     def entry(self, n: int) -> tuple[int, int, int, int]:
         """Entry ``n`` as (keyHash, phyOffset, timeDiff, prevIndex)."""

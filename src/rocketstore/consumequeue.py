@@ -1,0 +1,379 @@
+"""Consume queues: per topic-queue arrays of 20-byte units pointing into the commit log.
+
+Unit (big-endian)::
+
+    0 commit-log offset i64 | 8 record size i32 (TOTALSIZE) | 12 tags code i64
+
+Queue offset q lives at logical byte 20q, in ``consumequeue/<topic>/<queueId>/%020d`` of
+``20q - 20q mod fileSize``. A unit is valid while offset >= 0 and size > 0, and the size is
+written last, so a unit torn by a crash is never valid. A queue whose first file starts past
+0 is padded with pre-blank units ``(0, 0x7FFFFFFF, 0)`` up to its first real unit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import StoreConfig
+from .mapped.file import MappedFile
+from .mapped.file_queue import MappedFileQueue
+
+CQ_UNIT_SIZE = 20
+CONSUMEQUEUE_DIR = "consumequeue"
+UNIT_FMT = ">qiq"
+_UNIT = struct.Struct(UNIT_FMT)
+_HEAD = struct.Struct(">q")  # offset
+_SIZE = struct.Struct(">i")
+_TAGS = struct.Struct(">q")
+PRE_BLANK_UNIT = _UNIT.pack(0, 0x7FFFFFFF, 0)
+assert _UNIT.size == CQ_UNIT_SIZE
+
+log = logging.getLogger(__name__)
+
+# store time of the record at a commit-log offset, or -1 when it is not readable (``getStoreTime``)
+StoreTimeLookup = Callable[[int, int], int]
+
+
+class ConsumeQueue:
+    """One topic-queue's units (RocketMQ's ``ConsumeQueue``)."""
+
+    def __init__(self, root: Path, topic: str, queue_id: int, config: StoreConfig, *, read_only: bool = False):
+        self.topic = topic
+        self.queue_id = queue_id
+        self.directory = root / CONSUMEQUEUE_DIR / topic / str(queue_id)
+        self.file_size = config.mapped_file_size_consume_queue
+        self.mapped_files = MappedFileQueue(self.directory, self.file_size, read_only=read_only, preallocate=False)
+        self.max_physic_offset = -1  # end (offset + size) of the last unit's record
+        self.min_logic_offset = 0  # bytes
+        self.lock = threading.Lock()
+
+    # --- load and recovery -------------------------------------------------------------------
+
+    def load(self) -> None:
+        self.mapped_files.load()
+
+    def recover(self) -> None:
+        """``recover()``: trust all but the last three files; end the queue at the first invalid unit."""
+        files = self.mapped_files.files
+        if not files:
+            return
+        start = max(0, len(files) - 3)
+        end = files[start].file_from_offset
+        max_physic = -1
+        for mapped in files[start:]:
+            buf = mapped.buffer
+            pos = 0
+            while pos < mapped.file_size:
+                offset, size, _tags = _UNIT.unpack_from(buf, pos)
+                if offset < 0 or size <= 0:
+                    break
+                max_physic = offset + size if size != 0x7FFFFFFF else max_physic
+                pos += CQ_UNIT_SIZE
+            end = mapped.file_from_offset + pos
+            if pos < mapped.file_size:
+                break
+        self.max_physic_offset = max_physic
+        if max_physic < 0 and start > 0:  # only pre-blank units in the scanned files: look further back
+            self.max_physic_offset = self._last_real_unit_end(files[:start])
+        self.mapped_files.truncate_dirty_files(end)
+        self.min_logic_offset = max(self.min_logic_offset, self.mapped_files.min_offset())
+
+    def _last_real_unit_end(self, files: list[MappedFile]) -> int:
+        for mapped in reversed(files):
+            for pos in range(mapped.wrote_position - CQ_UNIT_SIZE, -1, -CQ_UNIT_SIZE):
+                offset, size, _ = _UNIT.unpack_from(mapped.buffer, pos)
+                if offset >= 0 and 0 < size != 0x7FFFFFFF:
+                    return offset + size
+        return -1
+
+    def truncate_dirty(self, phy_offset: int) -> None:
+        """``truncateDirtyLogicFiles``: drop units whose record starts at or after ``phy_offset``."""
+        files = self.mapped_files.files
+        cut = self.mapped_files.max_offset()
+        for mapped in reversed(files):
+            offset, size, _ = _UNIT.unpack_from(mapped.buffer, 0)
+            if offset >= phy_offset and size != 0x7FFFFFFF:
+                cut = mapped.file_from_offset  # the whole file is dirty
+                continue
+            pos = 0
+            while pos + CQ_UNIT_SIZE <= mapped.wrote_position:
+                offset, size, _ = _UNIT.unpack_from(mapped.buffer, pos)
+                if offset < 0 or size <= 0 or (offset >= phy_offset and size != 0x7FFFFFFF):
+                    break
+                pos += CQ_UNIT_SIZE
+            cut = mapped.file_from_offset + pos
+            self._zero_after(mapped, pos)
+            break
+        self.mapped_files.truncate_dirty_files(cut)
+        self.max_physic_offset = self._last_real_unit_end(self.mapped_files.files)
+
+    @staticmethod
+    def _zero_after(mapped: MappedFile, pos: int) -> None:
+        if not mapped.read_only and pos < mapped.wrote_position:
+            end = mapped.wrote_position
+            mapped.buffer[pos:end] = bytes(end - pos)
+
+    def correct_min_offset(self, log_min_offset: int) -> None:
+        """``correctMinOffset``: the first unit whose record still exists in the commit log."""
+        first = self.mapped_files.first
+        if first is None:
+            return
+        buf = first.buffer
+        count = (first.wrote_position if first is self.mapped_files.last else first.file_size) // CQ_UNIT_SIZE
+        lo, hi, found = 0, count - 1, -1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            offset, size, _ = _UNIT.unpack_from(buf, mid * CQ_UNIT_SIZE)
+            if size != 0x7FFFFFFF and offset >= log_min_offset:
+                found, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        if found >= 0:
+            self.min_logic_offset = first.file_from_offset + found * CQ_UNIT_SIZE
+        else:
+            self.min_logic_offset = self.max_offset_in_queue * CQ_UNIT_SIZE
+
+    # --- append ------------------------------------------------------------------------------
+
+    def put_position(self, phy_offset: int, size: int, tags_code: int, queue_offset: int) -> bool:
+        """``putMessagePositionInfo``: append a unit; False if it was already there (a re-dispatch)."""
+        if phy_offset + size <= self.max_physic_offset:
+            return False
+        expected = queue_offset * CQ_UNIT_SIZE
+        mapped = self.mapped_files.last
+        if mapped is None or mapped.is_full():
+            start = expected - expected % self.file_size if mapped is None else mapped.file_end_offset
+            mapped = self.mapped_files.create_file(start)
+            if mapped is self.mapped_files.first and expected != start and queue_offset != 0:
+                for pos in range(0, expected - start, CQ_UNIT_SIZE):  # pre-blank up to the first unit
+                    mapped.write(pos, PRE_BLANK_UNIT)
+                mapped.wrote_position = expected - start
+                self.min_logic_offset = expected
+        current = mapped.file_from_offset + mapped.wrote_position
+        if queue_offset != 0 and expected < current:
+            return False  # duplicate
+        if expected > current:
+            log.error("consume queue %s-%d: unit for offset %d written at %d (a gap)", self.topic,
+                      self.queue_id, queue_offset, current // CQ_UNIT_SIZE)
+        pos = mapped.wrote_position
+        buf = mapped.buffer
+        _HEAD.pack_into(buf, pos, phy_offset)
+        _TAGS.pack_into(buf, pos + 12, tags_code)
+        _SIZE.pack_into(buf, pos + 8, size)  # last: a torn unit keeps size 0 and is invalid
+        mapped.wrote_position = pos + CQ_UNIT_SIZE
+        self.max_physic_offset = phy_offset + size
+        return True
+
+    # --- reads -------------------------------------------------------------------------------
+
+    @property
+    def max_offset_in_queue(self) -> int:
+        return self.mapped_files.max_offset() // CQ_UNIT_SIZE
+
+    @property
+    def min_offset_in_queue(self) -> int:
+        return self.min_logic_offset // CQ_UNIT_SIZE
+
+    def get_unit(self, queue_offset: int) -> tuple[int, int, int] | None:
+        """(commit-log offset, size, tags code) at a queue offset, or None."""
+        logical = queue_offset * CQ_UNIT_SIZE
+        if queue_offset < 0 or logical >= self.mapped_files.max_offset():
+            return None
+        mapped = self.mapped_files.find(logical)
+        if mapped is None:
+            return None
+        return _UNIT.unpack_from(mapped.buffer, logical - mapped.file_from_offset)
+
+    def units_from(self, queue_offset: int, max_units: int) -> tuple[list[tuple[int, int, int]], int | None]:
+        """Up to ``max_units`` units from ``queue_offset`` within one file, plus the next file's start
+        offset when ``queue_offset``'s file is missing (``OFFSET_FOUND_NULL``)."""
+        logical = queue_offset * CQ_UNIT_SIZE
+        mapped = self.mapped_files.find(logical)
+        if mapped is None:
+            nxt = logical - logical % self.file_size + self.file_size
+            return [], nxt // CQ_UNIT_SIZE
+        pos = logical - mapped.file_from_offset
+        end = min(mapped.wrote_position, pos + max_units * CQ_UNIT_SIZE)
+        buf = mapped.buffer
+        return [_UNIT.unpack_from(buf, p) for p in range(pos, end, CQ_UNIT_SIZE)], None
+
+    def offset_by_time(self, timestamp: int, upper: bool, store_time: StoreTimeLookup, log_min: int) -> int:
+        """``getOffsetInQueueByTime`` (spec 4.5); the caller clamps to [min, max]."""
+        files = self.mapped_files.files
+        if not files:
+            return 0
+        last = files[-1]
+        chosen: MappedFile | None = None
+        if upper:
+            for mapped in reversed(files):
+                if self._first_time(mapped, store_time) <= timestamp:
+                    chosen = mapped
+                    break
+            if chosen is None:
+                return 0
+        else:
+            for mapped in files[:-1]:
+                if self._last_time(mapped, store_time) >= timestamp:
+                    chosen = mapped
+                    break
+            chosen = chosen or last
+        start = chosen.file_from_offset
+        floor = low = max(0, self.min_logic_offset - start)
+        data_range = chosen.wrote_position if chosen is last else chosen.file_size
+        ceiling = high = data_range - CQ_UNIT_SIZE
+        if ceiling < floor:
+            return (start + floor) // CQ_UNIT_SIZE
+        buf = chosen.buffer
+
+        def t(pos: int) -> int:
+            offset, size, _ = _UNIT.unpack_from(buf, pos)
+            return store_time(offset, size)
+
+        if t(ceiling) < timestamp:
+            return (start + ceiling + (0 if upper else CQ_UNIT_SIZE)) // CQ_UNIT_SIZE
+        if t(floor) > timestamp:
+            return 0 if upper else start // CQ_UNIT_SIZE
+        left_mid = right_mid = -1
+        while high >= low:
+            mid = (low + high) // (2 * CQ_UNIT_SIZE) * CQ_UNIT_SIZE
+            offset, size, _ = _UNIT.unpack_from(buf, mid)
+            if offset < log_min:
+                low = mid + CQ_UNIT_SIZE
+                left_mid = mid
+                continue
+            mid_time = store_time(offset, size)
+            if mid_time < 0:
+                return 0
+            if mid_time == timestamp:
+                pos = mid
+                if upper:
+                    while pos + CQ_UNIT_SIZE <= ceiling and t(pos + CQ_UNIT_SIZE) == timestamp:
+                        pos += CQ_UNIT_SIZE
+                else:
+                    while pos - CQ_UNIT_SIZE >= floor and t(pos - CQ_UNIT_SIZE) == timestamp:
+                        pos -= CQ_UNIT_SIZE
+                return (start + pos) // CQ_UNIT_SIZE
+            if mid_time > timestamp:
+                high = mid - CQ_UNIT_SIZE
+                right_mid = mid
+            else:
+                low = mid + CQ_UNIT_SIZE
+                left_mid = mid
+        pos = left_mid if upper else right_mid
+        return (start + pos) // CQ_UNIT_SIZE if pos >= 0 else (0 if upper else start // CQ_UNIT_SIZE)
+
+    @staticmethod
+    def _first_time(mapped: MappedFile, store_time: StoreTimeLookup) -> int:
+        offset, size, _ = _UNIT.unpack_from(mapped.buffer, 0)
+        return store_time(offset, size) if mapped.wrote_position else -1
+
+    @staticmethod
+    def _last_time(mapped: MappedFile, store_time: StoreTimeLookup) -> int:
+        offset, size, _ = _UNIT.unpack_from(mapped.buffer, mapped.file_size - CQ_UNIT_SIZE)
+        return store_time(offset, size)
+
+    # --- durability and retention ------------------------------------------------------------
+
+    def flush(self, least_pages: int = 0) -> None:
+        self.mapped_files.flush(least_pages)
+
+    def delete_files_before(self, log_min_offset: int) -> int:
+        """Delete leading files whose units all point below ``log_min_offset``; returns how many."""
+        doomed = 0
+        files = self.mapped_files.files
+        for mapped in files[:-1]:
+            offset, size, _ = _UNIT.unpack_from(mapped.buffer, mapped.file_size - CQ_UNIT_SIZE)
+            if offset >= 0 and offset + size <= log_min_offset:
+                doomed += 1
+            else:
+                break
+        if doomed:
+            self.mapped_files.delete_first(doomed)
+        self.correct_min_offset(log_min_offset)
+        return doomed
+
+    def close(self) -> None:
+        self.mapped_files.close()
+
+    def destroy(self) -> None:
+        self.mapped_files.destroy()
+        for directory in (self.directory, self.directory.parent):
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+
+
+class ConsumeQueueTable:
+    """All consume queues of a store, created on first use (``consumeQueueTable``)."""
+
+    def __init__(self, root: Path, config: StoreConfig, *, read_only: bool = False) -> None:
+        self.root = root
+        self.config = config
+        self.read_only = read_only
+        self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        """Map every ``consumequeue/<topic>/<queueId>`` directory (names RocketMQ could have written)."""
+        base = self.root / CONSUMEQUEUE_DIR
+        if not base.is_dir():
+            return
+        for topic_entry in sorted(os.scandir(base), key=lambda e: e.name):
+            if not topic_entry.is_dir():
+                continue
+            for queue_entry in sorted(os.scandir(topic_entry.path), key=lambda e: e.name):
+                if not queue_entry.is_dir() or not queue_entry.name.isdigit():
+                    continue
+                queue = ConsumeQueue(self.root, topic_entry.name, int(queue_entry.name), self.config,
+                                     read_only=self.read_only)
+                queue.load()
+                self.queues[(topic_entry.name, int(queue_entry.name))] = queue
+
+    def get(self, topic: str, queue_id: int) -> ConsumeQueue | None:
+        return self.queues.get((topic, queue_id))
+
+    def find_or_create(self, topic: str, queue_id: int) -> ConsumeQueue:
+        queue = self.queues.get((topic, queue_id))
+        if queue is None:
+            with self._lock:
+                queue = self.queues.get((topic, queue_id))
+                if queue is None:
+                    queue = ConsumeQueue(self.root, topic, queue_id, self.config, read_only=self.read_only)
+                    self.queues[(topic, queue_id)] = queue
+        return queue
+
+    def recover(self) -> int:
+        """Recover every queue; returns the largest ``max_physic_offset`` (-1 when there is none)."""
+        best = -1
+        for queue in self.queues.values():
+            queue.recover()
+            best = max(best, queue.max_physic_offset)
+        return best
+
+    def truncate_dirty(self, phy_offset: int) -> None:
+        for queue in self.queues.values():
+            if queue.max_physic_offset > phy_offset:
+                queue.truncate_dirty(phy_offset)
+
+    def topics(self) -> list[str]:
+        return sorted({topic for topic, _ in self.queues})
+
+    def flush(self, least_pages: int = 0) -> None:
+        for queue in list(self.queues.values()):
+            queue.flush(least_pages)
+
+    def close(self) -> None:
+        for queue in self.queues.values():
+            queue.close()
+
+    def destroy_all(self) -> None:
+        for queue in self.queues.values():
+            queue.destroy()
+        self.queues.clear()
+

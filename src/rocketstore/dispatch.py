@@ -1,0 +1,188 @@
+"""Dispatch: following the commit log to build consume queues and the index (``ReputMessageService``).
+
+A background thread reads every record between ``reput_from_offset`` and the confirm offset
+(the write position under ASYNC_FLUSH, the flushed position under SYNC_FLUSH, so consumers
+never see a message that could still vanish) and hands it to the two dispatchers:
+
+* consume queue: NOT and COMMIT transaction types only;
+* index: everything but ROLLBACK.
+
+Readers call ``wait_dispatched(offset)`` to see their own writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+from .codec.hashing import java_string_hash
+from .codec.properties import PropertyName, decode_properties
+from .codec.record import RecordLayout, read_layout
+from .commitlog import CommitLog
+from .config import FlushDiskType, StoreConfig
+from .consumequeue import ConsumeQueueTable
+from .errors import CorruptDataError
+from .index.service import IndexService
+from .message import SysFlag
+
+SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+_FIELDS = struct.Struct(">iiqq")  # queue id, flag, queue offset, phy offset at record position 12
+_TS = struct.Struct(">q")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchRequest:
+    """What the dispatchers need of one record (``DispatchRequest``)."""
+
+    topic: str
+    queue_id: int
+    commit_log_offset: int
+    size: int
+    tags_code: int
+    store_timestamp: int
+    queue_offset: int
+    keys: str | None
+    uniq_key: str | None
+    sys_flag: int
+
+
+def dispatch_request(buf, pos: int, layout: RecordLayout, config: StoreConfig) -> DispatchRequest:
+    """Read the dispatch fields of a validated record (``checkMessageAndReturnSize``'s side output)."""
+    queue_id, _flag, queue_offset, phy_offset = _FIELDS.unpack_from(buf, pos + 12)
+    sys_flag = layout.sys_flag
+    store_ts = _TS.unpack_from(buf, pos + 48 + (20 if sys_flag & SysFlag.BORNHOST_V6 else 8))[0]
+    topic = bytes(buf[layout.topic_pos : layout.topic_pos + layout.topic_len]).decode("utf-8", "replace")
+    props = decode_properties(bytes(buf[layout.props_pos : layout.props_pos + layout.props_len])
+                              .decode("utf-8", "replace")) if layout.props_len else {}
+    return DispatchRequest(topic, queue_id, phy_offset, layout.size, tags_code_of(topic, props, store_ts, config),
+                           store_ts, queue_offset, props.get(PropertyName.KEYS), props.get(PropertyName.UNIQ_KEY),
+                           sys_flag)
+
+
+def tags_code_of(topic: str, props: dict[str, str], store_timestamp: int, config: StoreConfig) -> int:
+    """Tags code of a record: hash of TAGS, or the delivery time of a delayed message."""
+    if topic == SCHEDULE_TOPIC and PropertyName.DELAY in props:
+        try:
+            level = int(props[PropertyName.DELAY])
+        except ValueError:
+            level = 0
+        levels = config.delay_levels_ms
+        level = min(level, len(levels))
+        if level > 0:
+            return store_timestamp + levels[level - 1]
+    tags = props.get(PropertyName.TAGS)
+    return java_string_hash(tags) if tags else 0
+
+
+class Dispatcher:
+    """Builds consume queues and index entries from the commit log, in a background thread."""
+
+    def __init__(self, commit_log: CommitLog, queues: ConsumeQueueTable, index: IndexService | None,
+                 config: StoreConfig, on_logic_timestamp) -> None:
+        self.commit_log = commit_log
+        self.queues = queues
+        self.index = index
+        self.config = config
+        self.reput_from_offset = 0
+        self._on_logic_timestamp = on_logic_timestamp
+        self._cond = threading.Condition()
+        self._work = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._round_lock = threading.Lock()
+        self.last_error: BaseException | None = None
+
+    def confirm_offset(self) -> int:
+        if self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH:
+            return self.commit_log.flushed_offset
+        return self.commit_log.max_offset
+
+    def dispatch_available(self) -> int:
+        """Dispatch everything up to the confirm offset now; returns the number of records."""
+        done = 0
+        with self._round_lock:
+            end = self.confirm_offset()
+            offset = self.reput_from_offset
+            files = self.commit_log.mapped_files
+            try:
+                while offset < end:
+                    mapped = files.find(offset)
+                    if mapped is None:
+                        break
+                    pos = offset - mapped.file_from_offset
+                    if pos >= mapped.wrote_position:
+                        break
+                    layout = read_layout(mapped.buffer, pos, mapped.wrote_position, path=str(mapped.path),
+                                         base=mapped.file_from_offset)
+                    if layout is None:  # BLANK: the log continues in the next segment
+                        offset = mapped.file_end_offset
+                        continue
+                    self.dispatch(dispatch_request(mapped.buffer, pos, layout, self.config))
+                    offset += layout.size
+                    done += 1
+            except CorruptDataError as exc:  # recovery validated the log, so this is new damage
+                self.last_error = exc
+                log.error("dispatch stopped at %d: %s", offset, exc)
+            self.reput_from_offset = offset
+        if done:
+            with self._cond:
+                self._cond.notify_all()
+        return done
+
+    def dispatch(self, req: DispatchRequest) -> None:
+        tran = SysFlag.transaction_type(req.sys_flag)
+        if tran in (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT_TYPE):
+            queue = self.queues.find_or_create(req.topic, req.queue_id)
+            if queue.put_position(req.commit_log_offset, req.size, req.tags_code, req.queue_offset):
+                self._on_logic_timestamp(req.store_timestamp)
+        if self.index is not None and self.config.message_index_enable:
+            self.index.build_index(req.topic, req.commit_log_offset, req.store_timestamp, req.sys_flag,
+                                   req.uniq_key, req.keys)
+
+    # --- thread ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rocketstore-dispatch", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._work.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._work.wait(0.01)
+            self._work.clear()
+            try:
+                self.dispatch_available()
+            except Exception as exc:  # keep the thread alive; readers see last_error
+                self.last_error = exc
+                log.exception("dispatch failed")
+                time.sleep(0.05)
+
+    def wait_dispatched(self, offset: int, timeout: float = 5.0) -> bool:
+        """Block until everything below commit-log ``offset`` is dispatched (or it cannot be)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.reput_from_offset < offset:
+                self._work.set()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.05))
+        return True
+
+    def behind_bytes(self) -> int:
+        return max(0, self.commit_log.max_offset - self.reput_from_offset)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._work.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.dispatch_available()

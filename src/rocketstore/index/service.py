@@ -1,0 +1,256 @@
+"""The list of index files of a store (RocketMQ's ``IndexService``).
+
+What gets indexed for each dispatched record (except ROLLBACK): ``topic#UNIQ_KEY``, then
+``topic#k`` for every non-empty space-separated KEYS token, into the newest file, rolling to a
+new file (named by its local creation time, ``yyyyMMddHHmmssSSS``) when it is full.
+
+Where rocketstore departs from RocketMQ, on purpose:
+
+* after a crash RocketMQ deletes every index file newer than the checkpoint, so older messages
+  stop being findable by key (apache/rocketmq #3868, #8007). Here the newest file is repaired
+  instead: entries pointing past the recovered end of the commit log are unlinked from their
+  chains, a slot torn by a kill between its write and the count update is re-linked, and the
+  header is rewritten; re-dispatch then adds what is missing;
+* index files are flushed periodically and at shutdown, not only when full (#4463);
+* ``iter_candidates`` walks chains without RocketMQ's ``maxNum`` cut-off and with a window
+  widened by the one-second rounding, so an exact query can keep walking past colliding keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ..checkpoint import StoreCheckpoint
+from ..config import StoreConfig
+from ..message import SysFlag
+from .file import INDEX_HEADER_SIZE, IndexFile
+
+INDEX_DIR = "index"
+_NAME = re.compile(r"\d{17}")
+
+log = logging.getLogger(__name__)
+
+StoreTimeLookup = Callable[[int], int]  # store time of the record at a commit-log offset, -1 if none
+
+
+def index_file_name(now_ms: int) -> str:
+    """``UtilAll.timeMillisToHumanString``: local time as yyyyMMddHHmmssSSS."""
+    return time.strftime("%Y%m%d%H%M%S", time.localtime(now_ms // 1000)) + f"{now_ms % 1000:03d}"
+
+
+def build_key(topic: str, key: str) -> str:
+    return f"{topic}#{key}"
+
+
+class IndexService:
+    """Owns ``index/``: building, querying, repairing and expiring index files."""
+
+    def __init__(self, root: Path, config: StoreConfig, checkpoint: StoreCheckpoint, *, read_only: bool = False,
+                 clock: Callable[[], int] | None = None) -> None:
+        self.directory = root / INDEX_DIR
+        self.config = config
+        self.checkpoint = checkpoint
+        self.read_only = read_only
+        self.hash_slot_num = config.max_hash_slot_num
+        self.index_num = config.max_index_num
+        self.files: list[IndexFile] = []
+        self.lock = threading.RLock()
+        self._clock = clock or (lambda: time.time_ns() // 1_000_000)
+        self.dirty = False
+
+    # --- load and repair ---------------------------------------------------------------------
+
+    def load(self) -> None:
+        if not self.directory.is_dir():
+            return
+        names = sorted(e.name for e in os.scandir(self.directory) if _NAME.fullmatch(e.name))
+        for name in names:
+            self.files.append(IndexFile.open(self.directory / name, self.hash_slot_num, self.index_num,
+                                             read_only=self.read_only))
+
+    def repair(self, log_end: int, store_time: StoreTimeLookup) -> int:
+        """Make the newest files consistent with a commit log that ends at ``log_end``.
+
+        Returns how many entries were unlinked. Files holding nothing below ``log_end`` are deleted.
+        """
+        if self.read_only:
+            return 0
+        removed = 0
+        with self.lock:
+            while self.files:
+                newest = self.files[-1]
+                if newest.index_count > 1 and newest.begin_phy_offset >= log_end and len(self.files) > 1:
+                    removed += newest.index_count - 1
+                    newest.destroy()
+                    self.files.pop()
+                    continue
+                removed += _repair_file(newest, log_end, store_time)
+                break
+        return removed
+
+    # --- build -------------------------------------------------------------------------------
+
+    def _last_file_for_write(self) -> IndexFile:
+        """``getAndCreateLastIndexFile``: the newest file, or a new one continuing a full one."""
+        last = self.files[-1] if self.files else None
+        if last is not None and not last.is_write_full():
+            return last
+        end_phy = end_ts = 0
+        if last is not None:
+            end_phy, end_ts = last.end_phy_offset, last.end_timestamp
+            last.flush()  # RocketMQ flushes a full file in the background; it is one msync, done here
+            self.checkpoint.index_msg_timestamp = last.end_timestamp
+            self.checkpoint.flush()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        now = self._clock()
+        while (self.directory / index_file_name(now)).exists():  # two files in one millisecond
+            now += 1
+        created = IndexFile.create(self.directory / index_file_name(now), self.hash_slot_num, self.index_num,
+                                   end_phy, end_ts)
+        self.files.append(created)
+        return created
+
+    def build_index(self, topic: str, phy_offset: int, store_timestamp: int, sys_flag: int,
+                    uniq_key: str | None, keys: str | None) -> None:
+        """``buildIndex`` for one dispatched record."""
+        with self.lock:
+            index = self._last_file_for_write()
+            if phy_offset < index.end_phy_offset:
+                return  # already indexed (a re-dispatch)
+            if SysFlag.transaction_type(sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE:
+                return
+            self.dirty = True
+            if uniq_key:
+                index = self._put(index, build_key(topic, uniq_key), phy_offset, store_timestamp)
+            if keys:
+                for key in keys.split(" "):
+                    if key:
+                        index = self._put(index, build_key(topic, key), phy_offset, store_timestamp)
+
+    def _put(self, index: IndexFile, key: str, phy_offset: int, store_timestamp: int) -> IndexFile:
+        while not index.put_key(key, phy_offset, store_timestamp):
+            index = self._last_file_for_write()
+        return index
+
+    # --- query -------------------------------------------------------------------------------
+
+    def query_offset(self, topic: str, key: str, max_num: int, begin: int, end: int) -> tuple[list[int], int, int]:
+        """RocketMQ's ``queryOffset``: raw, hash-only offsets plus the newest file's end time and offset."""
+        max_num = min(max_num, self.config.max_msgs_num_batch)
+        offsets: list[int] = []
+        last_ts = last_phy = 0
+        full_key = build_key(topic, key)
+        with self.lock:
+            files = list(self.files)
+        for i in range(len(files) - 1, -1, -1):
+            index = files[i]
+            if i == len(files) - 1:
+                last_ts, last_phy = index.end_timestamp, index.end_phy_offset
+            if index.is_time_matched(begin, end):
+                index.select_phy_offsets(full_key, max_num, begin, end, into=offsets)
+            if index.begin_timestamp < begin or len(offsets) >= max_num:
+                break
+        return offsets, last_ts, last_phy
+
+    def iter_candidates(self, topic: str, key: str, begin: int, end: int) -> Iterator[int]:
+        """Every offset whose entry hash matches ``topic#key``, newest first, without a count limit.
+
+        The time window is widened by the index's one-second rounding; callers check the real
+        store time and the real key.
+        """
+        full_key = build_key(topic, key)
+        with self.lock:
+            files = list(self.files)
+        widened_begin = max(0, begin - 1000)
+        for index in reversed(files):
+            if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
+                yield from index.iter_phy_offsets(full_key, widened_begin)
+            if index.begin_timestamp < widened_begin:
+                return
+
+    # --- durability and retention ------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Flush the newest file (the older ones were flushed when they filled up)."""
+        with self.lock:
+            if self.files and self.dirty:
+                self.files[-1].flush()
+                self.dirty = False
+
+    def delete_expired(self, min_log_offset: int) -> int:
+        """``deleteExpiredFile``: drop the oldest files whose entries all point below the log start."""
+        with self.lock:
+            doomed = 0
+            for index in self.files[:-1]:
+                if index.end_phy_offset < min_log_offset:
+                    doomed += 1
+                else:
+                    break
+            for index in self.files[:doomed]:
+                index.destroy()
+            del self.files[:doomed]
+            return doomed
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.read_only:
+                for index in self.files[-1:]:
+                    index.flush()
+            for index in self.files:
+                index.close()
+            self.files = []
+
+
+def _repair_file(index: IndexFile, log_end: int, store_time: StoreTimeLookup) -> int:
+    """Unlink entries at or past ``log_end`` and re-link a slot torn by a kill; rewrite the header."""
+    import numpy as np
+
+    buf = index.buffer
+    count = index.index_count
+    slots = np.frombuffer(buf, dtype=">i4", count=index.hash_slot_num, offset=INDEX_HEADER_SIZE).copy()
+    changed = False
+    # A kill between a put's slot write and its count update leaves a slot pointing at entry `count`.
+    torn = np.flatnonzero(slots >= count)
+    for slot in torn:
+        n = int(slots[slot])
+        prev = index.entry(n)[3] if n < index.index_num else 0
+        slots[slot] = prev if 0 < prev < count else 0
+        changed = True
+    removed = 0
+    while count > 1:
+        key_hash, phy, _diff, prev = index.entry(count - 1)
+        if phy < log_end:
+            break
+        slot = key_hash % index.hash_slot_num
+        if slots[slot] == count - 1:
+            slots[slot] = prev if 0 < prev < count - 1 else 0
+        count -= 1
+        removed += 1
+        changed = True
+    if not changed:
+        return 0
+    entries_at = INDEX_HEADER_SIZE + index.hash_slot_num * 4
+    buf[INDEX_HEADER_SIZE:entries_at] = slots.astype(">i4").tobytes()
+    buf[entries_at + count * 20 : entries_at + (count + removed) * 20] = bytes(removed * 20)
+    index.index_count = count
+    index.hash_slot_count = int(np.count_nonzero(slots))
+    if count > 1:
+        last_phy = index.entry(count - 1)[1]
+        index.end_phy_offset = last_phy
+        stamp = store_time(last_phy)
+        if stamp > 0:
+            index.end_timestamp = stamp
+    else:
+        index.end_phy_offset, index.end_timestamp = index.begin_phy_offset, index.begin_timestamp
+    index.flush()
+    if removed or len(torn):
+        log.warning("repaired index file %s: %d entries past the log end unlinked, %d torn slots re-linked",
+                    index.path.name, removed, len(torn))
+    return removed
+

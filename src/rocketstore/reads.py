@@ -1,0 +1,205 @@
+"""Reading messages back: by queue offset (``getMessage``), by time, by key, by unique key, by id.
+
+Queries through the index are exact, unlike RocketMQ's store: every candidate offset is read
+and kept only if it is a real record start whose topic matches, whose KEYS (or UNIQ_KEY) holds
+the key, and whose store time lies in the window. Hash collisions (``Aa``/``BB``) therefore
+never return a foreign message, the walk continues past them, and no query returns more than
+``max_num`` messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from .codec.hashing import java_string_hash
+from .codec.msgid import decode_offset_msg_id
+from .commitlog import CommitLog
+from .config import StoreConfig
+from .consumequeue import ConsumeQueueTable
+from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError, OffsetOutOfRangeError
+from .index.service import IndexService
+from .message import MessageExt
+
+LONG_MAX = (1 << 63) - 1
+MAX_TOTAL_MSG_SIZE = 128 << 20  # maxTransferBytesOnMessageInDisk-style cap on one getMessage batch
+
+
+class GetMessageStatus(enum.Enum):
+    """RocketMQ's ``GetMessageStatus``."""
+
+    FOUND = "FOUND"
+    NO_MATCHED_MESSAGE = "NO_MATCHED_MESSAGE"
+    MESSAGE_WAS_REMOVING = "MESSAGE_WAS_REMOVING"
+    OFFSET_FOUND_NULL = "OFFSET_FOUND_NULL"
+    OFFSET_OVERFLOW_BADLY = "OFFSET_OVERFLOW_BADLY"
+    OFFSET_OVERFLOW_ONE = "OFFSET_OVERFLOW_ONE"
+    OFFSET_TOO_SMALL = "OFFSET_TOO_SMALL"
+    NO_MATCHED_LOGIC_QUEUE = "NO_MATCHED_LOGIC_QUEUE"
+    NO_MESSAGE_IN_QUEUE = "NO_MESSAGE_IN_QUEUE"
+
+
+@dataclass(slots=True)
+class GetMessageResult:
+    status: GetMessageStatus
+    next_begin_offset: int
+    min_offset: int
+    max_offset: int
+    messages: list[MessageExt] = field(default_factory=list)
+
+
+def parse_tags(tags: str | Iterable[str] | None) -> set[str] | None:
+    """A subscription: ``"TagA || TagB"``, an iterable of tags, or None / ``"*"`` for everything."""
+    if tags is None:
+        return None
+    items = [t.strip() for t in (tags.split("||") if isinstance(tags, str) else tags)]
+    items = [t for t in items if t]
+    if not items or "*" in items:
+        return None
+    return set(items)
+
+
+class StoreReader:
+    """Read paths over the commit log, the consume queues and the index."""
+
+    def __init__(self, commit_log: CommitLog, queues: ConsumeQueueTable, index: IndexService | None,
+                 config: StoreConfig) -> None:
+        self.commit_log = commit_log
+        self.queues = queues
+        self.index = index
+        self.config = config
+
+    # --- by queue offset ---------------------------------------------------------------------
+
+    def get_message(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
+                    tags: str | Iterable[str] | None = None, max_total_bytes: int = MAX_TOTAL_MSG_SIZE
+                    ) -> GetMessageResult:
+        """``getMessage``: up to ``max_msgs`` messages from ``offset`` in one queue, filtered by tags."""
+        queue = self.queues.get(topic, queue_id)
+        if queue is None or queue.max_offset_in_queue == 0:
+            return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
+        low, high = queue.min_offset_in_queue, queue.max_offset_in_queue
+        if offset < low:
+            return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, low, low, high)
+        if offset == high:
+            return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_ONE, offset, low, high)
+        if offset > high:
+            return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_BADLY, high, low, high)
+        wanted = parse_tags(tags)
+        codes = {java_string_hash(t) for t in wanted} if wanted else None
+        max_units = max(16000, max_msgs * 20) // 20
+        units, next_file = queue.units_from(offset, max_units)
+        if next_file is not None:
+            return GetMessageResult(GetMessageStatus.OFFSET_FOUND_NULL, next_file, low, high)
+        result = GetMessageResult(GetMessageStatus.NO_MATCHED_MESSAGE, offset, low, high)
+        total = 0
+        log_min = self.commit_log.min_offset
+        for i, (phy, size, tags_code) in enumerate(units):
+            if result.messages and (len(result.messages) + 1 > max_msgs or total + size > max_total_bytes):
+                break
+            result.next_begin_offset = offset + i + 1
+            if codes is not None and _int32(tags_code) not in codes:
+                continue
+            if phy < log_min:
+                result.status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                continue
+            try:
+                msg = self.commit_log.get_message(phy)
+            except (MessageNotFoundError, CorruptDataError):
+                continue
+            if wanted is not None and msg.tags not in wanted:
+                continue  # the tags code matched, the tags did not: a hash collision
+            result.messages.append(msg)
+            total += size
+        if result.messages:
+            result.status = GetMessageStatus.FOUND
+        return result
+
+    def offset_by_time(self, topic: str, queue_id: int, timestamp: int, boundary: str = "lower") -> int:
+        if boundary not in ("lower", "upper"):
+            raise ValueError(f"boundary must be 'lower' or 'upper', not {boundary!r}")
+        queue = self.queues.get(topic, queue_id)
+        if queue is None:
+            return 0
+        found = queue.offset_by_time(timestamp, boundary == "upper", self.commit_log.store_time,
+                                     self.commit_log.min_offset)
+        return min(max(found, queue.min_offset_in_queue), queue.max_offset_in_queue)
+
+    def earliest_message_time(self, topic: str | None = None, queue_id: int | None = None) -> int:
+        if topic is None:
+            return self.commit_log.store_time(self.commit_log.min_offset) if self.commit_log.max_offset else -1
+        queue = self.queues.get(topic, queue_id or 0)
+        if queue is None:
+            return -1
+        unit = queue.get_unit(queue.min_offset_in_queue)
+        return -1 if unit is None else self.commit_log.store_time(unit[0], unit[1])
+
+    # --- by key, unique key, id ------------------------------------------------------------
+
+    def query_message(self, topic: str, key: str, max_num: int = 64, begin: int = 0,
+                      end: int | None = None) -> list[MessageExt]:
+        """Messages of ``topic`` whose KEYS contain ``key``, stored in [begin, end]; newest ``max_num``,
+        returned oldest first (``queryMessage``, with the client's exact filter applied)."""
+        max_num = min(max_num, self.config.max_msgs_num_batch)
+        return self._verified(topic, key, max_num, begin, LONG_MAX if end is None else end,
+                              lambda m: key in m.keys)
+
+    def query_by_uniq_key(self, topic: str, uniq_key: str, max_num: int | None = None) -> list[MessageExt]:
+        limit = self.config.default_query_max_num if max_num is None else max_num
+        return self._verified(topic, uniq_key, limit, 0, LONG_MAX, lambda m: m.uniq_key == uniq_key)
+
+    def _verified(self, topic: str, key: str, max_num: int, begin: int, end: int, matches) -> list[MessageExt]:
+        if self.index is None or max_num <= 0:
+            return []
+        found: dict[int, MessageExt] = {}
+        for phy in self.index.iter_candidates(topic, key, begin, end):
+            if phy in found:
+                continue
+            msg = self._read_or_none(phy)
+            if msg is None or msg.topic != topic or not begin <= msg.store_timestamp <= end or not matches(msg):
+                continue
+            found[phy] = msg
+            if len(found) >= max_num:
+                break
+        return [found[phy] for phy in sorted(found)]
+
+    def _read_or_none(self, phy: int) -> MessageExt | None:
+        try:
+            return self.commit_log.get_message(phy)
+        except (MessageNotFoundError, CorruptDataError):
+            return None
+
+    def view_message_by_id(self, msg_id: str) -> MessageExt:
+        """The message with this offset msgId; a UNIQ_KEY is accepted too (as mqadmin falls back)."""
+        try:
+            _host, phy = decode_offset_msg_id(msg_id)
+        except InvalidMessageIdError:
+            raise
+        try:
+            msg = self.commit_log.get_message(phy)
+            if msg.msg_id == msg_id.strip().upper():
+                return msg
+        except (OffsetOutOfRangeError, MessageNotFoundError):
+            pass
+        for topic in self.queues.topics():
+            hits = self.query_by_uniq_key(topic, msg_id.strip().upper(), 1)
+            if hits:
+                return hits[0]
+        raise MessageNotFoundError(f"no message with id {msg_id}")
+
+    def iter_queue(self, topic: str, queue_id: int, start: int = 0) -> Iterator[MessageExt]:
+        offset = start
+        while True:
+            result = self.get_message(topic, queue_id, offset, 256)
+            yield from result.messages
+            if result.status not in (GetMessageStatus.FOUND, GetMessageStatus.NO_MATCHED_MESSAGE,
+                                     GetMessageStatus.MESSAGE_WAS_REMOVING, GetMessageStatus.OFFSET_FOUND_NULL,
+                                     GetMessageStatus.OFFSET_TOO_SMALL):
+                return
+            offset = result.next_begin_offset
+
+
+def _int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value & 0x80000000 else value

@@ -1,0 +1,73 @@
+"""Retention: deleting expired commit-log segments with the queue and index files that only cover them.
+
+A segment expires ``file_reserved_time`` hours after its last modification, and is deleted at
+the hour ``delete_when`` names (RocketMQ's ``deleteWhen``, default 04) or at once when the disk
+holding the log is fuller than ``disk_max_used_space_ratio`` percent (then the oldest go first,
+expired or not). The segment being written is never deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from .commitlog import CommitLog
+from .config import StoreConfig
+from .consumequeue import ConsumeQueueTable
+from .index.service import IndexService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RetentionReport:
+    commit_log_files: list[str] = field(default_factory=list)
+    consume_queue_files: int = 0
+    index_files: int = 0
+    disk_used_ratio: float = 0.0
+
+
+def disk_used_ratio(path: str | os.PathLike) -> float:
+    usage = shutil.disk_usage(path)
+    return 100.0 * (usage.total - usage.free) / usage.total if usage.total else 0.0
+
+
+def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index: IndexService | None,
+                         config: StoreConfig, *, now_ms: int | None = None, immediately: bool = False,
+                         used_ratio: float | None = None) -> RetentionReport:
+    """``deleteExpiredFiles`` for the whole store; ``immediately`` ignores ``delete_when``."""
+    now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    report = RetentionReport()
+    if not commit_log.mapped_files.files:
+        return report
+    ratio = disk_used_ratio(commit_log.directory) if used_ratio is None else used_ratio
+    report.disk_used_ratio = ratio
+    disk_full = ratio >= config.disk_max_used_space_ratio
+    at_delete_hour = immediately or time.strftime("%H", time.localtime(now / 1000)) in config.delete_when.split(";")
+    reserved_ms = config.file_reserved_time * 3_600_000
+    with commit_log.put_lock:
+        files = commit_log.mapped_files.files
+        doomed = 0
+        for mapped in files[:-1]:
+            expired = os.stat(mapped.path).st_mtime * 1000 + reserved_ms <= now
+            if (expired and at_delete_hour) or disk_full:
+                doomed += 1
+                if disk_full and not expired:
+                    break  # under disk pressure, one unexpired segment per pass
+            else:
+                break
+        if not doomed:
+            return report
+        report.commit_log_files = [m.path.name for m in files[:doomed]]
+        commit_log.mapped_files.delete_first(doomed)
+    new_min = commit_log.min_offset
+    for queue in list(queues.queues.values()):
+        with queue.lock:
+            report.consume_queue_files += queue.delete_files_before(new_min)
+    if index is not None:
+        report.index_files = index.delete_expired(new_min)
+    log.info("retention deleted %s (disk %.0f%% used)", report.commit_log_files, ratio)
+    return report
