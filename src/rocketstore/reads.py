@@ -18,7 +18,7 @@ from .codec.msgid import decode_offset_msg_id
 from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import ConsumeQueueTable
-from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError, OffsetOutOfRangeError
+from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError
 from .index.service import IndexService
 from .message import MessageExt
 
@@ -172,18 +172,18 @@ class StoreReader:
 
     def view_message_by_id(self, msg_id: str) -> MessageExt:
         """The message with this offset msgId; a UNIQ_KEY is accepted too (as mqadmin falls back)."""
+        text = msg_id.strip().upper() if isinstance(msg_id, str) else ""
+        if len(text) not in (32, 56) or any(c not in "0123456789ABCDEF" for c in text):
+            raise InvalidMessageIdError(f"a message id is 32 or 56 hexadecimal characters, not {msg_id!r}")
         try:
-            _host, phy = decode_offset_msg_id(msg_id)
-        except InvalidMessageIdError:
-            raise
-        try:
+            _host, phy = decode_offset_msg_id(text)
             msg = self.commit_log.get_message(phy)
-            if msg.msg_id == msg_id.strip().upper():
+            if msg.msg_id == text:
                 return msg
-        except (OffsetOutOfRangeError, MessageNotFoundError):
-            pass
+        except (InvalidMessageIdError, MessageNotFoundError, CorruptDataError):
+            pass  # not an offset id of this store: try it as a UNIQ_KEY
         for topic in self.queues.topics():
-            hits = self.query_by_uniq_key(topic, msg_id.strip().upper(), 1)
+            hits = self.query_by_uniq_key(topic, text, 1)
             if hits:
                 return hits[0]
         raise MessageNotFoundError(f"no message with id {msg_id}")

@@ -1,0 +1,184 @@
+"""Consume queues and getMessage: unit bytes, file naming, statuses, tag filters, time lookups."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.codec import java_string_hash
+from rocketstore.consumequeue import CQ_UNIT_SIZE, ConsumeQueue
+from rocketstore.reads import GetMessageStatus
+
+
+def test_unit_bytes_and_file_positions_follow_the_spec(tmp_path):
+    """Spec E3: unit layout, and queue offset -> (file, position) for 6,000,000-byte files."""
+    queue = ConsumeQueue(tmp_path, "TopicTest", 0, StoreConfig())
+    assert queue.put_position(0, 128, java_string_hash("TagA"), 0)
+    data = (tmp_path / "consumequeue" / "TopicTest" / "0" / "00000000000000000000").read_bytes()
+    assert data[:20].hex() == "0000000000000000" "00000080" "000000000027a807"
+    for q, name, pos in [(12345, 0, 246900), (300000, 6000000, 0), (1234567, 24000000, 691340)]:
+        logical = q * CQ_UNIT_SIZE
+        assert (logical - logical % 6_000_000, logical % 6_000_000) == (name, pos)
+    queue.close()
+
+
+def test_queue_files_roll_by_logical_offset(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = [store.put_message(Message("T", b"x" * 10, queue_id=2)) for _ in range(120)]
+        store.wait_for_dispatch()
+        assert store.get_max_offset_in_queue("T", 2) == 120 and store.get_min_offset_in_queue("T", 2) == 0
+    files = sorted((tmp_path / "consumequeue" / "T" / "2").iterdir())
+    assert [f.name for f in files] == [f"{i * 1000:020d}" for i in range(3)]  # 50 units per 1000-byte file
+    unit = files[1].read_bytes()[0:20]
+    assert int.from_bytes(unit[:8], "big") == results[50].commit_log_offset
+    assert int.from_bytes(unit[8:12], "big") == results[50].store_size
+
+
+def put_tagged(store: MessageStore, count: int, queue_id: int = 0) -> list:
+    return [store.put_message(Message("T", f"m{i}".encode(), tags=f"Tag{i % 3}", queue_id=queue_id))
+            for i in range(count)]
+
+
+def test_get_message_statuses_at_every_boundary(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        put_tagged(store, 10)
+        store.wait_for_dispatch()
+        r = store.get_message("Unknown", 0, 0)
+        assert (r.status, r.next_begin_offset) == (GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0)
+        r = store.get_message("T", 0, 10)
+        assert (r.status, r.next_begin_offset, r.min_offset, r.max_offset) == (
+            GetMessageStatus.OFFSET_OVERFLOW_ONE, 10, 0, 10)
+        r = store.get_message("T", 0, 11)
+        assert (r.status, r.next_begin_offset) == (GetMessageStatus.OFFSET_OVERFLOW_BADLY, 10)
+        r = store.get_message("T", 0, 0, max_msgs=4)
+        assert r.status is GetMessageStatus.FOUND and [m.queue_offset for m in r.messages] == [0, 1, 2, 3]
+        assert r.next_begin_offset == 4
+        r = store.get_message("T", 0, 8, max_msgs=32)
+        assert [m.body for m in r.messages] == [b"m8", b"m9"] and r.next_begin_offset == 10
+        r = store.get_message("T", 0, 0, tags="Tag1 || Tag2")
+        assert [m.queue_offset for m in r.messages] == [1, 2, 4, 5, 7, 8]
+        r = store.get_message("T", 0, 0, tags="Nope")
+        assert (r.status, r.next_begin_offset) == (GetMessageStatus.NO_MATCHED_MESSAGE, 10)
+        assert [m.queue_offset for m in store.get_message("T", 0, 0, tags="*").messages] == list(range(10))
+
+
+def test_offset_too_small_and_message_was_removing_after_retention(tmp_path, small_config):
+    config = small_config.replace(file_reserved_time=0)
+    with MessageStore.open(tmp_path, config) as store:
+        results = [store.put_message(Message("T", b"y" * 300, keys=[f"k{i}"])) for i in range(60)]
+        store.wait_for_dispatch()
+        report = store.delete_expired_files(immediately=True)
+        assert report.commit_log_files and store.min_phy_offset > 0
+        low = store.get_min_offset_in_queue("T", 0)
+        assert low > 0 and results[low].commit_log_offset >= store.min_phy_offset > results[low - 1].commit_log_offset
+        r = store.get_message("T", 0, 0)
+        assert (r.status, r.next_begin_offset) == (GetMessageStatus.OFFSET_TOO_SMALL, low)
+        assert store.get_message("T", 0, low).messages[0].commit_log_offset == results[low].commit_log_offset
+        assert store.query_message("T", "k0") == [] and len(store.query_message("T", "k59")) == 1
+        assert len(list((tmp_path / "consumequeue" / "T" / "0").iterdir())) >= 1
+
+
+def test_tag_filter_checks_real_tags_not_only_hash_codes(tmp_path, small_config):
+    """"Aa" and "BB" share a tags code; RocketMQ's store would return both."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.put_message(Message("T", b"1", tags="Aa"))
+        store.put_message(Message("T", b"2", tags="BB"))
+        store.wait_for_dispatch()
+        assert [m.body for m in store.get_message("T", 0, 0, tags="Aa").messages] == [b"1"]
+
+
+def test_transaction_and_delay_dispatch(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        prepared = store.put_message(Message("Tx", b"half", keys=["tx"], sys_flag=0x4))
+        store.put_message(Message("Tx", b"rolled back", keys=["rb"], sys_flag=0xC))
+        delayed = store.put_message(Message("SCHEDULE_TOPIC_XXXX", b"later", keys=["d"], queue_id=2,
+                                            properties={"DELAY": "3"}))
+        clamped = store.put_message(Message("SCHEDULE_TOPIC_XXXX", b"much later", queue_id=2,
+                                            properties={"DELAY": "99"}))
+        store.wait_for_dispatch()
+        assert store.get_max_offset_in_queue("Tx", 0) == 0, "prepared and rollback records stay out of queues"
+        assert [m.commit_log_offset for m in store.query_message("Tx", "tx")] == [prepared.commit_log_offset]
+        assert store.query_message("Tx", "rb") == [], "rollback records are not indexed"
+        queue = store.queues.get("SCHEDULE_TOPIC_XXXX", 2)
+        assert queue.get_unit(0)[2] == delayed.store_timestamp + 10_000
+        assert queue.get_unit(1)[2] == clamped.store_timestamp + 7_200_000
+
+
+def brute_force(times: list[int], ts: int, upper: bool) -> int:
+    if upper:
+        hits = [i for i, t in enumerate(times) if t <= ts]
+        return hits[-1] if hits else 0
+    hits = [i for i, t in enumerate(times) if t >= ts]
+    return hits[0] if hits else len(times)
+
+
+def test_offset_by_time_spec_e9(tmp_path):
+    queue = ConsumeQueue(tmp_path, "T", 0, StoreConfig(mapped_file_size_consume_queue=200))
+    times = [1000, 1000, 1000, 3000, 3000]
+    for q in range(5):
+        queue.put_position(q * 100, 100, 0, q)
+    lookup = lambda offset, size: times[offset // 100]  # noqa: E731
+    expected = {500: (0, 0), 1000: (0, 2), 2000: (3, 2), 3000: (3, 4), 4000: (5, 4)}
+    for ts, (lower, upper) in expected.items():
+        assert queue.offset_by_time(ts, False, lookup, 0) == lower, ts
+        assert queue.offset_by_time(ts, True, lookup, 0) == upper, ts
+    queue.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_offset_by_time_matches_brute_force_across_files(tmp_path, seed):
+    rng = random.Random(seed)
+    queue = ConsumeQueue(tmp_path / str(seed), "T", 0, StoreConfig(mapped_file_size_consume_queue=20 * 7))
+    times, t = [], 10_000
+    for q in range(rng.randint(1, 60)):
+        t += rng.choice([0, 0, 1, 5, 1000])
+        times.append(t)
+        queue.put_position(q * 100, 100, 0, q)
+    lookup = lambda offset, size: times[offset // 100]  # noqa: E731
+    for ts in sorted({x + d for x in times for d in (-1, 0, 1)} | {0, 10**15}):
+        for upper in (False, True):
+            assert queue.offset_by_time(ts, upper, lookup, 0) == brute_force(times, ts, upper), (ts, upper)
+    queue.close()
+
+
+def test_store_offset_by_time_and_earliest_time(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = put_tagged(store, 30, queue_id=1)
+        store.wait_for_dispatch()
+        times = [r.store_timestamp for r in results]
+        for ts in (times[0] - 1, times[0], times[12], times[-1], times[-1] + 1):
+            assert store.get_offset_in_queue_by_time("T", 1, ts) == brute_force(times, ts, False)
+            assert store.get_offset_in_queue_by_time("T", 1, ts, "upper") == brute_force(times, ts, True)
+        assert store.get_earliest_message_time("T", 1) == times[0]
+        assert store.get_earliest_message_time() == times[0]
+        assert store.get_earliest_message_time("T", 9) == -1
+        with pytest.raises(ValueError):
+            store.get_offset_in_queue_by_time("T", 1, 0, "middle")
+
+
+def test_truncate_dirty_and_recover(tmp_path):
+    config = StoreConfig(mapped_file_size_consume_queue=20 * 4)
+    queue = ConsumeQueue(tmp_path, "T", 0, config)
+    for q in range(10):
+        queue.put_position(q * 100, 100, 7, q)
+    queue.truncate_dirty(650)  # units whose record starts at >= 650 go
+    assert queue.max_offset_in_queue == 7 and queue.max_physic_offset == 700
+    assert not queue.put_position(600, 100, 7, 6), "a re-dispatch is absorbed"
+    assert queue.put_position(700, 100, 7, 7)
+    queue.close()
+    again = ConsumeQueue(tmp_path, "T", 0, config)
+    again.load()
+    again.recover()
+    assert again.max_offset_in_queue == 8 and again.max_physic_offset == 800
+    again.close()
+
+
+def test_queue_starting_past_zero_is_padded_with_pre_blank_units(tmp_path):
+    queue = ConsumeQueue(tmp_path, "T", 3, StoreConfig(mapped_file_size_consume_queue=20 * 10))
+    assert queue.put_position(500, 50, 0, 17)
+    assert queue.min_offset_in_queue == 17 and queue.max_offset_in_queue == 18
+    data = (tmp_path / "consumequeue" / "T" / "3" / f"{20 * 10:020d}").read_bytes()
+    assert data[:20] == (0).to_bytes(8, "big") + (0x7FFFFFFF).to_bytes(4, "big") + bytes(8)
+    queue.close()

@@ -1,0 +1,189 @@
+"""Queries by key, unique key and id: exact where RocketMQ compares hashes, over rolled index files."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from rocketstore import Message, MessageStore
+from rocketstore.checkpoint import StoreCheckpoint
+from rocketstore.errors import InvalidMessageIdError, MessageNotFoundError
+from rocketstore.index import IndexFile
+
+
+def keyed(store: MessageStore, topic: str, keys: list[str], body: bytes = b"b", **kw):
+    return store.put_message(Message(topic, body, keys=keys, **kw))
+
+
+def test_colliding_keys_never_return_a_foreign_message(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        aa = keyed(store, "TopicA", ["Aa"], b"aa")
+        bb = keyed(store, "TopicA", ["BB"], b"bb")
+        ea = keyed(store, "Ea", ["20231001123456"], b"ea")
+        fb = keyed(store, "FB", ["20231001123456"], b"fb")
+        store.wait_for_dispatch()
+        raw = store.index.query_offset("TopicA", "Aa", 64, 0, 1 << 62)[0]
+        assert sorted(raw) == sorted([aa.commit_log_offset, bb.commit_log_offset]), "RocketMQ's answer"
+        assert [m.body for m in store.query_message("TopicA", "Aa")] == [b"aa"]
+        assert [m.body for m in store.query_message("TopicA", "BB")] == [b"bb"]
+        assert [m.body for m in store.query_message("Ea", "20231001123456")] == [b"ea"]
+        assert [m.body for m in store.query_message("FB", "20231001123456")] == [b"fb"]
+        assert ea.commit_log_offset != fb.commit_log_offset
+        # max_num=1: RocketMQ's walk stops at the newest colliding entry (BB) and the client drops it
+        assert [m.body for m in store.query_message("TopicA", "Aa", max_num=1)] == [b"aa"]
+
+
+def test_unicode_emoji_and_multiple_keys(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        r = keyed(store, "T", ["订单-42", "😀", "plain"])
+        keyed(store, "T", ["other"])
+        store.wait_for_dispatch()
+        for key in ("订单-42", "😀", "plain"):
+            assert [m.commit_log_offset for m in store.query_message("T", key)] == [r.commit_log_offset]
+        assert store.query_message("T", "订单") == [] and store.query_message("U", "plain") == []
+
+
+def test_results_are_capped_and_are_the_newest(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = [keyed(store, "T", ["same"], str(i).encode()) for i in range(100)]
+        store.wait_for_dispatch()
+        got = store.query_message("T", "same", max_num=10)
+        assert [m.commit_log_offset for m in got] == [r.commit_log_offset for r in results[-10:]]
+        assert len(store.query_message("T", "same", max_num=1000)) == 64, "capped by max_msgs_num_batch"
+
+
+def test_time_windows_are_exact_at_second_boundaries(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        stamps = []
+        for i in range(6):
+            stamps.append(keyed(store, "T", ["k"], str(i).encode()).store_timestamp)
+            time.sleep(0.35)
+        store.wait_for_dispatch()
+        for lo in range(6):
+            for hi in range(lo, 6):
+                got = store.query_message("T", "k", begin=stamps[lo], end=stamps[hi])
+                expected = [i for i in range(6) if stamps[lo] <= stamps[i] <= stamps[hi]]
+                assert [int(m.body) for m in got] == expected, (lo, hi)
+        assert store.query_message("T", "k", begin=stamps[-1] + 1) == []
+        assert store.query_message("T", "k", end=stamps[0] - 1) == []
+
+
+def test_several_rolled_index_files_answer_newest_first(tmp_path, small_config):
+    config = small_config.replace(max_index_num=50)  # 49 entries per file: rolls every ~16 messages
+    with MessageStore.open(tmp_path, config) as store:
+        results = [keyed(store, "T", [f"k{i}", "common"], str(i).encode()) for i in range(100)]
+        store.wait_for_dispatch()
+        assert len(store.index.files) >= 5
+        names = [f.path.name for f in store.index.files]
+        assert names == sorted(names) and all(len(n) == 17 and n.isdigit() for n in names)
+        for i in (0, 31, 99):
+            assert [m.commit_log_offset for m in store.query_message("T", f"k{i}")] == [results[i].commit_log_offset]
+        assert [int(m.body) for m in store.query_message("T", "common", max_num=64)] == list(range(36, 100))
+        full = store.index.files[0]
+        assert full.is_write_full()
+        second = store.index.files[1]
+        assert second.begin_phy_offset >= full.end_phy_offset
+    checkpoint = StoreCheckpoint.load(tmp_path / "checkpoint")
+    assert checkpoint.index_msg_timestamp >= full.end_timestamp > 0
+
+
+def test_uniq_key_and_message_id_lookups(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        r = keyed(store, "T", ["k"], b"hello")
+        dup = store.put_message(Message("T", b"retry", properties={"UNIQ_KEY": r.uniq_key}))
+        store.wait_for_dispatch()
+        assert [m.body for m in store.query_message_by_uniq_key("T", r.uniq_key)] == [b"hello", b"retry"]
+        assert store.query_message_by_uniq_key("U", r.uniq_key) == []
+        assert store.view_message_by_id(r.msg_id).body == b"hello"
+        assert store.view_message_by_id(r.msg_id.lower()).body == b"hello"
+        assert store.view_message_by_id(dup.uniq_key).commit_log_offset in (r.commit_log_offset,
+                                                                             dup.commit_log_offset)
+        odd = store.put_message(Message("T", b"odd", properties={"UNIQ_KEY": "7F0000012BE17705E00568F469B49A2C"}))
+        store.wait_for_dispatch()  # that UNIQ_KEY read as an offset id holds a negative offset
+        assert store.view_message_by_id(odd.uniq_key).body == b"odd"
+        with pytest.raises(InvalidMessageIdError):
+            store.view_message_by_id("not-an-id")
+        bogus = r.msg_id[:-4] + "0003"  # an offset inside the first record
+        with pytest.raises(MessageNotFoundError):
+            store.view_message_by_id(bogus)
+        with pytest.raises(MessageNotFoundError):
+            store.view_message_by_id("7F00000100002A9F00000000FFFFFFFF")
+
+
+def test_index_survives_a_crash_where_rocketmq_would_delete_it(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = [keyed(store, "T", [f"k{i}"]) for i in range(30)]
+        store.wait_for_dispatch()
+    checkpoint = StoreCheckpoint.load(tmp_path / "checkpoint")
+    checkpoint.index_msg_timestamp = 0  # RocketMQ would now delete every index file on an abnormal start
+    checkpoint.flush()
+    (tmp_path / "abort").write_text("1")
+    names = sorted(p.name for p in (tmp_path / "index").iterdir())
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert sorted(p.name for p in (tmp_path / "index").iterdir()) == names
+        for i, r in enumerate(results):
+            assert [m.commit_log_offset for m in store.query_message("T", f"k{i}")] == [r.commit_log_offset]
+
+
+def test_index_entries_past_a_cut_log_are_unlinked_and_rebuilt(tmp_path, small_config):
+    config = small_config.replace(mapped_file_size_commit_log=1 << 16)
+    with MessageStore.open(tmp_path, config) as store:
+        results = [keyed(store, "T", [f"k{i}", "all"]) for i in range(20)]
+        store.wait_for_dispatch()
+    cut = results[15]
+    segment = tmp_path / "commitlog" / f"{0:020d}"
+    with open(segment, "r+b") as f:  # damage record 15: recovery ends the log there
+        f.seek(cut.commit_log_offset)
+        f.write(b"\xff" * 8)
+    (tmp_path / "abort").write_text("1")
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.recovery.end_offset == cut.commit_log_offset
+        assert store.index_entries_repaired == 5 * 3  # UNIQ_KEY + 2 keys for each of 5 messages
+        assert len(store.query_message("T", "all")) == 15
+        assert store.get_max_offset_in_queue("T", 0) == 15
+        again = keyed(store, "T", ["k15", "all"], b"new 15")
+        assert again.queue_offset == 15 and again.commit_log_offset == cut.commit_log_offset
+        store.wait_for_dispatch()
+        assert [m.body for m in store.query_message("T", "k15")] == [b"new 15"]
+        assert len(store.query_message("T", "all")) == 16
+        newest = store.index.files[-1]
+        assert newest.end_phy_offset == again.commit_log_offset
+
+
+def test_torn_index_slot_is_relinked(tmp_path, small_config):
+    """A kill between a put's slot write and its count update: the slot points one past the count."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        first = keyed(store, "T", ["x"])
+        middle = keyed(store, "T", ["x", "y"])  # the re-dispatch after the crash re-indexes only this one
+        store.wait_for_dispatch()
+    path = sorted((tmp_path / "index").iterdir())[-1]
+    index = IndexFile.open(path, 97, 500)
+    key_hash, slot = index.slot_of("T#x")
+    count = index.index_count
+    head = index.buffer[40 + slot * 4 : 44 + slot * 4]  # what a put writes as the new entry's prev
+    index.buffer[40 + 97 * 4 + count * 20 : 40 + 97 * 4 + count * 20 + 20] = (
+        key_hash.to_bytes(4, "big") + (999).to_bytes(8, "big") + bytes(4) + head)
+    index.buffer[40 + slot * 4 : 44 + slot * 4] = count.to_bytes(4, "big")  # entry `count` was never counted
+    index.close()
+    (tmp_path / "abort").write_text("1")
+    with MessageStore.open(tmp_path, small_config) as store:
+        second = keyed(store, "T", ["x"])
+        store.wait_for_dispatch()
+        assert [m.commit_log_offset for m in store.query_message("T", "x")] == [
+            first.commit_log_offset, middle.commit_log_offset, second.commit_log_offset]
+
+
+def test_missing_queues_and_index_are_rebuilt_from_the_commit_log(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = [keyed(store, f"T{i % 3}", [f"k{i}"], queue_id=i % 2) for i in range(60)]
+        store.wait_for_dispatch()
+    shutil.rmtree(tmp_path / "consumequeue")
+    shutil.rmtree(tmp_path / "index")
+    with MessageStore.open(tmp_path, small_config) as store:
+        for i, r in enumerate(results):
+            assert store.query_message(f"T{i % 3}", f"k{i}")[0].commit_log_offset == r.commit_log_offset
+            got = store.get_message(f"T{i % 3}", i % 2, r.queue_offset, max_msgs=1).messages
+            assert got[0].commit_log_offset == r.commit_log_offset
+        assert store.next_queue_offset("T0", 0) == 10
