@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from rocketstore import FlushDiskType, Message, MessageStore, PutMessageResult, StoreConfig
 
-SEGMENT_SIZE = 64 * 1024  # a roll every 20-40 messages
+SEGMENT_SIZE = 64 * 1024  # a commit-log roll every 20-40 messages
+CQ_FILE_UNITS = 500  # a consume-queue roll every 500 messages of a queue
 THREADS = 3
 TOPICS = ("CrashOrders", "CrashEvents", "CrashAudit")
 QUEUES = 4
@@ -37,11 +38,12 @@ SEQ_PROPERTY = "CRASH_SEQ"
 
 
 def store_config(mode: str) -> StoreConfig:
-    """The config of the crash store: small segments, and background flushes and checkpoints that
-    run often enough for a kill to land in them."""
-    return StoreConfig(mapped_file_size_commit_log=SEGMENT_SIZE, flush_disk_type=FlushDiskType(mode),
+    """The crash store's config: small files, so rolls are frequent, and background flushes, dispatch
+    and checkpoints that run often enough for a kill to land in them."""
+    return StoreConfig(mapped_file_size_commit_log=SEGMENT_SIZE, mapped_file_size_consume_queue=CQ_FILE_UNITS * 20,
+                       max_hash_slot_num=4099, max_index_num=20_000, flush_disk_type=FlushDiskType(mode),
                        flush_interval_commit_log=10, flush_commit_log_thorough_interval=100,
-                       flush_consume_queue_thorough_interval=50)
+                       flush_interval_consume_queue=10, flush_consume_queue_thorough_interval=50)
 
 
 # --- the deterministic workload ---------------------------------------------------------------

@@ -284,7 +284,8 @@ def test_abort_file_lives_while_open_and_checkpoint_is_4096_bytes(tmp_path, smal
 
 
 def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path):
-    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500, flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500,
+                         flush_disk_type=FlushDiskType.SYNC_FLUSH)
     with MessageStore.open(tmp_path, config) as store:
         result = store.put_message(Message("Durable", b"durable"))
         assert result.ok and store.flushed_phy_offset >= result.commit_log_offset + result.store_size
@@ -311,7 +312,8 @@ def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path)
 
 
 def test_sync_flush_wait_false_skips_the_wait(tmp_path):
-    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500, flush_disk_type="SYNC_FLUSH")
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500,
+                         flush_disk_type="SYNC_FLUSH")
     with MessageStore.open(tmp_path, config) as store:
         count = store.flusher.flush_count
         assert store.put_message(Message("T", b"x", properties={"WAIT": "false"})).ok
