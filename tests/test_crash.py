@@ -291,12 +291,13 @@ def check_consume_queues(store: MessageStore, queues: dict[Queue, list[tuple]]) 
 
 
 def check_index(store: MessageStore, messages: list[dict]) -> None:
-    """Messages (``describe`` dicts or acknowledgements) can be found by each key and by UNIQ_KEY."""
+    """Messages (``describe`` dicts or acknowledgements) can be found by each key, by UNIQ_KEY and by msgId."""
     for msg in messages:
         phy, topic = msg["commit_log_offset"], msg["topic"]
         for key in msg["keys"]:
             assert [m.commit_log_offset for m in store.query_message(topic, key)] == [phy], (key, msg)
         assert phy in [m.commit_log_offset for m in store.query_message_by_uniq_key(topic, msg["uniq_key"])], msg
+        assert store.view_message_by_id(msg["msg_id"]).commit_log_offset == phy, msg
 
 
 # --- the cycles --------------------------------------------------------------------------------
