@@ -187,3 +187,26 @@ def test_missing_queues_and_index_are_rebuilt_from_the_commit_log(tmp_path, smal
             got = store.get_message(f"T{i % 3}", i % 2, r.queue_offset, max_msgs=1).messages
             assert got[0].commit_log_offset == r.commit_log_offset
         assert store.next_queue_offset("T0", 0) == 10
+
+
+def test_checkpoint_records_how_far_the_index_is_durable(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        last = [keyed(store, "T", [f"k{i}"]) for i in range(5)][-1]
+        store.wait_for_dispatch()
+        store.checkpoint_now()
+        assert StoreCheckpoint.load(tmp_path / "checkpoint").index_msg_timestamp == last.store_timestamp
+        later = keyed(store, "T", ["late"])
+    assert StoreCheckpoint.load(tmp_path / "checkpoint").index_msg_timestamp == later.store_timestamp
+
+
+def test_retention_deletes_index_files_that_only_cover_deleted_segments(tmp_path, small_config):
+    config = small_config.replace(max_index_num=20, file_reserved_time=0)
+    with MessageStore.open(tmp_path, config) as store:
+        results = [keyed(store, "T", [f"k{i}"], b"z" * 200) for i in range(80)]
+        store.wait_for_dispatch()
+        files_before = len(store.index.files)
+        report = store.delete_expired_files(immediately=True)
+        assert report.index_files > 0 and len(store.index.files) == files_before - report.index_files
+        assert all(f.end_phy_offset >= store.min_phy_offset for f in store.index.files)
+        assert store.query_message("T", "k79")[0].commit_log_offset == results[79].commit_log_offset
+    assert len(list((tmp_path / "index").iterdir())) == files_before - report.index_files

@@ -167,10 +167,15 @@ class MessageStore:
     def checkpoint_now(self) -> None:
         """Flush consume queues and index fully, then record how far they are durable."""
         self._check_open(write=True)
+        self._flush_queues_and_index()
+
+    def _flush_queues_and_index(self) -> None:
+        """Flush consume queues and index, then record in the checkpoint how far each is durable."""
         logics = self._logics_timestamp
         self.queues.flush(0)
         if self.index is not None:
-            self.index.flush()
+            durable = self.index.flush()
+            self.checkpoint.index_msg_timestamp = max(self.checkpoint.index_msg_timestamp, durable)
         if logics:
             self.checkpoint.logics_msg_timestamp = logics
         self.checkpoint.flush()
@@ -203,13 +208,7 @@ class MessageStore:
                 if not self.read_only and self.flusher is not None and self.dispatcher is not None:
                     self.flusher.shutdown()
                     self.dispatcher.shutdown()
-                    logics = self._logics_timestamp
-                    self.queues.flush(0)
-                    if self.index is not None:
-                        self.index.flush()
-                    if logics:
-                        self.checkpoint.logics_msg_timestamp = logics
-                    self.checkpoint.flush()
+                    self._flush_queues_and_index()
                     if self.dispatcher.behind_bytes() == 0:  # else the next open re-dispatches
                         self._abort.delete()
             finally:

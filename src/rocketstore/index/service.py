@@ -176,12 +176,20 @@ class IndexService:
 
     # --- durability and retention ------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Flush the newest file (the older ones were flushed when they filled up)."""
+    def flush(self) -> int:
+        """Flush the newest file (older ones were flushed when they filled up).
+
+        Returns the store time up to which the index is now durable (0 if there is no index).
+        """
         with self.lock:
-            if self.files and self.dirty:
-                self.files[-1].flush()
+            if not self.files:
+                return 0
+            newest = self.files[-1]
+            durable = newest.end_timestamp
+            if self.dirty:
+                newest.flush()
                 self.dirty = False
+            return durable
 
     def delete_expired(self, min_log_offset: int) -> int:
         """``deleteExpiredFile``: drop the oldest files whose entries all point below the log start."""
