@@ -332,3 +332,19 @@ def test_async_flush_flushes_in_background(tmp_path):
                 break
             deadline.wait(0.01)
         assert store.flushed_phy_offset >= r.commit_log_offset + r.store_size
+
+
+def test_read_only_open_never_truncates_consume_queues(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        put_many(store, 40, topics=1, queues=1)
+        store.wait_for_dispatch()
+    queue_dir = tmp_path / "consumequeue" / "Topic0" / "0"
+    first = sorted(queue_dir.iterdir())[0]
+    data = bytearray(first.read_bytes())
+    data[20 * 5 + 8 : 20 * 5 + 12] = bytes(4)  # unit 5 invalid: recovery would cut the queue there
+    first.write_bytes(bytes(data))
+    (queue_dir / f"{1000:020d}").write_bytes(bytes(1000))  # and a later file recovery would drop
+    before = tree_digest(tmp_path)
+    with MessageStore.open(tmp_path, small_config, read_only=True) as store:
+        assert store.get_max_offset_in_queue("Topic0", 0) == 5
+    assert tree_digest(tmp_path) == before

@@ -137,7 +137,7 @@ class MappedFileQueue:
     def truncate_dirty_files(self, offset: int, discard: Callable[[MappedFile], None] | None = None) -> None:
         """Make ``offset`` the end of the log: set positions there, drop every later segment.
 
-        ``discard`` decides what happens to a dropped segment (default: delete it).
+        ``discard`` decides what happens to a dropped segment (default: delete it, unless read-only).
         """
         keep: list[MappedFile] = []
         for mapped in self.files:
@@ -147,15 +147,17 @@ class MappedFileQueue:
                 pos = offset - mapped.file_from_offset
                 mapped.wrote_position = mapped.flushed_position = pos
                 keep.append(mapped)
-            elif discard is None:
-                mapped.destroy()
             else:
                 mapped.close()
-                discard(mapped)
+                if discard is not None:
+                    discard(mapped)
+                elif not self.read_only:  # a read-only queue never deletes: it only forgets
+                    mapped.destroy()
         if len(keep) != len(self.files):
             self.files = keep
             self._starts = [f.file_from_offset for f in keep]
-            fsync_dir(self.directory)
+            if not self.read_only:
+                fsync_dir(self.directory)
         self.flushed_where = min(self.flushed_where, offset) if self.flushed_where else offset
 
     def delete_first(self, count: int) -> list[MappedFile]:
