@@ -25,10 +25,11 @@ from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
 from .errors import CorruptDataError
-from .index.service import IndexService
+from .index.service import IndexRequest, IndexService
 from .message import SysFlag
 
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+INDEX_BATCH = 4096  # records per vectorised index batch
 _FIELDS = struct.Struct(">iiqq")  # queue id, flag, queue offset, phy offset at record position 12
 _TS = struct.Struct(">q")
 
@@ -49,6 +50,10 @@ class DispatchRequest:
     keys: str | None
     uniq_key: str | None
     sys_flag: int
+
+    def index_request(self) -> IndexRequest:
+        return IndexRequest(self.topic, self.commit_log_offset, self.store_timestamp, self.sys_flag, self.uniq_key,
+                            self.keys)
 
 
 def dispatch_request(buf, pos: int, layout: RecordLayout, config: StoreConfig) -> DispatchRequest:
@@ -109,6 +114,7 @@ class Dispatcher:
             end = self.confirm_offset()
             offset = self.reput_from_offset
             files = self.commit_log.mapped_files
+            pending: list[IndexRequest] = []
             try:
                 while offset < end:
                     mapped = files.find(offset)
@@ -122,12 +128,17 @@ class Dispatcher:
                     if layout is None:  # BLANK: the log continues in the next segment
                         offset = mapped.file_end_offset
                         continue
-                    self.dispatch(dispatch_request(mapped.buffer, pos, layout, self.config))
+                    req = dispatch_request(mapped.buffer, pos, layout, self.config)
+                    self._to_queue(req)
+                    pending.append(req.index_request())
                     offset += layout.size
                     done += 1
+                    if len(pending) >= INDEX_BATCH:
+                        self._to_index(pending)
             except CorruptDataError as exc:  # recovery validated the log, so this is new damage
                 self.last_error = exc
                 log.error("dispatch stopped at %d: %s", offset, exc)
+            self._to_index(pending)
             self.reput_from_offset = offset
         if done:
             with self._cond:
@@ -135,14 +146,22 @@ class Dispatcher:
         return done
 
     def dispatch(self, req: DispatchRequest) -> None:
+        """Both dispatchers for one record."""
+        self._to_queue(req)
+        self._to_index([req.index_request()])
+
+    def _to_queue(self, req: DispatchRequest) -> None:
         tran = SysFlag.transaction_type(req.sys_flag)
         if tran in (SysFlag.TRANSACTION_NOT_TYPE, SysFlag.TRANSACTION_COMMIT_TYPE):
             queue = self.queues.find_or_create(req.topic, req.queue_id)
             if queue.put_position(req.commit_log_offset, req.size, req.tags_code, req.queue_offset):
                 self._on_logic_timestamp(req.store_timestamp)
-        if self.index is not None and self.config.message_index_enable:
-            self.index.build_index(req.topic, req.commit_log_offset, req.store_timestamp, req.sys_flag,
-                                   req.uniq_key, req.keys)
+
+    def _to_index(self, pending: list[IndexRequest]) -> None:
+        """Index a round's records in one vectorised batch (consume queues first: they feed consumers)."""
+        if pending and self.index is not None and self.config.message_index_enable:
+            self.index.build_index_batch(pending)
+        pending.clear()
 
     # --- thread ------------------------------------------------------------------------------
 

@@ -23,12 +23,17 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..checkpoint import StoreCheckpoint
+from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..message import SysFlag
+from .bulk import put_hashes
 from .file import INDEX_HEADER_SIZE, IndexFile
 
 INDEX_DIR = "index"
@@ -46,6 +51,25 @@ def index_file_name(now_ms: int) -> str:
 
 def build_key(topic: str, key: str) -> str:
     return f"{topic}#{key}"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRequest:
+    """What the index needs of one record."""
+
+    topic: str
+    phy_offset: int
+    store_timestamp: int
+    sys_flag: int
+    uniq_key: str | None
+    keys: str | None
+
+    def index_keys(self) -> list[str]:
+        """UNIQ_KEY first, then every non-empty KEYS token, in order, duplicates kept (as RocketMQ)."""
+        out = [self.uniq_key] if self.uniq_key else []
+        if self.keys:
+            out.extend(k for k in self.keys.split(" ") if k)
+        return out
 
 
 class IndexService:
@@ -119,24 +143,58 @@ class IndexService:
     def build_index(self, topic: str, phy_offset: int, store_timestamp: int, sys_flag: int,
                     uniq_key: str | None, keys: str | None) -> None:
         """``buildIndex`` for one dispatched record."""
+        self.build_index_batch([IndexRequest(topic, phy_offset, store_timestamp, sys_flag, uniq_key, keys)])
+
+    def build_index_batch(self, requests: Sequence[IndexRequest]) -> int:
+        """``buildIndex`` for many records in log order, vectorised; returns the number of keys put.
+
+        Files roll exactly where one-at-a-time ``buildIndex`` calls would roll them: a full file is
+        replaced at the start of the next record or in the middle of a record's keys.
+        """
+        if not requests:
+            return 0
+        put = 0
         with self.lock:
             index = self._last_file_for_write()
-            if phy_offset < index.end_phy_offset:
-                return  # already indexed (a re-dispatch)
-            if SysFlag.transaction_type(sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE:
-                return
-            self.dirty = True
-            if uniq_key:
-                index = self._put(index, build_key(topic, uniq_key), phy_offset, store_timestamp)
-            if keys:
-                for key in keys.split(" "):
-                    if key:
-                        index = self._put(index, build_key(topic, key), phy_offset, store_timestamp)
+            room = index.index_num - index.index_count
+            end_phy = index.end_phy_offset
+            hashes: list[int] = []
+            phys: list[int] = []
+            stamps: list[int] = []
 
-    def _put(self, index: IndexFile, key: str, phy_offset: int, store_timestamp: int) -> IndexFile:
-        while not index.put_key(key, phy_offset, store_timestamp):
-            index = self._last_file_for_write()
-        return index
+            def write_pending() -> None:
+                if hashes:
+                    written = put_hashes(index, np.array(hashes, dtype=np.int64), np.array(phys, dtype=np.int64),
+                                         np.array(stamps, dtype=np.int64))
+                    assert written == len(hashes)
+                    hashes.clear()
+                    phys.clear()
+                    stamps.clear()
+
+            for req in requests:
+                if room == 0:  # the previous record filled the file: buildIndex starts a new one
+                    write_pending()
+                    index = self._last_file_for_write()
+                    room = index.index_num - index.index_count
+                if req.phy_offset < end_phy:
+                    continue  # already indexed (a re-dispatch)
+                if SysFlag.transaction_type(req.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE:
+                    continue
+                for key in req.index_keys():
+                    if room == 0:  # full in the middle of a record: its remaining keys go to a new file
+                        write_pending()
+                        index = self._last_file_for_write()
+                        room = index.index_num - index.index_count
+                    hashes.append(index_key_hash(build_key(req.topic, key)))
+                    phys.append(req.phy_offset)
+                    stamps.append(req.store_timestamp)
+                    room -= 1
+                    put += 1
+                    end_phy = req.phy_offset
+            write_pending()
+            if put:
+                self.dirty = True
+        return put
 
     # --- query -------------------------------------------------------------------------------
 
@@ -217,8 +275,6 @@ class IndexService:
 
 def _repair_file(index: IndexFile, log_end: int, store_time: StoreTimeLookup) -> int:
     """Unlink entries at or past ``log_end`` and re-link a slot torn by a kill; rewrite the header."""
-    import numpy as np
-
     buf = index.buffer
     count = index.index_count
     slots = np.frombuffer(buf, dtype=">i4", count=index.hash_slot_num, offset=INDEX_HEADER_SIZE).copy()

@@ -1,0 +1,137 @@
+"""put_hashes (vectorised) writes exactly what the same put_key calls write, byte for byte."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rocketstore.index import IndexFile
+from rocketstore.index.bulk import index_key_hashes, put_hashes
+
+KEYS = ["T#a", "T#b", "T#Aa", "T#BB", "polygenelubricants", "T#订单", "T#😀", "U#a", "T#c", "T#d"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(puts=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(0, 3000)), min_size=1, max_size=80),
+       cuts=st.lists(st.integers(1, 80), max_size=6), slots=st.integers(1, 17), entries=st.integers(2, 60),
+       inherit=st.booleans())
+def test_bulk_equals_sequential(tmp_path_factory, puts, cuts, slots, entries, inherit):
+    folder = tmp_path_factory.mktemp("bulk")
+    end_phy, end_ts = (5000, 1_699_999_990_500) if inherit else (0, 0)
+    one = IndexFile.create(folder / "one", slots, entries, end_phy, end_ts)
+    many = IndexFile.create(folder / "many", slots, entries, end_phy, end_ts)
+    keys, phys, stamps, ts = [], [], [], 1_700_000_000_000
+    for i, (key, step) in enumerate(puts):
+        ts += step
+        keys.append(key)
+        phys.append(10_000 + i * 100)
+        stamps.append(ts)
+    accepted = 0
+    for key, phy, stamp in zip(keys, phys, stamps, strict=True):
+        if not one.put_key(key, phy, stamp):
+            break
+        accepted += 1
+    hashes, phy_arr, ts_arr = index_key_hashes(keys), np.array(phys), np.array(stamps)
+    done, bounds = 0, [*sorted({c for c in cuts if c < len(keys)}), len(keys)]
+    for bound in bounds:
+        done += put_hashes(many, hashes[done:bound], phy_arr[done:bound], ts_arr[done:bound])
+        if done < bound:
+            break
+    assert done == accepted
+    for index in (one, many):
+        index.flush()
+    assert (folder / "one").read_bytes() == (folder / "many").read_bytes()
+    assert (one.index_count, one.hash_slot_count, one.begin_timestamp, one.end_phy_offset) == (
+        many.index_count, many.hash_slot_count, many.begin_timestamp, many.end_phy_offset)
+    one.close()
+    many.close()
+
+
+def test_bulk_respects_an_invalid_existing_slot_value(tmp_path):
+    """A slot holding a number past the count (a torn put) is treated as empty, as put_key does."""
+    files = []
+    for name in ("one", "many"):
+        index = IndexFile.create(tmp_path / name, 5, 20)
+        index.put_key("T#a", 0, 1_700_000_000_000)
+        slot = index.slot_of("T#b")[1]
+        index.buffer[40 + slot * 4 : 44 + slot * 4] = (7).to_bytes(4, "big")
+        files.append(index)
+    files[0].put_key("T#b", 100, 1_700_000_001_000)
+    put_hashes(files[1], index_key_hashes(["T#b"]), np.array([100]), np.array([1_700_000_001_000]))
+    for index in files:
+        index.flush()
+    assert (tmp_path / "one").read_bytes() == (tmp_path / "many").read_bytes()
+
+
+def reference_build(directory, requests, slots, entries, clock):
+    """RocketMQ's buildIndex, literally: one put_key at a time, a new file whenever the last is full."""
+    from rocketstore.index.service import build_key, index_file_name
+
+    files: list[IndexFile] = []
+
+    def last_for_write() -> IndexFile:
+        if files and not files[-1].is_write_full():
+            return files[-1]
+        end_phy, end_ts = (files[-1].end_phy_offset, files[-1].end_timestamp) if files else (0, 0)
+        files.append(IndexFile.create(directory / index_file_name(clock()), slots, entries, end_phy, end_ts))
+        return files[-1]
+
+    for req in requests:
+        index = last_for_write()
+        if req.phy_offset < index.end_phy_offset or req.sys_flag & 0xC == 0xC:
+            continue
+        for key in req.index_keys():
+            while not index.put_key(build_key(req.topic, key), req.phy_offset, req.store_timestamp):
+                index = last_for_write()
+    for index in files:
+        index.flush()
+        index.close()
+
+
+def counter_clock(start=1_700_000_000_000):
+    state = [start]
+
+    def tick() -> int:
+        state[0] += 1
+        return state[0]
+
+    return tick
+
+
+requests_strategy = st.lists(
+    st.tuples(st.sampled_from(["T", "U"]), st.booleans(), st.lists(st.sampled_from(["a", "Aa", "BB", "k", ""]),
+                                                                    max_size=4),
+              st.sampled_from([0, 0, 0, 4, 8, 0xC]), st.integers(0, 1500)),
+    min_size=1, max_size=60)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=requests_strategy, chunks=st.lists(st.integers(1, 20), min_size=1, max_size=8))
+def test_index_service_batches_write_what_buildindex_writes(tmp_path_factory, records, chunks):
+    from rocketstore import StoreConfig
+    from rocketstore.checkpoint import StoreCheckpoint
+    from rocketstore.index.service import IndexRequest, IndexService
+
+    root = tmp_path_factory.mktemp("svc")
+    requests, ts = [], 1_700_000_000_000
+    for i, (topic, has_uniq, keys, sys_flag, step) in enumerate(records):
+        ts += step
+        requests.append(IndexRequest(topic, 1000 + 300 * i, ts, sys_flag, f"U{i}" if has_uniq else None,
+                                     " ".join(keys) or None))
+    (root / "ref").mkdir()
+    reference_build(root / "ref", requests, 7, 9, counter_clock())
+    config = StoreConfig(max_hash_slot_num=7, max_index_num=9)
+    service = IndexService(root / "svc", config, StoreCheckpoint(root / "svc-checkpoint"), clock=counter_clock())
+    done = 0
+    for size in chunks * 10:
+        if done >= len(requests):
+            break
+        service.build_index_batch(requests[done : done + size])
+        done += size
+    service.close()
+    ref = {p.name: p.read_bytes() for p in (root / "ref").iterdir()}
+    got = {p.name: p.read_bytes() for p in (root / "svc" / "index").iterdir()} if (root / "svc" / "index").exists() \
+        else {}
+    assert sorted(got) == sorted(ref)
+    assert got == ref
