@@ -30,3 +30,14 @@ def small_config() -> StoreConfig:
     """4 KiB commit-log segments: rolls happen after a handful of messages."""
     return StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 50,
                        max_hash_slot_num=97, max_index_num=500, flush_interval_commit_log=10)
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local[2] SparkSession for the whole suite (starting one costs 7-10 s)."""
+    pytest.importorskip("pyspark")
+    from rocketstore.spark import spark_session
+
+    session = spark_session("local[2]", "rocketstore-tests", driver_memory="1g", shuffle_partitions=2)
+    yield session
+    session.stop()

@@ -129,6 +129,41 @@ class StoreConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
+def detect_config(root: str | Path, base: StoreConfig | None = None) -> StoreConfig:
+    """``base`` with the geometry found on disk: commit-log segment, consume-queue file and index
+    file sizes. An index file whose size the configured slots and entries do not explain is an error
+    (the geometry cannot be guessed from a size alone)."""
+    import os
+
+    from .index.file import index_file_size
+
+    root = Path(root)
+    config = base or StoreConfig()
+    changes: dict[str, object] = {}
+    commitlog = root / "commitlog"
+    if commitlog.is_dir():
+        sizes = [e.stat().st_size for e in os.scandir(commitlog) if e.name.isdigit() and e.stat().st_size > 0]
+        if sizes:
+            changes["mapped_file_size_commit_log"] = sizes[0]
+    queues = root / "consumequeue"
+    if queues.is_dir():
+        for dirpath, _dirs, files in os.walk(queues):
+            digits = [f for f in files if f.isdigit()]
+            if digits:
+                changes["mapped_file_size_consume_queue"] = os.path.getsize(os.path.join(dirpath, digits[0]))
+                break
+    index = root / "index"
+    if index.is_dir():
+        names = sorted(e.name for e in os.scandir(index) if e.name.isdigit() and len(e.name) == 17)
+        if names:
+            size = (index / names[-1]).stat().st_size
+            if size != index_file_size(config.max_hash_slot_num, config.max_index_num):
+                raise ConfigError(f"index files in {index} are {size} bytes, which max_hash_slot_num="
+                                  f"{config.max_hash_slot_num} and max_index_num={config.max_index_num} do not "
+                                  f"give; pass the broker's maxHashSlotNum and maxIndexNum")
+    return config.replace(**changes) if changes else config
+
+
 def _camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part[:1].upper() + part[1:] for part in rest)

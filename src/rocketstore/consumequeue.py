@@ -169,6 +169,37 @@ class ConsumeQueue:
         self.max_physic_offset = phy_offset + size
         return True
 
+    def put_positions(self, queue_offsets, phy_offsets, sizes, tags_codes) -> int:
+        """Append many units in log order, as ``put_position`` calls would; returns how many were written.
+
+        A fresh queue whose offsets run densely is written as whole arrays (the rebuild path);
+        anything else goes unit by unit.
+        """
+        import numpy as np
+
+        q = np.asarray(queue_offsets, dtype=np.int64)
+        if len(q) == 0:
+            return 0
+        dense = self.mapped_files.last is None and bool(np.all(np.diff(q) == 1))
+        if not dense:
+            return sum(self.put_position(int(p), int(z), int(t), int(o))
+                       for o, p, z, t in zip(q, phy_offsets, sizes, tags_codes, strict=True))
+        units = np.empty(len(q), dtype=np.dtype([("phy", ">i8"), ("size", ">i4"), ("tags", ">i8")]))
+        units["phy"], units["size"], units["tags"] = phy_offsets, sizes, tags_codes
+        first = int(q[0]) * CQ_UNIT_SIZE
+        file_start = first - first % self.file_size
+        data = PRE_BLANK_UNIT * ((first - file_start) // CQ_UNIT_SIZE) if q[0] != 0 else b""
+        data += units.tobytes()
+        for at in range(0, len(data), self.file_size):
+            mapped = self.mapped_files.create_file(file_start + at)
+            chunk = data[at : at + self.file_size]
+            mapped.write(0, chunk)
+            mapped.wrote_position = len(chunk)
+        if q[0] != 0:
+            self.min_logic_offset = first
+        self.max_physic_offset = int(phy_offsets[-1]) + int(sizes[-1])
+        return len(q)
+
     # --- reads -------------------------------------------------------------------------------
 
     @property

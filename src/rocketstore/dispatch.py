@@ -64,19 +64,19 @@ def dispatch_request(buf, pos: int, layout: RecordLayout, config: StoreConfig) -
     topic = bytes(buf[layout.topic_pos : layout.topic_pos + layout.topic_len]).decode("utf-8", "replace")
     props = decode_properties(bytes(buf[layout.props_pos : layout.props_pos + layout.props_len])
                               .decode("utf-8", "replace")) if layout.props_len else {}
-    return DispatchRequest(topic, queue_id, phy_offset, layout.size, tags_code_of(topic, props, store_ts, config),
+    return DispatchRequest(topic, queue_id, phy_offset, layout.size,
+                           tags_code_of(topic, props, store_ts, config.delay_levels_ms),
                            store_ts, queue_offset, props.get(PropertyName.KEYS), props.get(PropertyName.UNIQ_KEY),
                            sys_flag)
 
 
-def tags_code_of(topic: str, props: dict[str, str], store_timestamp: int, config: StoreConfig) -> int:
-    """Tags code of a record: hash of TAGS, or the delivery time of a delayed message."""
+def tags_code_of(topic: str, props: dict[str, str], store_timestamp: int, levels: tuple[int, ...]) -> int:
+    """Tags code of a record: hash of TAGS, or the delivery time of a delayed message (``levels`` in ms)."""
     if topic == SCHEDULE_TOPIC and PropertyName.DELAY in props:
         try:
             level = int(props[PropertyName.DELAY])
         except ValueError:
             level = 0
-        levels = config.delay_levels_ms
         level = min(level, len(levels))
         if level > 0:
             return store_timestamp + levels[level - 1]

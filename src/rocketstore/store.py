@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from .checkpoint import StoreCheckpoint
@@ -40,8 +40,10 @@ class StoreNotFoundError(RocketStoreError, FileNotFoundError):
 class MessageStore:
     """A RocketMQ-format message store in a directory. Use ``MessageStore.open``."""
 
-    def __init__(self, root: Path, config: StoreConfig, read_only: bool) -> None:
+    def __init__(self, root: Path, config: StoreConfig, read_only: bool,
+                 index_clock: Callable[[], int] | None = None) -> None:
         self.root = root
+        self._index_clock = index_clock
         self.config = config
         self.read_only = read_only
         self._closed = False
@@ -65,14 +67,17 @@ class MessageStore:
     # --- lifecycle ---------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, root: str | Path, config: StoreConfig | None = None, read_only: bool = False) -> MessageStore:
+    def open(cls, root: str | Path, config: StoreConfig | None = None, read_only: bool = False, *,
+             index_clock: Callable[[], int] | None = None) -> MessageStore:
         """Open (creating if needed) the store rooted at ``root``.
 
         A writer takes the ``lock`` file (``StoreLockedError`` if another writer has it), runs
         recovery (abnormal if an ``abort`` file says the last run crashed) and starts flushing.
+        ``index_clock`` (ms) names new index files; it exists so that tests and rebuilds can
+        produce reproducible names.
         """
         root = Path(root).expanduser()
-        store = cls(root, config or StoreConfig(), read_only)
+        store = cls(root, config or StoreConfig(), read_only, index_clock)
         try:
             store._start()
         except BaseException:
@@ -95,7 +100,8 @@ class MessageStore:
         self.commit_log.load()
         self.queues.load()
         self.checkpoint = StoreCheckpoint.load(self.root / CHECKPOINT_FILE, read_only=self.read_only)
-        self.index = IndexService(self.root, self.config, self.checkpoint, read_only=self.read_only)
+        self.index = IndexService(self.root, self.config, self.checkpoint, read_only=self.read_only,
+                                  clock=self._index_clock)
         self.index.load()
         dispatch_from = self.queues.recover()
         self.recovery = recover_commit_log(self.commit_log, self.checkpoint, self.root, abnormal=abnormal,

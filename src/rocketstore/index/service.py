@@ -65,11 +65,16 @@ class IndexRequest:
     keys: str | None
 
     def index_keys(self) -> list[str]:
-        """UNIQ_KEY first, then every non-empty KEYS token, in order, duplicates kept (as RocketMQ)."""
-        out = [self.uniq_key] if self.uniq_key else []
-        if self.keys:
-            out.extend(k for k in self.keys.split(" ") if k)
-        return out
+        return index_keys(self.uniq_key, self.keys)
+
+
+def index_keys(uniq_key: str | None, keys: str | None) -> list[str]:
+    """What ``buildIndex`` puts for a record: UNIQ_KEY first, then every non-empty KEYS token, in order,
+    duplicates kept (as RocketMQ)."""
+    out = [uniq_key] if uniq_key else []
+    if keys:
+        out.extend(k for k in keys.split(" ") if k)
+    return out
 
 
 class IndexService:
@@ -195,6 +200,23 @@ class IndexService:
             if put:
                 self.dirty = True
         return put
+
+    def build_index_hashes(self, key_hashes, phy_offsets, timestamps, *, records_follow: bool = False) -> int:
+        """Put pre-hashed entries of records in log order (nothing skipped), rolling files as
+        ``buildIndex`` would; ``records_follow`` says records without entries came after the last one
+        (a full file is then replaced, as the next ``buildIndex`` call would)."""
+        total = len(key_hashes)
+        with self.lock:
+            index = self._last_file_for_write()
+            done = 0
+            while done < total:
+                if index.is_write_full():
+                    index = self._last_file_for_write()
+                done += put_hashes(index, key_hashes[done:], phy_offsets[done:], timestamps[done:])
+            if records_follow and index.is_write_full():
+                self._last_file_for_write()
+            self.dirty = self.dirty or total > 0
+        return total
 
     # --- query -------------------------------------------------------------------------------
 

@@ -1,0 +1,325 @@
+"""Splitting commit logs into byte ranges and reading a range into Arrow record batches.
+
+Planning needs no scan of the data: a range is just ``[start, stop)`` inside one segment. A
+reader finds its first record by syncing: the first position at or after ``start`` holding a
+V1/V2 magic whose record validates and whose PHYSICALOFFSET field equals its own position (a
+broker writes every record's position into it), then reads every record that *starts* before
+``stop``. Each record therefore belongs to exactly one range, and ranges can be read in any
+order by any number of tasks. The end of each log is fixed at planning time by a read-only
+recovery, so a store that is still being written is read as a consistent prefix.
+
+Records are decoded with the store's own codec (``rocketstore.codec.record``).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from ..checkpoint import StoreCheckpoint
+from ..codec.properties import PropertyName
+from ..codec.record import BLANK_MAGIC, MAGIC_V1, MAGIC_V2, PHY_OFFSET_POS, message_from_layout, read_layout
+from ..commitlog import COMMITLOG_DIR, CommitLog
+from ..config import StoreConfig
+from ..dispatch import tags_code_of
+from ..errors import ConfigError, CorruptDataError, StoreIOError
+from ..index.bulk import index_key_hashes
+from ..index.service import build_key, index_keys
+from ..lifecycle import ABORT_FILE
+from ..mapped.file import parse_segment_name
+from ..message import SysFlag
+from ..recovery import recover_commit_log
+
+log = logging.getLogger(__name__)
+
+MESSAGE_DDL = (
+    "topic string, queueId int, queueOffset bigint, commitLogOffset bigint, msgId string, uniqKey string, "
+    "keys array<string>, tags string, body binary, properties map<string,string>, bornTimestamp timestamp, "
+    "storeTimestamp timestamp, bornHost string, storeHost string, sysFlag int, flag int, reconsumeTimes int, "
+    "preparedTransactionOffset bigint, storeSize int, bodyCRC int, brokerName string"
+)
+DISPATCH_DDL = ", tagsCode bigint, indexKeyHashes array<bigint>"
+
+_TS = pa.timestamp("us", tz="UTC")
+ARROW_FIELDS = [
+    ("topic", pa.string()), ("queueId", pa.int32()), ("queueOffset", pa.int64()), ("commitLogOffset", pa.int64()),
+    ("msgId", pa.string()), ("uniqKey", pa.string()), ("keys", pa.list_(pa.string())), ("tags", pa.string()),
+    ("body", pa.binary()), ("properties", pa.map_(pa.string(), pa.string())), ("bornTimestamp", _TS),
+    ("storeTimestamp", _TS), ("bornHost", pa.string()), ("storeHost", pa.string()), ("sysFlag", pa.int32()),
+    ("flag", pa.int32()), ("reconsumeTimes", pa.int32()), ("preparedTransactionOffset", pa.int64()),
+    ("storeSize", pa.int32()), ("bodyCRC", pa.int32()), ("brokerName", pa.string()),
+]
+DISPATCH_FIELDS = [("tagsCode", pa.int64()), ("indexKeyHashes", pa.list_(pa.int64()))]
+_MAGICS = (MAGIC_V1.to_bytes(4, "big", signed=True), MAGIC_V2.to_bytes(4, "big", signed=True),
+           BLANK_MAGIC.to_bytes(4, "big", signed=True))
+BATCH_ROWS = 8192
+DEFAULT_MAX_BYTES_PER_PARTITION = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ScanOptions:
+    """Reader options, parsed and checked once on the driver."""
+
+    topics: frozenset[str] | None = None
+    starting_timestamp: int | None = None  # inclusive, ms
+    ending_timestamp: int | None = None  # exclusive, ms
+    starting_offset: int | None = None  # commit-log offset, inclusive
+    ending_offset: int | None = None  # exclusive
+    max_bytes_per_partition: int = DEFAULT_MAX_BYTES_PER_PARTITION
+    check_crc: bool = True
+    include_body: bool = True
+    on_corrupt: str = "fail"  # or "skip"
+    broker_name: str | None = None
+    commit_log_file_size: int | None = None  # default: the size of the segments found
+    dispatch_info: bool = False  # add tagsCode and indexKeyHashes (for rebuilds)
+    delay_levels_ms: tuple[int, ...] = field(default_factory=lambda: StoreConfig().delay_levels_ms)
+
+    @classmethod
+    def from_options(cls, raw: dict[str, str]) -> ScanOptions:
+        """Parse reader options; names are case-insensitive, as Spark's are."""
+        options = _Caseless(raw)
+
+        def flag(name: str, default: bool) -> bool:
+            value = options.get(name)
+            if value is None:
+                return default
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"option {name} must be true or false, not {value!r}")
+            return value.lower() == "true"
+
+        def number(name: str) -> int | None:
+            value = options.get(name)
+            if value is None or value == "":
+                return None
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"option {name} must be an integer (epoch ms or an offset), not {value!r}") from None
+
+        topics = options.get("topics")
+        on_corrupt = options.get("onCorrupt", "fail").lower()
+        if on_corrupt not in ("fail", "skip"):
+            raise ConfigError(f"option onCorrupt must be fail or skip, not {on_corrupt!r}")
+        max_bytes = number("maxBytesPerPartition") or DEFAULT_MAX_BYTES_PER_PARTITION
+        if max_bytes < 1024:
+            raise ConfigError("option maxBytesPerPartition must be at least 1024")
+        return cls(
+            topics=frozenset(t.strip() for t in topics.split(",") if t.strip()) if topics else None,
+            starting_timestamp=number("startingTimestamp"), ending_timestamp=number("endingTimestamp"),
+            starting_offset=number("startingOffset"), ending_offset=number("endingOffset"),
+            max_bytes_per_partition=max_bytes, check_crc=flag("checkCRC", True),
+            include_body=flag("includeBody", True), on_corrupt=on_corrupt, broker_name=options.get("brokerName"),
+            commit_log_file_size=number("mappedFileSizeCommitLog"), dispatch_info=flag("dispatchInfo", False),
+        )
+
+
+class _Caseless(dict):
+    def __init__(self, raw: dict[str, str]) -> None:
+        super().__init__((str(k).lower(), v) for k, v in raw.items())
+
+    def get(self, key: str, default=None):  # type: ignore[override]
+        return super().get(key.lower(), default)
+
+
+@dataclass(frozen=True, slots=True)
+class LogRange:
+    """Records starting in ``[start, stop)`` of one segment; bytes past ``data_end`` are not the log's."""
+
+    root: str
+    broker_name: str
+    segment: str
+    segment_start: int
+    segment_size: int
+    start: int
+    stop: int
+    data_end: int
+
+
+def resolve_roots(paths: str | list[str]) -> list[Path]:
+    """Store roots from a path, a comma-separated list or globs; each must hold a commitlog directory."""
+    items = paths.split(",") if isinstance(paths, str) else list(paths)
+    roots: list[Path] = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        matches = sorted(glob.glob(os.path.expanduser(item))) if glob.has_magic(item) else [os.path.expanduser(item)]
+        for match in matches:
+            root = Path(match)
+            if not (root / COMMITLOG_DIR).is_dir():
+                if glob.has_magic(item):
+                    continue
+                raise StoreIOError(2, f"{root} holds no store (no {COMMITLOG_DIR} directory)")
+            roots.append(root)
+    if not roots:
+        raise StoreIOError(2, f"no store found at {paths!r}")
+    return roots
+
+
+def broker_name_of(root: Path) -> str:
+    """The directory name; for RocketMQ's usual ``.../<broker>/store`` layout, the parent's."""
+    resolved = root.resolve()
+    return resolved.parent.name if resolved.name == "store" and resolved.parent.name else resolved.name
+
+
+def detect_segment_size(root: Path) -> int | None:
+    directory = root / COMMITLOG_DIR
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if parse_segment_name(entry.name) is not None and entry.stat().st_size > 0:
+            return entry.stat().st_size
+    return None
+
+
+def log_bounds(root: Path, segment_size: int) -> tuple[CommitLog, int, int]:
+    """Open a commit log read-only and recover its end in memory: (log, min offset, end offset)."""
+    config = StoreConfig(mapped_file_size_commit_log=segment_size)
+    commit_log = CommitLog(root, config, read_only=True)
+    commit_log.load()
+    checkpoint = StoreCheckpoint.load(root / "checkpoint", read_only=True)
+    report = recover_commit_log(commit_log, checkpoint, root, abnormal=(root / ABORT_FILE).exists())
+    return commit_log, commit_log.min_offset, report.end_offset
+
+
+def plan_ranges(roots: list[Path], options: ScanOptions) -> list[LogRange]:
+    """Byte ranges covering every store's log, at most ``max_bytes_per_partition`` each."""
+    if options.broker_name and len(roots) > 1:
+        raise ConfigError("option brokerName names one store; with several, names come from their directories")
+    ranges: list[LogRange] = []
+    for root in roots:
+        size = options.commit_log_file_size or detect_segment_size(root)
+        if size is None:
+            continue  # an empty store
+        commit_log, low, end = log_bounds(root, size)
+        try:
+            low = max(low, options.starting_offset or 0)
+            if options.ending_offset is not None:
+                end = min(end, options.ending_offset)
+            name = options.broker_name or broker_name_of(root)
+            for mapped in commit_log.mapped_files.files:
+                seg_start, seg_end = mapped.file_from_offset, mapped.file_end_offset
+                start, stop = max(seg_start, low), min(seg_end, end)
+                data_end = min(seg_end, commit_log.max_offset)
+                step = options.max_bytes_per_partition
+                ranges.extend(LogRange(str(root), name, str(mapped.path), seg_start, mapped.file_size, chunk,
+                                       min(chunk + step, stop), data_end) for chunk in range(start, stop, step))
+        finally:
+            commit_log.close()
+    return ranges
+
+
+def find_record_start(buf, pos: int, limit: int, segment_start: int, segment_size: int) -> int | None:
+    """The first record (or closing BLANK) at or after ``pos``; None if there is none before ``limit``."""
+    while pos < limit:
+        candidates = [buf.find(magic, pos + 4, limit) for magic in _MAGICS]
+        found = [c - 4 for c in candidates if c >= 0]
+        if not found:
+            return None
+        p = min(found)
+        magic = int.from_bytes(buf[p + 4 : p + 8], "big", signed=True)
+        if magic == BLANK_MAGIC:
+            if int.from_bytes(buf[p : p + 4], "big", signed=True) == segment_size - p:
+                return p
+        elif int.from_bytes(buf[p + PHY_OFFSET_POS : p + PHY_OFFSET_POS + 8], "big", signed=True) == segment_start + p:
+            try:
+                read_layout(buf, p, limit)
+                return p
+            except CorruptDataError:
+                pass
+        pos = p + 1
+    return None
+
+
+class MessageColumns:
+    """Column lists for one Arrow batch."""
+
+    def __init__(self, dispatch_info: bool) -> None:
+        self.names = [name for name, _ in ARROW_FIELDS] + ([n for n, _ in DISPATCH_FIELDS] if dispatch_info else [])
+        self.types = [t for _, t in ARROW_FIELDS] + ([t for _, t in DISPATCH_FIELDS] if dispatch_info else [])
+        self.data: list[list] = [[] for _ in self.names]
+
+    def __len__(self) -> int:
+        return len(self.data[0])
+
+    def batch(self) -> pa.RecordBatch:
+        arrays = [pa.array(values, type=t) for values, t in zip(self.data, self.types, strict=True)]
+        self.data = [[] for _ in self.names]
+        return pa.RecordBatch.from_arrays(arrays, names=self.names)
+
+
+def read_range(r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
+    """Decode the records of one range into Arrow batches (filters applied, corrupt records never returned)."""
+    try:
+        fd = os.open(r.segment, os.O_RDONLY)
+    except OSError as exc:
+        raise StoreIOError(exc.errno, f"cannot open segment {r.segment}: {exc.strerror}") from exc
+    try:
+        with mmap.mmap(fd, r.segment_size, access=mmap.ACCESS_READ) as buf:
+            yield from _read(buf, r, options)
+    finally:
+        os.close(fd)
+
+
+def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
+    limit = r.data_end - r.segment_start
+    stop = r.stop - r.segment_start
+    pos = r.start - r.segment_start
+    if pos > 0:
+        found = find_record_start(buf, pos, min(limit, stop + 4), r.segment_start, r.segment_size)
+        pos = found if found is not None else limit
+    columns = MessageColumns(options.dispatch_info)
+    while pos < limit and pos < stop:
+        try:
+            layout = read_layout(buf, pos, limit if limit < r.segment_size else r.segment_size,
+                                 check_crc=options.check_crc, path=r.segment, base=r.segment_start)
+        except CorruptDataError as exc:
+            if options.on_corrupt == "fail":
+                raise
+            log.warning("skipping corrupt data: %s", exc)
+            found = find_record_start(buf, pos + 1, min(limit, stop + 4), r.segment_start, r.segment_size)
+            if found is None:
+                break
+            pos = found
+            continue
+        if layout is None:
+            break
+        msg = message_from_layout(buf, pos, layout, read_body=options.include_body, path=r.segment,
+                                  base=r.segment_start)
+        pos += layout.size
+        if _keep(msg, options):
+            append_message(columns, msg, r.broker_name, options)
+            if len(columns) >= BATCH_ROWS:
+                yield columns.batch()
+    if len(columns):
+        yield columns.batch()
+
+
+def _keep(msg, options: ScanOptions) -> bool:
+    if options.topics is not None and msg.topic not in options.topics:
+        return False
+    if options.starting_timestamp is not None and msg.store_timestamp < options.starting_timestamp:
+        return False
+    return options.ending_timestamp is None or msg.store_timestamp < options.ending_timestamp
+
+
+def append_message(columns: MessageColumns, msg, broker: str, options: ScanOptions) -> None:
+    props = msg.properties
+    values = [
+        msg.topic, msg.queue_id, msg.queue_offset, msg.commit_log_offset, msg.msg_id, props.get(PropertyName.UNIQ_KEY),
+        msg.keys, props.get(PropertyName.TAGS), msg.body if options.include_body else None, list(props.items()),
+        msg.born_timestamp * 1000, msg.store_timestamp * 1000, str(msg.born_host), str(msg.store_host), msg.sys_flag,
+        msg.flag, msg.reconsume_times, msg.prepared_transaction_offset, msg.store_size, msg.body_crc, broker,
+    ]
+    if options.dispatch_info:
+        values.append(tags_code_of(msg.topic, props, msg.store_timestamp, options.delay_levels_ms))
+        rollback = SysFlag.transaction_type(msg.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE
+        keys = [] if rollback else index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))
+        values.append(index_key_hashes(build_key(msg.topic, k) for k in keys).tolist())
+    for column, value in zip(columns.data, values, strict=True):
+        column.append(value)
+

@@ -1,0 +1,311 @@
+"""The Spark pipeline: the rocketmq data source, parallel rebuild, export/import, keys at scale, streaming."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.errors import CorruptDataError
+
+pytest.importorskip("pyspark")
+
+from rocketstore.spark.jobs import (
+    export_parquet,
+    find_keys,
+    import_messages,
+    messages_per_topic_and_minute,
+    read_store,
+    rebuild,
+)
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=32 << 10, mapped_file_size_consume_queue=20 * 100,
+                     max_hash_slot_num=97, max_index_num=300)
+
+
+def counter_clock(start: int = 1_700_000_000_000):
+    state = [start]
+
+    def tick() -> int:
+        state[0] += 1
+        return state[0]
+
+    return tick
+
+
+def build_store(root: Path, count: int = 400, *, clock=None, seed: int = 0) -> list:
+    with MessageStore.open(root, CONFIG, index_clock=clock) as store:
+        results = [store.put_message(Message(f"Topic{(i + seed) % 3}", f"body {seed}-{i} ".encode() * (i % 7 + 1),
+                                             tags=f"Tag{i % 2}", keys=[f"k{seed}-{i}", f"g{i % 10}"],
+                                             properties={"n": str(i)}, queue_id=i % 4))
+                   for i in range(count)]
+        results += store.put_messages([Message("Batch", b"b" * 50, keys=[f"batch{j}"]) for j in range(20)])
+        store.put_message(Message("Tx", b"half", keys=["tx"], sys_flag=0x4))
+        store.put_message(Message("Tx", b"rolled back", keys=["rb"], sys_flag=0xC))
+        store.wait_for_dispatch()
+    return results
+
+
+def row_matches_message(row, msg) -> None:
+    assert (row.topic, row.queueId, row.queueOffset, row.commitLogOffset) == (
+        msg.topic, msg.queue_id, msg.queue_offset, msg.commit_log_offset)
+    assert (row.msgId, row.uniqKey, row.keys, row.tags, row.body) == (msg.msg_id, msg.uniq_key, msg.keys, msg.tags,
+                                                                      msg.body)
+    assert dict(row.properties) == msg.properties
+    assert int(row.storeTimestamp.timestamp() * 1000) == msg.store_timestamp
+    assert int(row.bornTimestamp.timestamp() * 1000) == msg.born_timestamp
+    assert (row.bornHost, row.storeHost) == (str(msg.born_host), str(msg.store_host))
+    assert (row.sysFlag, row.flag, row.reconsumeTimes, row.preparedTransactionOffset, row.storeSize, row.bodyCRC) == (
+        msg.sys_flag, msg.flag, msg.reconsume_times, msg.prepared_transaction_offset, msg.store_size, msg.body_crc)
+
+
+def test_dataframe_equals_the_stores_own_reads(spark, tmp_path):
+    build_store(tmp_path / "broker-a")
+    df = read_store(spark, tmp_path / "broker-a", maxBytesPerPartition=8 << 10)
+    assert df.rdd.getNumPartitions() > 4  # several per 32 KiB segment
+    rows = df.orderBy("commitLogOffset").collect()
+    with MessageStore.open(tmp_path / "broker-a", CONFIG, read_only=True) as store:
+        expected = list(store.iter_messages())
+    assert len(rows) == len(expected) == 422
+    for row, msg in zip(rows, expected, strict=True):
+        row_matches_message(row, msg)
+        assert row.brokerName == "broker-a"
+
+
+def test_filters_by_topic_time_and_offset(spark, tmp_path):
+    results = build_store(tmp_path / "s")
+    mid = results[200]
+    df = read_store(spark, tmp_path / "s", topics="Topic1,Batch", maxBytesPerPartition=16 << 10)
+    assert df.count() == sum(1 for i in range(400) if (i % 3) == 1) + 20
+    assert {r.topic for r in df.select("topic").distinct().collect()} == {"Topic1", "Batch"}
+    after = read_store(spark, tmp_path / "s", startingOffset=mid.commit_log_offset,
+                       endingOffset=results[300].commit_log_offset)
+    assert [r.commitLogOffset for r in after.orderBy("commitLogOffset").select("commitLogOffset").collect()] == [
+        r.commit_log_offset for r in results[200:300]]
+    timed = read_store(spark, tmp_path / "s", startingTimestamp=mid.store_timestamp,
+                       endingTimestamp=results[-1].store_timestamp)
+    assert timed.count() == sum(1 for r in results if mid.store_timestamp <= r.store_timestamp
+                                < results[-1].store_timestamp)
+    no_body = read_store(spark, tmp_path / "s", includeBody=False).select("body").distinct().collect()
+    assert [r.body for r in no_body] == [None]
+
+
+def test_several_stores_by_glob(spark, tmp_path):
+    for n, name in enumerate(("broker-a", "broker-b")):
+        build_store(tmp_path / name / "store", 100, seed=n)
+    df = read_store(spark, str(tmp_path / "broker-*" / "store"))
+    counts = {r.brokerName: r["count"] for r in df.groupBy("brokerName").count().collect()}
+    assert counts == {"broker-a": 122, "broker-b": 122}
+    with pytest.raises(Exception, match="no store found"):
+        read_store(spark, str(tmp_path / "nothing-*")).count()
+
+
+def copy_vector(vectors: Path, name: str, root: Path) -> Path:
+    (root / "commitlog").mkdir(parents=True)
+    shutil.copy(vectors / name / "00000000000000000000", root / "commitlog" / "00000000000000000000")
+    return root
+
+
+def test_golden_commit_log_as_a_dataframe(spark, vectors, tmp_path):
+    root = copy_vector(vectors, "v4_commitlog", tmp_path / "golden")
+    expected = [json.loads(line) for line in (vectors / "v4_commitlog" / "decode.jsonl").read_text().splitlines()]
+    rows = read_store(spark, root, maxBytesPerPartition=1024).orderBy("commitLogOffset").collect()
+    records = [e for e in expected if "msgId" in e]
+    assert len(rows) == len(records)
+    for row, e in zip(rows, records, strict=True):
+        assert (row.msgId, row.topic, row.queueId, row.queueOffset, row.sysFlag, row.storeSize, row.bodyCRC) == (
+            e["msgId"], e["topic"], e["queueId"], e["queueOffset"], e["sysFlag"], e["storeSize"], e["bodyCRC"])
+        assert (row.bornHost, row.storeHost, dict(row.properties)) == (e["bornHost"], e["storeHost"], e["properties"])
+        assert row.body == (base64.b64decode(e["body"]) if e["body"] else b"")
+
+
+def test_corrupt_records_fail_or_are_skipped_never_returned(spark, vectors, tmp_path):
+    root = copy_vector(vectors, "v6_commitlog_corrupt", tmp_path / "damaged")
+    assert [r.commitLogOffset for r in read_store(spark, root).collect()] == [0]  # recovery ends the log at 184
+    # the whole segment, past that end, through the partition reader
+    with pytest.raises(CorruptDataError, match="past the record end"):
+        _scan_whole_segment(root, "fail")
+    offsets = _scan_whole_segment(root, "skip")
+    third = [json.loads(line)["pos"] for line in
+             (vectors / "v6_commitlog_corrupt" / "decode_from_3rd.jsonl").read_text().splitlines()]
+    assert offsets == [0] + [p for p in third if p < 1650]
+
+
+def _scan_whole_segment(root: Path, on_corrupt: str) -> list[int]:
+    """Read the full segment (past recovery's end) through the partition reader."""
+    from rocketstore.spark.partitions import LogRange, ScanOptions, read_range
+
+    segment = root / "commitlog" / "00000000000000000000"
+    r = LogRange(str(root), "b", str(segment), 0, 8192, 0, 8192, 8192)
+    offsets = []
+    for batch in read_range(r, ScanOptions(on_corrupt=on_corrupt)):
+        offsets += batch.column("commitLogOffset").to_pylist()
+    return offsets
+
+
+def test_damage_found_while_reading_fails_the_job_by_default(spark, tmp_path):
+    """Damage in an old segment (recovery re-checks only the newest ones) is met by the scan itself."""
+    results = build_store(tmp_path / "s", 700)
+    victim = results[10]
+    assert victim.commit_log_offset < 32 << 10 and len(list((tmp_path / "s" / "commitlog").iterdir())) > 4
+    segment = tmp_path / "s" / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[victim.commit_log_offset + 100] ^= 0xFF  # inside the body
+    segment.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="CRC"):
+        read_store(spark, tmp_path / "s").count()
+    skipped = read_store(spark, tmp_path / "s", onCorrupt="skip").select("commitLogOffset").collect()
+    assert victim.commit_log_offset not in {r.commitLogOffset for r in skipped}
+    assert len(skipped) == 700 + 20 + 2 - 1
+
+
+def test_live_store_reads_a_consistent_prefix(spark, tmp_path):
+    store = MessageStore.open(tmp_path / "live", CONFIG)
+    try:
+        for i in range(50):
+            store.put_message(Message("Live", f"{i}".encode()))
+        assert read_store(spark, tmp_path / "live").count() == 50
+        for i in range(50, 80):
+            store.put_message(Message("Live", f"{i}".encode()))
+        assert sorted(int(r.body) for r in read_store(spark, tmp_path / "live").collect()) == list(range(80))
+    finally:
+        store.close()
+
+
+def tree(root: Path, name: str) -> dict[str, str]:
+    base = root / name
+    return {str(p.relative_to(base)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(base.rglob("*")) if p.is_file()}
+
+
+def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path):
+    original = tmp_path / "original"
+    build_store(original, 700, clock=counter_clock())
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copytree(original / "commitlog", copy / "commitlog")
+    shutil.copy(original / "checkpoint", copy / "checkpoint")
+    report = rebuild(copy, spark=spark, config=CONFIG, clock=counter_clock(), max_bytes_per_partition=8 << 10)
+    assert report.records == 722 and report.partitions > 4 and report.index_files > 3
+    assert tree(copy, "consumequeue") == tree(original, "consumequeue")
+    assert tree(copy, "index") == tree(original, "index")
+    with MessageStore.open(original, CONFIG, read_only=True) as a, MessageStore.open(copy, CONFIG) as b:
+        for key in ("k0-5", "g3", "batch7", "tx"):
+            for topic in ("Topic0", "Topic1", "Topic2", "Batch", "Tx"):
+                assert [m.msg_id for m in a.query_message(topic, key)] == [m.msg_id for m in b.query_message(topic,
+                                                                                                             key)]
+        assert b.get_message("Topic1", 2, 0, 500).messages[-1].msg_id == a.get_message("Topic1", 2, 0,
+                                                                                      500).messages[-1].msg_id
+
+
+def test_rebuild_moves_old_indexes_aside_and_repairs_a_damaged_store(spark, tmp_path):
+    results = build_store(tmp_path / "s", 100)
+    (tmp_path / "s" / "index").joinpath(sorted(p.name for p in (tmp_path / "s" / "index").iterdir())[0]).write_bytes(
+        b"garbage")
+    report = rebuild(tmp_path / "s", spark=spark, config=CONFIG)
+    assert any("rebuild-" in p for p in report.moved_aside)
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        assert store.query_message("Topic0", "k0-0")[0].msg_id == results[0].msg_id
+
+
+def test_export_to_parquet_and_read_back(spark, tmp_path):
+    build_store(tmp_path / "s", 150)
+    out = tmp_path / "parquet"
+    count = export_parquet(tmp_path / "s", out, spark=spark, topics=["Topic0", "Topic2"])
+    assert count == 100
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["topic=Topic0", "topic=Topic2"]
+    back = spark.read.parquet(str(out)).orderBy("commitLogOffset").collect()
+    source = read_store(spark, tmp_path / "s", topics="Topic0,Topic2").orderBy("commitLogOffset").collect()
+    for a, b in zip(back, source, strict=True):
+        assert (a.msgId, a.body, dict(a.properties), a.keys, a.topic) == (b.msgId, b.body, dict(b.properties),
+                                                                          b.keys, b.topic)
+
+
+def test_import_stores_each_row_once_and_reads_back_equal(spark, tmp_path):
+    rows = [(f"Imp{i % 2}", f"payload {i}".encode(), [f"ik{i}"], f"T{i % 3}", {"i": str(i)}, i % 3)
+            for i in range(300)]
+    df = spark.createDataFrame(rows, "topic string, body binary, keys array<string>, tags string, "
+                                     "properties map<string,string>, queueId int").repartition(3)
+    report = import_messages(df, tmp_path / "s", config=CONFIG, batch_size=64)
+    assert report.rows == 300
+    back = read_store(spark, tmp_path / "s").collect()
+    assert len(back) == 300
+    got = sorted((r.topic, r.body, r.keys, r.tags, dict(r.properties)["i"], r.queueId) for r in back)
+    assert got == sorted((t, b, k, g, p["i"], q) for t, b, k, g, p, q in rows)
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        assert store.query_message("Imp1", "ik7")[0].body == b"payload 7"
+    bad = spark.createDataFrame([("ok", b"x"), ("bad/topic", b"y")], "topic string, body binary").coalesce(1)
+    with pytest.raises(Exception, match="row 1"):
+        import_messages(bad, tmp_path / "s", config=CONFIG, batch_size=1)
+
+
+def test_find_keys_across_stores(spark, tmp_path):
+    a = build_store(tmp_path / "a", 120, seed=0)
+    b = build_store(tmp_path / "b", 120, seed=1)
+    found = find_keys([tmp_path / "a", tmp_path / "b"], [("Topic0", "k0-0"), ("Topic1", "k1-0"), ("Topic0", "g3"),
+                                                         ("Nope", "x"), ("Topic0", "k9-9")], spark=spark, config=CONFIG)
+    rows = found.collect()
+    by_query: dict[tuple[str, str], set[str]] = {}
+    for r in rows:
+        by_query.setdefault((r.queryTopic, r.queryKey), set()).add(r.msgId)
+        assert r.topic == r.queryTopic and r.queryKey in r.keys
+    assert by_query[("Topic0", "k0-0")] == {a[0].msg_id}
+    assert by_query[("Topic1", "k1-0")] == {b[0].msg_id}
+    assert ("Nope", "x") not in by_query and ("Topic0", "k9-9") not in by_query
+    expected_g3 = sum(1 for i in range(120) if i % 10 == 3 and i % 3 == 0) + sum(
+        1 for i in range(120) if i % 10 == 3 and (i + 1) % 3 == 0)
+    assert len(by_query[("Topic0", "g3")]) == expected_g3
+
+
+def test_summary_per_topic_and_minute(spark, tmp_path):
+    build_store(tmp_path / "s", 90)
+    per_topic, per_minute = messages_per_topic_and_minute(read_store(spark, tmp_path / "s"))
+    assert {r.topic: r["count"] for r in per_topic.collect()} == {"Topic0": 30, "Topic1": 30, "Topic2": 30,
+                                                                  "Batch": 20, "Tx": 2}
+    assert sum(r["count"] for r in per_minute.collect()) == 112
+
+
+def test_streaming_reads_exactly_what_was_appended(spark, tmp_path):
+    root = tmp_path / "stream"
+    build_store(root, 30)
+    checkpoint = tmp_path / "ckpt"
+    out = tmp_path / "out"
+
+    def run_once() -> None:
+        query = (spark.readStream.format("rocketmq").load(str(root)).select("commitLogOffset", "topic")
+                 .writeStream.format("parquet").option("checkpointLocation", str(checkpoint))
+                 .option("path", str(out)).trigger(availableNow=True).start())
+        query.awaitTermination(120)
+
+    run_once()
+    assert spark.read.parquet(str(out)).count() == 52
+    with MessageStore.open(root, CONFIG) as store:
+        added = [store.put_message(Message("Later", f"{i}".encode())) for i in range(7)]
+    run_once()
+    rows = spark.read.parquet(str(out)).collect()
+    assert len(rows) == 59 and len({r.commitLogOffset for r in rows}) == 59
+    assert {r.commitLogOffset for r in rows if r.topic == "Later"} == {r.commit_log_offset for r in added}
+
+
+def test_bad_options_are_clear_errors(spark, tmp_path):
+    build_store(tmp_path / "s", 5)
+    with pytest.raises(Exception, match="onCorrupt"):
+        read_store(spark, tmp_path / "s", onCorrupt="maybe").count()
+    with pytest.raises(Exception, match="startingTimestamp"):
+        read_store(spark, tmp_path / "s", startingTimestamp="yesterday").count()
+    with pytest.raises(CorruptDataError):
+        _scan_whole_segment_of_garbage(tmp_path)
+
+
+def _scan_whole_segment_of_garbage(tmp_path: Path) -> None:
+    from rocketstore.spark.partitions import LogRange, ScanOptions, read_range
+
+    segment = tmp_path / "g" / "commitlog" / "00000000000000000000"
+    segment.parent.mkdir(parents=True)
+    segment.write_bytes(b"\x00\x00\x01\x00\x12\x34\x56\x78" + bytes(1016))
+    list(read_range(LogRange(str(tmp_path / "g"), "g", str(segment), 0, 1024, 0, 1024, 1024), ScanOptions()))
