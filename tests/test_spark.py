@@ -309,3 +309,24 @@ def _scan_whole_segment_of_garbage(tmp_path: Path) -> None:
     segment.parent.mkdir(parents=True)
     segment.write_bytes(b"\x00\x00\x01\x00\x12\x34\x56\x78" + bytes(1016))
     list(read_range(LogRange(str(tmp_path / "g"), "g", str(segment), 0, 1024, 0, 1024, 1024), ScanOptions()))
+
+
+def test_job_entry_point_runs_a_rebuild_and_reports_errors_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    build_store(tmp_path / "s", 50)
+    base = [sys.executable, "-m", "rocketstore.spark", "--master", "local[1]", "--max-hash-slot-num", "97",
+            "--max-index-num", "300"]
+    done = subprocess.run([*base, "rebuild", str(tmp_path / "s")], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert "rebuilt 70 queue units" in done.stdout and "from 72 records" in done.stdout  # 2 are transactional
+    missing = subprocess.run([*base, "rebuild", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120,
+                             check=False)
+    assert missing.returncode == 1
+    assert missing.stderr.strip().startswith("error:") and "no store" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bad_key = subprocess.run([*base, "find-keys", str(tmp_path / "s"), "--key", "nocolon"], capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert bad_key.returncode == 2 and "TOPIC:KEY" in bad_key.stderr
