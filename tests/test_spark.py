@@ -159,9 +159,16 @@ def test_damage_found_while_reading_fails_the_job_by_default(spark, tmp_path):
     segment.write_bytes(bytes(data))
     with pytest.raises(Exception, match="CRC"):
         read_store(spark, tmp_path / "s").count()
-    skipped = read_store(spark, tmp_path / "s", onCorrupt="skip").select("commitLogOffset").collect()
+    report_dir = tmp_path / "corrupt"
+    skipped = read_store(spark, tmp_path / "s", onCorrupt="skip", corruptLog=report_dir).select(
+        "commitLogOffset").collect()
     assert victim.commit_log_offset not in {r.commitLogOffset for r in skipped}
     assert len(skipped) == 700 + 20 + 2 - 1
+    from rocketstore.spark.partitions import corrupt_report
+
+    report = corrupt_report(report_dir)
+    assert [(item["offset"], item["bytes"]) for item in report] == [(victim.commit_log_offset, victim.store_size)]
+    assert "CRC" in report[0]["reason"]
 
 
 def test_live_store_reads_a_consistent_prefix(spark, tmp_path):
@@ -195,10 +202,13 @@ def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path):
     assert tree(copy, "consumequeue") == tree(original, "consumequeue")
     assert tree(copy, "index") == tree(original, "index")
     with MessageStore.open(original, CONFIG, read_only=True) as a, MessageStore.open(copy, CONFIG) as b:
-        for key in ("k0-5", "g3", "batch7", "tx"):
-            for topic in ("Topic0", "Topic1", "Topic2", "Batch", "Tx"):
-                assert [m.msg_id for m in a.query_message(topic, key)] == [m.msg_id for m in b.query_message(topic,
-                                                                                                             key)]
+        messages = list(a.iter_messages())
+        every = {(m.topic, k) for m in messages for k in m.keys}
+        assert len(every) > 700
+        for topic, key in every:
+            assert [m.msg_id for m in a.query_message(topic, key)] == [m.msg_id for m in b.query_message(topic, key)]
+        for m in messages:
+            assert [x.msg_id for x in b.query_message_by_uniq_key(m.topic, m.uniq_key)] == [m.msg_id]
         assert b.get_message("Topic1", 2, 0, 500).messages[-1].msg_id == a.get_message("Topic1", 2, 0,
                                                                                       500).messages[-1].msg_id
 

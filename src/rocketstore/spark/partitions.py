@@ -14,6 +14,7 @@ Records are decoded with the store's own codec (``rocketstore.codec.record``).
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import mmap
 import os
@@ -79,6 +80,7 @@ class ScanOptions:
     broker_name: str | None = None
     commit_log_file_size: int | None = None  # default: the size of the segments found
     dispatch_info: bool = False  # add tagsCode and indexKeyHashes (for rebuilds)
+    corrupt_log: str | None = None  # directory where each task lists what onCorrupt=skip skipped
     delay_levels_ms: tuple[int, ...] = field(default_factory=lambda: StoreConfig().delay_levels_ms)
 
     @classmethod
@@ -117,6 +119,7 @@ class ScanOptions:
             max_bytes_per_partition=max_bytes, check_crc=flag("checkCRC", True),
             include_body=flag("includeBody", True), on_corrupt=on_corrupt, broker_name=options.get("brokerName"),
             commit_log_file_size=number("mappedFileSizeCommitLog"), dispatch_info=flag("dispatchInfo", False),
+            corrupt_log=options.get("corruptLog"),
         )
 
 
@@ -273,6 +276,7 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         found = find_record_start(buf, pos, min(limit, stop + 4), r.segment_start, r.segment_size)
         pos = found if found is not None else limit
     columns = MessageColumns(options.dispatch_info)
+    skipped: list[dict] = []
     while pos < limit and pos < stop:
         try:
             layout = read_layout(buf, pos, limit if limit < r.segment_size else r.segment_size,
@@ -280,8 +284,11 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         except CorruptDataError as exc:
             if options.on_corrupt == "fail":
                 raise
-            log.warning("skipping corrupt data: %s", exc)
             found = find_record_start(buf, pos + 1, min(limit, stop + 4), r.segment_start, r.segment_size)
+            resume = limit if found is None else found
+            log.warning("skipping %d bytes of corrupt data: %s", resume - pos, exc)
+            skipped.append({"segment": r.segment, "offset": r.segment_start + pos, "bytes": resume - pos,
+                            "reason": exc.reason})
             if found is None:
                 break
             pos = found
@@ -297,6 +304,26 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
                 yield columns.batch()
     if len(columns):
         yield columns.batch()
+    if skipped and options.corrupt_log:
+        _write_corrupt_log(options.corrupt_log, r, skipped)
+
+
+def _write_corrupt_log(directory: str, r: LogRange, skipped: list[dict]) -> None:
+    """One JSON-lines file per range (rewritten if the task is retried): what a skip scan left out."""
+    os.makedirs(directory, exist_ok=True)
+    name = f"{Path(r.root).name}-{Path(r.segment).name}-{r.start:020d}.jsonl"
+    tmp = os.path.join(directory, f".{name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        out.writelines(json.dumps(item) + "\n" for item in skipped)
+    os.replace(tmp, os.path.join(directory, name))
+
+
+def corrupt_report(directory: str | Path) -> list[dict]:
+    """Everything a scan with ``onCorrupt=skip`` and ``corruptLog=directory`` skipped, by offset."""
+    items: list[dict] = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        items.extend(json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line)
+    return sorted(items, key=lambda item: (item["segment"], item["offset"]))
 
 
 def _keep(msg, options: ScanOptions) -> bool:

@@ -25,6 +25,8 @@ Options (all optional):
 ``maxBytesPerPartition``    bytes of log per task (default 64 MiB); a segment is read by several
 ``checkCRC``                verify body CRCs (default true); a failing record is never returned
 ``onCorrupt``               ``fail`` (default) or ``skip`` (log it with file and offset, go on)
+``corruptLog``              with ``skip``: a directory where tasks list what they skipped
+                            (``rocketstore.spark.partitions.corrupt_report`` reads it back)
 ``includeBody``             false leaves ``body`` null (faster scans)
 ``brokerName``              the brokerName column for a single store (default: directory name)
 ``mappedFileSizeCommitLog`` segment size (default: the size of the segment files found)

@@ -1,0 +1,122 @@
+"""Spark vs the single-process path on the same store: scan MB/s and rebuild keys/s, as ratios.
+
+    ./dev bench spark            # 300,000 messages (about 100 MB of commit log)
+    ./dev bench spark --quick    # the CI smoke form: a few thousand messages, checks the harness works
+
+Each Spark figure runs in its own process (a JVM keeps its first master), on local[1] and
+local[2]. The baselines run in this process on the same store: a full decode of every record
+with ``MessageStore.iter_messages`` (scan), and the store's own sequential dispatch after
+removing consume queues and index (rebuild). Results: a table on stdout and
+benchmarks/results/spark.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rocketstore import Message, MessageStore, StoreConfig
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 20, max_hash_slot_num=500_000, max_index_num=2_000_000)
+RESULTS = Path(__file__).parent / "results"
+
+
+def build(root: Path, count: int) -> int:
+    with MessageStore.open(root, CONFIG) as store:
+        body = b"x" * 200
+        for start in range(0, count, 256):
+            store.put_messages([Message(f"Topic{i % 8}", body, tags=f"T{i % 3}", keys=[f"order-{i}", f"user-{i % 977}"],
+                                        queue_id=i % 4) for i in range(start, min(start + 256, count))])
+        return store.max_phy_offset
+
+
+def baseline_scan(root: Path) -> float:
+    started = time.perf_counter()
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        topics: dict[str, int] = {}
+        for msg in store.iter_messages():
+            topics[msg.topic] = topics.get(msg.topic, 0) + 1
+    return time.perf_counter() - started
+
+
+def baseline_rebuild(root: Path) -> tuple[float, int]:
+    for name in ("consumequeue", "index"):
+        shutil.rmtree(root / name, ignore_errors=True)
+    started = time.perf_counter()
+    with MessageStore.open(root, CONFIG) as store:  # re-dispatches the whole log on open
+        keys = sum(f.index_count - 1 for f in store.index.files)
+    return time.perf_counter() - started, keys
+
+
+def spark_child(root: str, master: str) -> dict:
+    """Runs in a subprocess: scan (count + group by topic) and rebuild on one master."""
+    from rocketstore.spark import spark_session
+    from rocketstore.spark.jobs import read_store, rebuild
+
+    spark = spark_session(master, "rocketstore-bench", driver_memory="4g")
+    read_store(spark, root, maxBytesPerPartition=8 << 20).count()  # warm the session and workers
+    started = time.perf_counter()
+    df = read_store(spark, root, maxBytesPerPartition=8 << 20, includeBody=False)
+    df.groupBy("topic").count().collect()
+    scan = time.perf_counter() - started
+    report = rebuild(root, spark=spark, config=CONFIG, max_bytes_per_partition=8 << 20)
+    return {"scan_s": scan, "rebuild_s": report.seconds, "keys": report.index_keys,
+            "partitions": report.partitions}
+
+
+def run(count: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="rocketstore-bench-") as tmp:
+        root = Path(tmp) / "store"
+        log_bytes = build(root, count)
+        scan_s = baseline_scan(root)
+        rebuild_s, keys = baseline_rebuild(root)
+        results = {"messages": count, "log_mb": log_bytes / 1e6,
+                   "single_process": {"scan_mb_s": log_bytes / 1e6 / scan_s, "rebuild_keys_s": keys / rebuild_s}}
+        for master in ("local[1]", "local[2]"):
+            out = subprocess.run([sys.executable, __file__, "--child", str(root), master], capture_output=True,
+                                 text=True, check=True)
+            child = json.loads(out.stdout.strip().splitlines()[-1])
+            results[master] = {"scan_mb_s": log_bytes / 1e6 / child["scan_s"],
+                               "rebuild_keys_s": child["keys"] / child["rebuild_s"], "partitions": child["partitions"]}
+    return results
+
+
+def table(results: dict) -> str:
+    base = results["single_process"]
+    lines = [f"Spark pipeline, {results['messages']:,} messages ({results['log_mb']:.0f} MB of commit log)",
+             f"{'path':<16}{'scan MB/s':>12}{'ratio':>8}{'rebuild keys/s':>17}{'ratio':>8}"]
+    for name in ("single_process", "local[1]", "local[2]"):
+        r = results[name]
+        lines.append(f"{name:<16}{r['scan_mb_s']:>12,.1f}{r['scan_mb_s'] / base['scan_mb_s']:>8.2f}"
+                     f"{r['rebuild_keys_s']:>17,.0f}{r['rebuild_keys_s'] / base['rebuild_keys_s']:>8.2f}")
+    two, one = results["local[2]"], results["local[1]"]
+    lines.append(f"2 cores vs 1 core: scan x{two['scan_mb_s'] / one['scan_mb_s']:.2f}, "
+                 f"rebuild x{two['rebuild_keys_s'] / one['rebuild_keys_s']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke form for CI")
+    parser.add_argument("--messages", type=int, default=300_000)
+    parser.add_argument("--child", nargs=2, metavar=("ROOT", "MASTER"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(spark_child(*args.child)))
+        return 0
+    results = run(3000 if args.quick else args.messages)
+    print(table(results))
+    RESULTS.mkdir(exist_ok=True)
+    name = "spark-quick.json" if args.quick else "spark.json"
+    (RESULTS / name).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
