@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -124,7 +126,7 @@ def test_index_service_batches_write_what_buildindex_writes(tmp_path_factory, re
     config = StoreConfig(max_hash_slot_num=7, max_index_num=9)
     service = IndexService(root / "svc", config, StoreCheckpoint(root / "svc-checkpoint"), clock=counter_clock())
     done = 0
-    for size in chunks * 10:
+    for size in itertools.cycle(chunks):
         if done >= len(requests):
             break
         service.build_index_batch(requests[done : done + size])

@@ -210,3 +210,15 @@ def test_retention_deletes_index_files_that_only_cover_deleted_segments(tmp_path
         assert all(f.end_phy_offset >= store.min_phy_offset for f in store.index.files)
         assert store.query_message("T", "k79")[0].commit_log_offset == results[79].commit_log_offset
     assert len(list((tmp_path / "index").iterdir())) == files_before - report.index_files
+
+
+def test_clean_reopens_do_not_index_anything_twice(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        for i in range(10):
+            keyed(store, "T", [f"k{i}", "all"])
+        store.wait_for_dispatch()
+        entries = sum(f.index_count - 1 for f in store.index.files)
+    assert entries == 10 * 3
+    for _ in range(3):
+        with MessageStore.open(tmp_path, small_config) as store:
+            assert sum(f.index_count - 1 for f in store.index.files) == entries

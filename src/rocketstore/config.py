@@ -131,8 +131,8 @@ class StoreConfig:
 
 def detect_config(root: str | Path, base: StoreConfig | None = None) -> StoreConfig:
     """``base`` with the geometry found on disk: commit-log segment, consume-queue file and index
-    file sizes. An index file whose size the configured slots and entries do not explain is an error
-    (the geometry cannot be guessed from a size alone)."""
+    file sizes. Index geometry is inferred when it follows RocketMQ's 4 entries per slot; any other
+    size that the configured slots and entries do not explain is an error."""
     import os
 
     from .index.file import index_file_size
@@ -157,7 +157,13 @@ def detect_config(root: str | Path, base: StoreConfig | None = None) -> StoreCon
         names = sorted(e.name for e in os.scandir(index) if e.name.isdigit() and len(e.name) == 17)
         if names:
             size = (index / names[-1]).stat().st_size
-            if size != index_file_size(config.max_hash_slot_num, config.max_index_num):
+            explicit = (config.max_hash_slot_num, config.max_index_num) != (5_000_000, 20_000_000)
+            if size != index_file_size(config.max_hash_slot_num, config.max_index_num) and not explicit \
+                    and size > 40 and (size - 40) % 84 == 0:
+                # RocketMQ sizes the index as maxIndexNum = 4 * maxHashSlotNum: 40 + 4*S + 20*4*S bytes
+                slots = (size - 40) // 84
+                changes.update(max_hash_slot_num=slots, max_index_num=4 * slots)
+            elif size != index_file_size(config.max_hash_slot_num, config.max_index_num):
                 raise ConfigError(f"index files in {index} are {size} bytes, which max_hash_slot_num="
                                   f"{config.max_hash_slot_num} and max_index_num={config.max_index_num} do not "
                                   f"give; pass the broker's maxHashSlotNum and maxIndexNum")

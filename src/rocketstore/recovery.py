@@ -260,3 +260,18 @@ def _data_regions(path: Path, start: int, end: int) -> list[tuple[int, int]]:
     finally:
         os.close(fd)
     return regions
+
+
+def recovered_log_end(root: Path, config) -> tuple[int, int]:
+    """(min offset, recovered end) of a store's commit log, computed read-only and in memory."""
+    from .commitlog import CommitLog
+    from .lifecycle import ABORT_FILE
+
+    commit_log = CommitLog(root, config, read_only=True)
+    commit_log.load()
+    try:
+        checkpoint = StoreCheckpoint.load(root / "checkpoint", read_only=True)
+        report = recover_commit_log(commit_log, checkpoint, root, abnormal=(root / ABORT_FILE).exists())
+        return commit_log.min_offset, report.end_offset
+    finally:
+        commit_log.close()

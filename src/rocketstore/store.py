@@ -138,11 +138,11 @@ class MessageStore:
         start = dispatch_from if dispatch_from >= 0 else log_min
         if abnormal:
             start = min(start, self.recovery.start_offset)
-        if self.index is not None and self.index.files and self.config.message_index_enable:
-            newest = self.index.files[-1]
-            start = min(start, newest.end_phy_offset if newest.index_count > 1 else newest.begin_phy_offset)
-        elif self.config.message_index_enable and not self.index.files:
-            start = log_min
+            if self.index is not None and self.index.files and self.config.message_index_enable:
+                newest = self.index.files[-1]
+                start = min(start, newest.end_phy_offset if newest.index_count > 1 else newest.begin_phy_offset)
+        if self.config.message_index_enable and self.index is not None and not self.index.files:
+            start = log_min  # no index at all (deleted, or never built): index the whole log
         return max(start, log_min)
 
     def _note_logics(self, store_timestamp: int) -> None:

@@ -327,3 +327,34 @@ def decompress_body(body: bytes, sys_flag: int, max_size: int, path: str | None 
     if len(out) > max_size:
         raise CorruptDataError(f"compressed body inflates beyond {max_size} bytes", path, offset)
     return out
+
+
+_SYNC_MAGICS = (MAGIC_V1.to_bytes(4, "big", signed=True), MAGIC_V2.to_bytes(4, "big", signed=True),
+                BLANK_MAGIC.to_bytes(4, "big", signed=True))
+
+
+def find_record_start(buf, pos: int, limit: int, segment_start: int, segment_size: int) -> int | None:
+    """The first record (or closing BLANK) at or after ``pos``; None if there is none before ``limit``.
+
+    A record start is a V1/V2 magic whose record validates and whose PHYSICALOFFSET field equals its
+    own position (``segment_start + p``): a broker writes every record's position into it, so a
+    body that merely contains a magic does not qualify.
+    """
+    while pos < limit:
+        candidates = [buf.find(magic, pos + 4, limit) for magic in _SYNC_MAGICS]
+        found = [c - 4 for c in candidates if c >= 0]
+        if not found:
+            return None
+        p = min(found)
+        magic = int.from_bytes(buf[p + 4 : p + 8], "big", signed=True)
+        if magic == BLANK_MAGIC:
+            if int.from_bytes(buf[p : p + 4], "big", signed=True) == segment_size - p:
+                return p
+        elif int.from_bytes(buf[p + PHY_OFFSET_POS : p + PHY_OFFSET_POS + 8], "big", signed=True) == segment_start + p:
+            try:
+                read_layout(buf, p, limit)
+                return p
+            except CorruptDataError:
+                pass
+        pos = p + 1
+    return None

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from ..checkpoint import StoreCheckpoint
 from ..codec.properties import PropertyName
-from ..codec.record import BLANK_MAGIC, MAGIC_V1, MAGIC_V2, PHY_OFFSET_POS, message_from_layout, read_layout
+from ..codec.record import find_record_start, message_from_layout, read_layout
 from ..commitlog import COMMITLOG_DIR, CommitLog
 from ..config import StoreConfig
 from ..dispatch import tags_code_of
@@ -58,8 +58,6 @@ ARROW_FIELDS = [
     ("storeSize", pa.int32()), ("bodyCRC", pa.int32()), ("brokerName", pa.string()),
 ]
 DISPATCH_FIELDS = [("tagsCode", pa.int64()), ("indexKeyHashes", pa.list_(pa.int64()))]
-_MAGICS = (MAGIC_V1.to_bytes(4, "big", signed=True), MAGIC_V2.to_bytes(4, "big", signed=True),
-           BLANK_MAGIC.to_bytes(4, "big", signed=True))
 BATCH_ROWS = 8192
 DEFAULT_MAX_BYTES_PER_PARTITION = 64 << 20
 
@@ -214,28 +212,6 @@ def plan_ranges(roots: list[Path], options: ScanOptions) -> list[LogRange]:
         finally:
             commit_log.close()
     return ranges
-
-
-def find_record_start(buf, pos: int, limit: int, segment_start: int, segment_size: int) -> int | None:
-    """The first record (or closing BLANK) at or after ``pos``; None if there is none before ``limit``."""
-    while pos < limit:
-        candidates = [buf.find(magic, pos + 4, limit) for magic in _MAGICS]
-        found = [c - 4 for c in candidates if c >= 0]
-        if not found:
-            return None
-        p = min(found)
-        magic = int.from_bytes(buf[p + 4 : p + 8], "big", signed=True)
-        if magic == BLANK_MAGIC:
-            if int.from_bytes(buf[p : p + 4], "big", signed=True) == segment_size - p:
-                return p
-        elif int.from_bytes(buf[p + PHY_OFFSET_POS : p + PHY_OFFSET_POS + 8], "big", signed=True) == segment_start + p:
-            try:
-                read_layout(buf, p, limit)
-                return p
-            except CorruptDataError:
-                pass
-        pos = p + 1
-    return None
 
 
 class MessageColumns:

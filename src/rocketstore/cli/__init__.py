@@ -1,0 +1,1 @@
+"""The ``rocketstore`` command line (click + rich); the library never imports it."""

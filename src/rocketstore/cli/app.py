@@ -1,0 +1,590 @@
+"""``rocketstore``: inspect, query, verify and repair RocketMQ store directories offline.
+
+Every command takes ``--store DIR`` (default ``~/store``, RocketMQ's). Query commands open the
+store read-only and never change a byte, so they are safe on a live broker's files. Errors are
+one line on stderr and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+
+from .. import Message, MessageStore, StoreConfig
+from ..config import detect_config
+from ..errors import MessageNotFoundError, RocketStoreError
+from ..reads import GetMessageStatus
+from .render import body_text, dump_json, emit_json, human_time, message_block, message_json, parse_time
+
+DEFAULT_STORE = "~/store"
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+class Failure(click.ClickException):
+    """One line on stderr, exit code 1."""
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def fails_cleanly(command):
+    """Turn library errors into one clean line instead of a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except BrokenPipeError:  # `| head`: stop quietly, like any Unix tool
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
+        except RocketStoreError as exc:
+            raise Failure(str(exc)) from None
+        except OSError as exc:
+            raise Failure(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")) from None
+        except Exception as exc:  # Spark and others: the last line that names an error
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            named = [line for line in lines if "Error" in line or "error" in line]
+            raise Failure((named or lines or [repr(exc)])[-1]) from None
+
+    return wrapper
+
+
+def store_options(command):
+    """--store plus the settings that describe a store's geometry."""
+    command = click.option("--max-index-num", type=int, default=None, help="the broker's maxIndexNum "
+                           "(default 20000000)")(command)
+    command = click.option("--max-hash-slot-num", type=int, default=None, help="the broker's maxHashSlotNum "
+                           "(default 5000000)")(command)
+    command = click.option("--broker-conf", type=click.Path(dir_okay=False, exists=True),
+                           help="read settings (maxHashSlotNum, ...) from a broker.conf")(command)
+    return click.option("--store", "store_dir", default=DEFAULT_STORE, show_default=True,
+                        help="the store root (RocketMQ's storePathRootDir)")(command)
+
+
+def json_option(command):
+    return click.option("--json", "as_json", is_flag=True, help="JSON lines with RocketMQ's field names")(command)
+
+
+def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int | None,
+               max_index_num: int | None, *, must_exist: bool = True) -> tuple[Path, StoreConfig]:
+    root = Path(store_dir).expanduser()
+    if must_exist and not (root / "commitlog").is_dir():
+        raise Failure(f"{root} holds no store (no commitlog directory); pass --store DIR")
+    base = StoreConfig.from_broker_conf(broker_conf) if broker_conf else StoreConfig()
+    changes = {k: v for k, v in (("max_hash_slot_num", max_hash_slot_num), ("max_index_num", max_index_num)) if v}
+    if changes:
+        base = base.replace(**changes)
+    return root, detect_config(root, base) if root.exists() else base
+
+
+@contextlib.contextmanager
+def read_only_store(options: dict) -> Iterator[MessageStore]:
+    root, config = config_for(**options)
+    with MessageStore.open(root, config, read_only=True) as store:
+        yield store
+
+
+def _store_args(kwargs: dict) -> dict:
+    return {k: kwargs.pop(k) for k in ("store_dir", "broker_conf", "max_hash_slot_num", "max_index_num")}
+
+
+@contextlib.contextmanager
+def progress_bar(description: str) -> Iterator:
+    """A rich progress bar on a terminal; nothing when stderr is piped."""
+    if not sys.stderr.isatty():
+        yield lambda stage, done, total: None
+        return
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  transient=True, console=_console(err=True)) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(f"{description}: {stage}", total=total or None)
+            bar.update(tasks[stage], completed=done, total=total or None)
+
+        yield update
+
+
+def _console(err: bool = False):
+    from rich.console import Console
+
+    stream = sys.stderr if err else sys.stdout
+    return Console(stderr=err, highlight=False, width=None if stream.isatty() else 200)
+
+
+def _table(title: str, columns: list[str], rows: list[list]) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_lines=False)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*(str(v) for v in row))
+    _console().print(table)
+
+
+@click.group(context_settings=CONTEXT, help="""\
+Inspect, query, verify and repair RocketMQ store directories offline.
+
+Every command takes --store DIR (default ~/store, RocketMQ's). Query commands open the store
+read-only and never change a byte, so they are safe on a live broker's files. Times are epoch
+milliseconds or ISO-8601. Errors are one line on stderr and a non-zero exit code.
+""")
+@click.version_option(package_name="rocketstore")
+def main() -> None:
+    pass
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+@main.command(epilog="""\b
+Examples:
+  rocketstore put -t TopicTest -b 'hello' -k order-1 --tags TagA
+  echo '{"topic":"TopicTest","body":"hi","keys":["k1","k2"],"properties":{"a":"b"}}' | rocketstore put
+""")
+@store_options
+@click.option("-t", "--topic", help="topic (else JSON lines are read from stdin)")
+@click.option("-b", "--body", help="message body (UTF-8)")
+@click.option("-k", "--key", "keys", multiple=True, help="a key (repeatable)")
+@click.option("--tags", help="the message tag")
+@click.option("-p", "--property", "props", multiple=True, metavar="NAME=VALUE", help="a user property (repeatable)")
+@click.option("-q", "--queue", "queue_id", type=int, default=0, show_default=True, help="queue id")
+@json_option
+@fails_cleanly
+def put(topic, body, keys, tags, props, queue_id, as_json, **kwargs) -> None:
+    """Append messages (from options, or JSON lines on stdin) through the store's single writer."""
+    root, config = config_for(**_store_args(kwargs), must_exist=False)
+    messages = [_message_from_options(topic, body, keys, tags, props, queue_id)] if topic else list(_stdin_messages())
+    if not messages:
+        raise Failure("nothing to put: give -t TOPIC -b BODY, or JSON lines on stdin")
+    with MessageStore.open(root, config) as store:
+        results = store.put_messages(messages)
+    for msg, result in zip(messages, results, strict=True):
+        if as_json:
+            emit_json({"status": result.status.value, "msgId": result.uniq_key, "offsetMsgId": result.msg_id,
+                       "topic": msg.topic, "queueId": msg.queue_id, "queueOffset": result.queue_offset,
+                       "commitLogOffset": result.commit_log_offset, "storeTimestamp": result.store_timestamp})
+        else:
+            click.echo(f"SendResult [sendStatus={result.status.value}, msgId={result.uniq_key}, "
+                       f"offsetMsgId={result.msg_id}, messageQueue=[topic={msg.topic}, queueId={msg.queue_id}], "
+                       f"queueOffset={result.queue_offset}, commitLogOffset={result.commit_log_offset}]")
+
+
+def _message_from_options(topic, body, keys, tags, props, queue_id) -> Message:
+    if body is None:
+        raise Failure("-b/--body is required with -t/--topic")
+    properties = {}
+    for item in props:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--property")
+        properties[name] = value
+    return Message(topic, body.encode(), tags=tags, keys=list(keys), properties=properties or None,
+                   queue_id=queue_id)
+
+
+def _stdin_messages() -> Iterator[Message]:
+    if sys.stdin is None or sys.stdin.isatty():
+        return
+    for n, line in enumerate(sys.stdin, 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+            body = data.get("body", "")
+            if data.get("bodyBase64"):
+                import base64
+
+                body = base64.b64decode(data["bodyBase64"])
+            keys = data.get("keys") or ()
+            yield Message(data["topic"], body.encode() if isinstance(body, str) else body, tags=data.get("tags"),
+                          keys=keys, properties=data.get("properties"),
+                          queue_id=int(data.get("queue", data.get("queueId", 0))))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise Failure(f"stdin line {n} is not a message (JSON with topic and body): {exc}") from None
+
+
+# --- queries ---------------------------------------------------------------------------------------
+
+@main.command("query-by-key", epilog="""\b
+Examples:
+  rocketstore query-by-key -t TopicTest -k order-1
+  rocketstore query-by-key -t TopicTest -k order-1 -b 2026-11-21T09:00 -e 2026-11-21T10:00 --json
+""")
+@store_options
+@click.option("-t", "--topic", required=True, help="topic")
+@click.option("-k", "--key", "msg_key", required=True, help="message key")
+@click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
+@click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
+@click.option("-m", "--max", "max_num", type=click.IntRange(1, 64), default=64, show_default=True,
+              help="most messages")
+@json_option
+@fails_cleanly
+def query_by_key(topic, msg_key, begin, end, max_num, as_json, **kwargs) -> None:
+    """Messages with a key (like mqadmin queryMsgByKey), matched exactly: no hash collisions."""
+    start, stop = parse_time(begin, "--begin") or 0, parse_time(end, "--end")
+    with read_only_store(_store_args(kwargs)) as store:
+        found = store.query_message(topic, msg_key, max_num, start, stop)
+    if as_json:
+        for msg in found:
+            emit_json(message_json(msg))
+        return
+    click.echo(f"{'#Message ID':<50} {'#QID':>4} {'#Offset':>40}")
+    for msg in found:
+        click.echo(f"{msg.uniq_key or msg.msg_id:<50} {msg.queue_id:>4} {msg.queue_offset:>40}")
+
+
+def _print_messages(messages, as_json: bool, body: bool) -> None:
+    for i, msg in enumerate(messages):
+        if as_json:
+            emit_json(message_json(msg))
+        else:
+            if i:
+                click.echo()
+            click.echo(message_block(msg, body))
+
+
+@main.command("query-by-id", epilog="""\b
+Examples:
+  rocketstore query-by-id -i 0A00000100002A9F0000000000000000
+  rocketstore query-by-id -i ID1,ID2 --body
+""")
+@store_options
+@click.option("-i", "--msg-id", required=True, help="offset message id(s), comma-separated (a UNIQ_KEY works too)")
+@click.option("--body", is_flag=True, help="print the body")
+@json_option
+@fails_cleanly
+def query_by_id(msg_id, body, as_json, **kwargs) -> None:
+    """Messages by message id (like mqadmin queryMsgById)."""
+    ids = [part.strip() for part in msg_id.split(",") if part.strip()]
+    missing = []
+    with read_only_store(_store_args(kwargs)) as store:
+        found = []
+        for one in ids:
+            try:
+                found.append(store.view_message_by_id(one))
+            except MessageNotFoundError:
+                missing.append(one)
+    _print_messages(found, as_json, body)
+    if missing:
+        raise Failure(f"message not found: {', '.join(missing)}")
+
+
+@main.command("query-by-unique-key", epilog="""\b
+Examples:
+  rocketstore query-by-unique-key -i 7F0000012BE17705E00568F469B49A2C -t TopicTest
+""")
+@store_options
+@click.option("-i", "--msg-id", "uniq_key", required=True, help="the UNIQ_KEY (the producer's msgId)")
+@click.option("-t", "--topic", help="topic (default: search every topic)")
+@click.option("--body", is_flag=True, help="print the body")
+@json_option
+@fails_cleanly
+def query_by_unique_key(uniq_key, topic, body, as_json, **kwargs) -> None:
+    """Messages by UNIQ_KEY (like mqadmin queryMsgByUniqueKey); a producer retry can store one twice."""
+    with read_only_store(_store_args(kwargs)) as store:
+        topics = [topic] if topic else store.topics()
+        found = [m for t in topics for m in store.query_message_by_uniq_key(t, uniq_key.strip().upper())]
+    if not found:
+        raise Failure(f"no message with UNIQ_KEY {uniq_key}" + (f" in {topic}" if topic else ""))
+    _print_messages(found, as_json, body)
+
+
+@main.command("query-by-offset", epilog="""\b
+Examples:
+  rocketstore query-by-offset -t TopicTest -q 0 -o 42
+""")
+@store_options
+@click.option("-t", "--topic", required=True, help="topic")
+@click.option("-q", "--queue", "queue_id", type=int, required=True, help="queue id")
+@click.option("-o", "--offset", type=int, required=True, help="queue offset")
+@click.option("--body", is_flag=True, help="print the body")
+@json_option
+@fails_cleanly
+def query_by_offset(topic, queue_id, offset, body, as_json, **kwargs) -> None:
+    """The message at a queue offset (like mqadmin queryMsgByOffset)."""
+    with read_only_store(_store_args(kwargs)) as store:
+        result = store.get_message(topic, queue_id, offset, 1)
+    if result.status is not GetMessageStatus.FOUND:
+        raise Failure(f"{result.status.value}: {topic} queue {queue_id} holds offsets [{result.min_offset}, "
+                      f"{result.max_offset})")
+    _print_messages(result.messages, as_json, body)
+
+
+@main.command("print-msg", epilog="""\b
+Examples:
+  rocketstore print-msg -t TopicTest
+  rocketstore print-msg -t TopicTest -b 2026-11-21T09:00 -e 2026-11-21T09:05 --body -s 'TagA || TagB'
+""")
+@store_options
+@click.option("-t", "--topic", required=True, help="topic")
+@click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
+@click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
+@click.option("-s", "--sub-expression", default="*", show_default=True, help="tags, e.g. 'TagA || TagB'")
+@click.option("--body", is_flag=True, help="print bodies")
+@json_option
+@fails_cleanly
+def print_msg(topic, begin, end, sub_expression, body, as_json, **kwargs) -> None:
+    """Every message of a topic, queue by queue, optionally in a time window (like mqadmin printMsg)."""
+    start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
+    with read_only_store(_store_args(kwargs)) as store:
+        queue_ids = store.queue_ids(topic)
+        if not queue_ids:
+            raise Failure(f"topic {topic} has no consume queues in this store")
+        for queue_id in queue_ids:
+            low = store.get_min_offset_in_queue(topic, queue_id)
+            high = store.get_max_offset_in_queue(topic, queue_id)
+            if start is not None:
+                low = store.get_offset_in_queue_by_time(topic, queue_id, start)
+            if stop is not None:
+                high = store.get_offset_in_queue_by_time(topic, queue_id, stop)
+            if not as_json:
+                click.echo(f"minOffset={low}, maxOffset={high}, MessageQueue [topic={topic}, queueId={queue_id}]")
+            offset = low
+            while offset < high:
+                result = store.get_message(topic, queue_id, offset, 32, sub_expression)
+                for msg in result.messages:
+                    if msg.queue_offset >= high:
+                        break
+                    if as_json:
+                        emit_json(message_json(msg, body=body))
+                    else:
+                        shown = body_text(msg.body) if body else "NOT PRINT BODY"
+                        click.echo(f"MSGID: {msg.msg_id} {_java_message(msg)} BODY: {shown}")
+                if result.next_begin_offset <= offset:
+                    break
+                offset = result.next_begin_offset
+            if not as_json:
+                click.echo("-" * 56)
+
+
+def _java_message(msg) -> str:
+    props = ", ".join(f"{k}={v}" for k, v in msg.properties.items())
+    return (f"MessageExt [queueId={msg.queue_id}, storeSize={msg.store_size}, queueOffset={msg.queue_offset}, "
+            f"sysFlag={msg.sys_flag}, bornTimestamp={msg.born_timestamp}, bornHost=/{msg.born_host}, "
+            f"storeTimestamp={msg.store_timestamp}, storeHost=/{msg.store_host}, msgId={msg.msg_id}, "
+            f"commitLogOffset={msg.commit_log_offset}, bodyCRC={msg.body_crc}, reconsumeTimes={msg.reconsume_times}, "
+            f"preparedTransactionOffset={msg.prepared_transaction_offset}, toString()=Message{{topic='{msg.topic}', "
+            f"flag={msg.flag}, properties={{{props}}}, body=[{len(msg.body)} bytes]}}]")
+
+
+# --- files -----------------------------------------------------------------------------------------
+
+@main.command("dump-log", epilog="""\b
+Examples:
+  rocketstore dump-log ~/store/commitlog/00000000000000000000
+  rocketstore dump-log ~/store/commitlog --from 1073741824 --check-crc --json
+""")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--from", "from_offset", type=int, default=None, help="start at this commit-log offset")
+@click.option("--check-crc", is_flag=True, help="verify body CRCs")
+@click.option("--decompress", is_flag=True, help="inflate compressed bodies")
+@json_option
+@fails_cleanly
+def dump_log(path, from_offset, check_crc, decompress, as_json) -> None:
+    """Decode a commit-log segment file or directory record by record, blanks and where decoding stops."""
+    from .dump import dump_records
+
+    stopped = False
+    for event in dump_records(Path(path), from_offset, check_crc=check_crc, decompress=decompress):
+        kind, pos = event["kind"], event["pos"]
+        if kind == "record":
+            if as_json:
+                emit_json(dump_json(event["message"], pos))
+            else:
+                msg = event["message"]
+                click.echo(f"{pos:>14} {msg.store_size:>7} {msg.topic} q={msg.queue_id} qo={msg.queue_offset} "
+                           f"store={human_time(msg.store_timestamp)} keys={msg.keys} msgId={msg.msg_id}")
+        elif kind == "blank":
+            if as_json:
+                emit_json({"pos": pos, "end": "blank", "storeSize": event["size"]})
+            else:
+                click.echo(f"{pos:>14} {event['size']:>7} BLANK (end of segment {event['segment']})")
+        else:
+            stopped = kind == "error"
+            if as_json:
+                emit_json({"pos": pos, "end": "decode-returned-null" if stopped else "end-of-data",
+                           **({"reason": event["reason"]} if stopped else {})})
+            else:
+                label = f"STOP: {event['reason']}" if stopped else "end of data (zero bytes follow)"
+                click.echo(f"{pos:>14} {'':>7} {label}")
+
+
+@main.command(epilog="""\b
+Examples:
+  rocketstore inspect --store /data/broker-a/store
+""")
+@store_options
+@json_option
+@fails_cleanly
+def inspect(as_json, **kwargs) -> None:
+    """The store at a glance: segments, topics and queues, index files, checkpoint, abort and lock state."""
+    from .inspect import inspect_store
+
+    root, config = config_for(**_store_args(kwargs))
+    info = inspect_store(root, config)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, ensure_ascii=False))
+        return
+    click.echo(f"store {info['root']}: {info['state']}")
+    _table("commit log", ["segment", "start", "end", "first store time"],
+           [[s["name"], s["start"], s["end"], s["firstStoreTime"]] for s in info["segments"]])
+    _table("consume queues", ["topic", "queue", "min", "max", "earliest", "latest"],
+           [[q["topic"], q["queueId"], q["minOffset"], q["maxOffset"], q["earliest"], q["latest"]]
+            for q in info["queues"]])
+    _table("index files", ["file", "entries", "slots used", "begin time", "end time", "begin phy", "end phy"],
+           [[i["name"], i["indexCount"] - 1, i["hashSlotCount"], i["beginTimestamp"], i["endTimestamp"],
+             i["beginPhyOffset"], i["endPhyOffset"]] for i in info["index"]])
+    cp = info["checkpoint"]
+    click.echo(f"checkpoint: physic {cp['physicMsgTimestamp']}, logics {cp['logicsMsgTimestamp']}, index "
+               f"{cp['indexMsgTimestamp']}, confirm offset {cp['confirmPhyOffset']}"
+               + ("" if cp["trusted"] else " (damaged: not trusted)"))
+
+
+@main.command(epilog="""\b
+Exit code 0 only when nothing is wrong. Examples:
+  rocketstore verify --store /data/broker-a/store
+  rocketstore verify --json | jq .
+""")
+@store_options
+@json_option
+@fails_cleanly
+def verify(as_json, **kwargs) -> None:
+    """Full scan: CRCs of every record, consume queues and index entries against the commit log."""
+    from ..verify import verify_store
+
+    root, config = config_for(**_store_args(kwargs))
+    with progress_bar("verify") as progress:
+        report = verify_store(root, config, progress=progress)
+    for problem in report.problems:
+        if as_json:
+            emit_json(problem.as_dict())
+        else:
+            click.echo(str(problem))
+    summary = (f"checked {report.records} records, {report.queue_units} queue units, {report.index_entries} index "
+               f"entries: {len(report.problems)} problem(s)")
+    click.echo(summary, err=as_json)
+    if not report.clean:
+        sys.exit(1)
+
+
+# --- Spark jobs and stats ---------------------------------------------------------------------------
+
+def master_option(command):
+    return click.option("--master", default="local[*]", show_default=True, help="Spark master URL")(command)
+
+
+@main.command(epilog="""\b
+Examples:
+  rocketstore rebuild --store /data/broker-a/store
+  rocketstore rebuild --master spark://host:7077 --store /shared/broker-a/store
+""")
+@store_options
+@master_option
+@fails_cleanly
+def rebuild(master, **kwargs) -> None:
+    """Rebuild consume queues and index files from the commit log, in parallel (Spark)."""
+    from ..spark.jobs import rebuild as run
+
+    root, config = config_for(**_store_args(kwargs))
+    with progress_bar("rebuild") as progress:
+        report = run(root, master=master, config=config, progress=progress)
+    click.echo(f"rebuilt {report.queue_units} queue units in {report.queues} queues and {report.index_keys} index "
+               f"keys in {report.index_files} index files from {report.records} records ({report.partitions} "
+               f"partitions, {report.seconds:.1f} s); the old files are in {', '.join(report.moved_aside) or '-'}")
+
+
+@main.command(epilog="""\b
+Examples:
+  rocketstore export --out /tmp/messages -t TopicTest -b 2026-11-21T00:00
+""")
+@store_options
+@master_option
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory (Parquet)")
+@click.option("-t", "--topic", "topics", multiple=True, help="a topic to export (repeatable; default all)")
+@click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
+@click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
+@fails_cleanly
+def export(master, out, topics, begin, end, **kwargs) -> None:
+    """Export messages to Parquet, partitioned by topic and date (Spark)."""
+    from ..spark.jobs import export_parquet
+
+    root, config = config_for(**_store_args(kwargs))
+    start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
+    with progress_bar("export") as progress:
+        count = export_parquet(root, out, master=master, topics=list(topics) or None, begin=start, end=stop,
+                               progress=progress, mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
+    click.echo(f"exported {count} messages to {out}")
+
+
+@main.command(epilog="""\b
+Examples:
+  rocketstore stats --store /data/broker-a/store --bucket hour --plot stats.png
+""")
+@store_options
+@click.option("--bucket", type=click.Choice(["second", "minute", "hour", "day"]), default="minute",
+              show_default=True, help="time bucket for messages over time")
+@click.option("--plot", type=click.Path(dir_okay=False), help="also draw the figures into this PNG")
+@json_option
+@fails_cleanly
+def stats(bucket, plot, as_json, **kwargs) -> None:
+    """Messages per topic and over time; index fill ratio and slot chain-length histogram."""
+    from ..stats import plot_stats, store_stats
+
+    root, config = config_for(**_store_args(kwargs))
+    result = store_stats(root, config, bucket)
+    if as_json:
+        emit_json({"messages": result.messages, "bytes": result.bytes, "perTopic": result.per_topic,
+                   "bucket": bucket, "perBucket": {str(k): v for k, v in result.per_bucket.items()},
+                   "index": [{"file": i.name, "entries": i.entries, "capacity": i.capacity,
+                              "fillRatio": i.fill_ratio, "usedSlots": i.used_slots, "slots": i.slots,
+                              "chainLengths": {str(k): v for k, v in i.chain_lengths.items()}}
+                             for i in result.index_files]})
+    else:
+        click.echo(f"{result.messages} messages, {result.bytes} bytes")
+        _table("messages per topic", ["topic", "messages"], [[t, n] for t, n in result.per_topic.items()])
+        _table(f"messages per {bucket}", [bucket, "messages"],
+               [[human_time(k)[: {"second": 19, "minute": 16, "hour": 13, "day": 10}[bucket]], v]
+                for k, v in result.per_bucket.items()])
+        _table("index files", ["file", "entries", "fill", "slots used", "longest chain", "chain length: slots"],
+               [[i.name, i.entries, f"{i.fill_ratio:.2%}", f"{i.slot_ratio:.2%}", i.longest_chain,
+                 " ".join(f"{k}:{v}" for k, v in sorted(i.chain_lengths.items())[:12])] for i in result.index_files])
+    if plot:
+        try:
+            plot_stats(result, plot)
+        except ImportError:
+            raise Failure("--plot needs matplotlib: pip install 'rocketstore[plot]'") from None
+        click.echo(f"wrote {plot}", err=as_json)
+
+
+@main.command(epilog="""\b
+Examples:
+  rocketstore demo
+  rocketstore demo --store /tmp/demo --no-spark
+""")
+@click.option("--store", "store_dir", default="demo-store", show_default=True, help="where to build it")
+@click.option("--messages", type=int, default=5000, show_default=True, help="how many messages")
+@master_option
+@click.option("--no-spark", is_flag=True, help="skip the Spark step")
+@fails_cleanly
+def demo(store_dir, messages, master, no_spark) -> None:
+    """The README's main job: build a demo store, read it back every way, run the Spark step."""
+    from ..demo import run
+
+    sys.exit(run(Path(store_dir), messages, None if no_spark else master))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(prog_name=os.path.basename(sys.argv[0]))

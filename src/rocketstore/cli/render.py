@@ -1,0 +1,119 @@
+"""Output for the command line: mqadmin's message block, JSON lines with RocketMQ's field names, times.
+
+Kept apart from the commands so the JSON path never needs rich.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import re
+import zlib
+
+import click
+
+from ..codec.record import MAGIC_V1, MAGIC_V2
+from ..message import MessageExt
+
+_ROCKETMQ_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})#(\d{2}):(\d{2}):(\d{2}):(\d{3})")
+
+
+def parse_time(value: str | int | None, name: str = "time") -> int | None:
+    """Epoch milliseconds from ms digits, ISO-8601 (naive = local time) or mqadmin's yyyy-MM-dd#HH:mm:ss:SSS."""
+    if value is None or value == "":
+        return None
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    match = _ROCKETMQ_TIME.fullmatch(text)
+    try:
+        if match:
+            y, mo, d, h, mi, s, ms = map(int, match.groups())
+            stamp = dt.datetime(y, mo, d, h, mi, s, ms * 1000)
+        else:
+            stamp = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
+                                 f"(e.g. 2026-11-21T09:30:00 or 2026-11-21T09:30:00+08:00)", param_hint=name) from None
+    if stamp.tzinfo is None:
+        stamp = stamp.astimezone()  # local time, as mqadmin reads it
+    return int(stamp.timestamp() * 1000)
+
+
+def human_time(ms: int) -> str:
+    """``UtilAll.timeMillisToHumanString2``: local time as yyyy-MM-dd HH:mm:ss,SSS."""
+    try:
+        stamp = dt.datetime.fromtimestamp(ms / 1000)
+    except (OverflowError, OSError, ValueError):
+        return str(ms)
+    return stamp.strftime("%Y-%m-%d %H:%M:%S,") + f"{ms % 1000:03d}"
+
+
+def java_map(properties: dict[str, str]) -> str:
+    return "{" + ", ".join(f"{k}={v}" for k, v in properties.items()) + "}"
+
+
+def message_block(msg: MessageExt, body: bool = False) -> str:
+    """mqadmin's ``printMsg`` block (queryMsgById, queryMsgByOffset, queryMsgByUniqueKey)."""
+    rows = [
+        ("OffsetID:", msg.msg_id),
+        ("Topic:", msg.topic),
+        ("Tags:", f"[{msg.tags}]" if msg.tags is not None else "[null]"),
+        ("Keys:", f"[{msg.properties['KEYS']}]" if "KEYS" in msg.properties else "[null]"),
+        ("Queue ID:", msg.queue_id),
+        ("Queue Offset:", msg.queue_offset),
+        ("CommitLog Offset:", msg.commit_log_offset),
+        ("Reconsume Times:", msg.reconsume_times),
+        ("Born Timestamp:", human_time(msg.born_timestamp)),
+        ("Store Timestamp:", human_time(msg.store_timestamp)),
+        ("Born Host:", msg.born_host),
+        ("Store Host:", msg.store_host),
+        ("System Flag:", msg.sys_flag),
+        ("Properties:", java_map(msg.properties)),
+    ]
+    if body:
+        rows.append(("Message Body:", body_text(msg.body)))
+    else:
+        rows.append(("Message Body:", f"{len(msg.body)} bytes (--body prints it)"))
+    return "\n".join(f"{label:<20} {value}" for label, value in rows)
+
+
+def body_text(body: bytes) -> str:
+    text = body.decode("utf-8", "replace")
+    return text if "\ufffd" not in text else "base64:" + base64.b64encode(body).decode()
+
+
+def message_json(msg: MessageExt, *, body: bool = True) -> dict:
+    """A message with RocketMQ's ``MessageExt`` field names (body as base64, null when empty)."""
+    return {
+        "msgId": msg.msg_id, "topic": msg.topic, "queueId": msg.queue_id, "flag": msg.flag,
+        "queueOffset": msg.queue_offset, "commitLogOffset": msg.commit_log_offset, "sysFlag": msg.sys_flag,
+        "bornTimestamp": msg.born_timestamp, "bornHost": str(msg.born_host), "storeTimestamp": msg.store_timestamp,
+        "storeHost": str(msg.store_host), "reconsumeTimes": msg.reconsume_times,
+        "preparedTransactionOffset": msg.prepared_transaction_offset, "bodyCRC": msg.body_crc,
+        "body": base64.b64encode(msg.body).decode() if body and msg.body else None,
+        "properties": msg.properties, "storeSize": msg.store_size,
+    }
+
+
+def dump_json(msg: MessageExt, pos: int) -> dict:
+    """One ``dump-log --json`` line: the fields of ``decode.jsonl`` from RocketMQ's own decoder."""
+    out = {"pos": pos, "msgId": msg.msg_id, "magicCode": msg.magic_code or MAGIC_V1}
+    data = message_json(msg)
+    data["bornHostHex"] = msg.born_host.to_bytes().hex().upper()
+    data["storeHostHex"] = msg.store_host.to_bytes().hex().upper()
+    data["crc32OfBody"] = zlib.crc32(msg.body) & 0x7FFFFFFF if msg.body else None
+    for key in ("topic", "queueId", "flag", "queueOffset", "commitLogOffset", "sysFlag", "bornTimestamp", "bornHost",
+                "bornHostHex", "storeTimestamp", "storeHost", "storeHostHex", "reconsumeTimes",
+                "preparedTransactionOffset", "bodyCRC", "body", "crc32OfBody", "properties", "storeSize"):
+        out[key] = data[key]
+    return out
+
+
+def version_name(magic: int) -> str:
+    return {MAGIC_V1: "V1", MAGIC_V2: "V2"}.get(magic, f"0x{magic & 0xFFFFFFFF:08X}")
+
+
+def emit_json(obj: dict) -> None:
+    click.echo(json.dumps(obj, ensure_ascii=False))
