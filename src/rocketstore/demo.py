@@ -78,7 +78,7 @@ def run(root: Path, count: int, spark_master: str | None = "local[*]") -> int:
                     break
                 offset = got.next_begin_offset
         by_key = store.query_message("OrderPaid", "order-9")
-        by_id = store.view_message_by_id(results[1234].msg_id)
+        by_id = store.view_message_by_id(results[len(results) // 4].msg_id)
         by_uniq = store.query_message_by_uniq_key(by_id.topic, by_id.uniq_key)
         tagged = store.get_message("Audit", 0, 0, max_msgs=1000, tags="Tag1")
         read_s = time.perf_counter() - started

@@ -1,0 +1,309 @@
+"""The rocketstore command line, run as a subprocess on real stores."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=16 << 10, mapped_file_size_consume_queue=20 * 100,
+                     max_hash_slot_num=97, max_index_num=388)  # 388 = 4 x 97: geometry detectable from size
+COMMANDS = ["put", "query-by-key", "query-by-id", "query-by-unique-key", "query-by-offset", "print-msg", "dump-log",
+            "inspect", "verify", "rebuild", "export", "stats", "demo"]
+
+
+def cli(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", *args], capture_output=True, text=True,
+                          input=stdin, timeout=300, env=env, check=False)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> tuple[Path, list]:
+    root = tmp_path_factory.mktemp("cli") / "store"
+    with MessageStore.open(root, CONFIG) as s:
+        results = [s.put_message(Message(f"Topic{i % 2}", f"message {i}".encode(), tags=f"Tag{i % 3}",
+                                         keys=[f"order-{i}", "shared"], queue_id=i % 3)) for i in range(120)]
+        results.append(s.put_message(Message("TopicA", b"aa", keys=["Aa"])))
+        results.append(s.put_message(Message("TopicA", b"bb", keys=["BB"])))
+        s.wait_for_dispatch()
+    return root, results
+
+
+def test_every_command_has_help_with_examples():
+    top = cli("--help").stdout
+    for command in COMMANDS:
+        assert command in top
+        text = cli(command, "--help").stdout
+        assert "Examples" in text or "Example" in text, command
+        assert "--store" in text or command == "dump-log", command
+
+
+def test_query_by_key_table_and_json_match_the_library(store):
+    root, results = store
+    before = tree(root)
+    table = cli("query-by-key", "--store", str(root), "-t", "Topic1", "-k", "order-7").stdout.splitlines()
+    assert table[0].split() == ["#Message", "ID", "#QID", "#Offset"]
+    assert table[1].split() == [results[7].uniq_key, "1", str(results[7].queue_offset)]
+    lines = cli("query-by-key", "--store", str(root), "-t", "TopicA", "-k", "Aa", "--json").stdout.splitlines()
+    assert [json.loads(x)["body"] for x in lines] == ["YWE="], "exact: BB collides with Aa but is not returned"
+    shared = [json.loads(x) for x in cli("query-by-key", "--store", str(root), "-t", "Topic0", "-k", "shared", "-m",
+                                         "5", "--json").stdout.splitlines()]
+    with MessageStore.open(root, CONFIG, read_only=True) as s:
+        expected = s.query_message("Topic0", "shared", 5)
+    assert [m["msgId"] for m in shared] == [m.msg_id for m in expected]
+    assert shared[0]["properties"] == expected[0].properties and shared[0]["storeSize"] == expected[0].store_size
+    assert set(shared[0]) >= {"msgId", "topic", "queueId", "queueOffset", "commitLogOffset", "bornTimestamp",
+                              "storeTimestamp", "bornHost", "storeHost", "sysFlag", "flag", "reconsumeTimes",
+                              "preparedTransactionOffset", "bodyCRC", "storeSize", "properties", "body"}
+    window = cli("query-by-key", "--store", str(root), "-t", "Topic0", "-k", "shared", "-b",
+                 str(results[-1].store_timestamp + 1), "--json").stdout
+    assert window == ""
+    assert tree(root) == before
+
+
+def test_query_by_id_offset_and_unique_key_print_mqadmin_blocks(store):
+    root, results = store
+    before = tree(root)
+    r = results[10]
+    block = cli("query-by-id", "--store", str(root), "-i", f"{r.msg_id},{results[11].msg_id}").stdout
+    first = block.split("\n\n")[0]
+    fields = dict(line.split(None, 1) for line in first.splitlines() if line.startswith(("OffsetID:", "Topic:")))
+    assert fields["OffsetID:"].strip() == r.msg_id and fields["Topic:"].strip() == "Topic0"
+    assert block.count("OffsetID:") == 2 and "Queue Offset:" in block and "Properties:" in block
+    by_offset = json.loads(cli("query-by-offset", "--store", str(root), "-t", "Topic0", "-q", "1", "-o", "1",
+                               "--json").stdout)
+    with MessageStore.open(root, CONFIG, read_only=True) as s:
+        assert by_offset == _library_json(s.get_message("Topic0", 1, 1, 1).messages[0])
+    uniq = cli("query-by-unique-key", "--store", str(root), "-i", r.uniq_key, "--body").stdout
+    assert r.msg_id in uniq and "message 10" in uniq
+    assert r.msg_id in cli("query-by-unique-key", "--store", str(root), "-i", r.uniq_key, "-t", "Topic0").stdout
+    assert tree(root) == before
+
+
+def _library_json(msg) -> dict:
+    from rocketstore.cli.render import message_json
+
+    return json.loads(json.dumps(message_json(msg)))
+
+
+def test_print_msg_walks_every_queue_with_filters(store):
+    root, results = store
+    out = cli("print-msg", "--store", str(root), "-t", "Topic1", "-s", "Tag0").stdout.splitlines()
+    assert [line for line in out if line.startswith("minOffset=")] == [
+        f"minOffset=0, maxOffset=20, MessageQueue [topic=Topic1, queueId={q}]" for q in range(3)]
+    msgs = [line for line in out if line.startswith("MSGID:")]
+    assert len(msgs) == sum(1 for i in range(120) if i % 2 == 1 and i % 3 == 0)
+    assert all(line.endswith("BODY: NOT PRINT BODY") for line in msgs)
+    bodies = [json.loads(x)["body"] for x in cli("print-msg", "--store", str(root), "-t", "Topic1", "--body", "-b",
+                                                 str(results[100].store_timestamp), "--json").stdout.splitlines()]
+    assert len(bodies) >= sum(1 for r in results[100:120] if r.store_timestamp >= results[100].store_timestamp) // 2
+
+
+def test_dump_log_json_matches_rocketmqs_decoder(vectors):
+    segment = vectors / "v4_commitlog" / "00000000000000000000"
+    got = [json.loads(x) for x in cli("dump-log", str(segment), "--json").stdout.splitlines()]
+    expected = [json.loads(x) for x in (vectors / "v4_commitlog" / "decode.jsonl").read_text().splitlines()]
+    assert got == expected
+    crc = [json.loads(x) for x in cli("dump-log", str(segment), "--json", "--check-crc").stdout.splitlines()]
+    assert crc == [json.loads(x) for x in (vectors / "v4_commitlog" / "decode_checkcrc.jsonl").read_text().splitlines()]
+
+
+def test_dump_log_reports_where_decoding_stops(vectors, tmp_path):
+    segment = vectors / "v6_commitlog_corrupt" / "00000000000000000000"
+    lines = [json.loads(x) for x in cli("dump-log", str(segment), "--json").stdout.splitlines()]
+    assert [x["pos"] for x in lines] == [0, 184]
+    assert lines[1]["end"] == "decode-returned-null" and "body length" in lines[1]["reason"]
+    text = cli("dump-log", str(segment), "--from", "300").stdout
+    assert text.split()[0] == "415", "--from syncs to the next record start"
+    assert "BLANK" in text
+
+
+def test_dump_log_walks_a_directory_across_segments(store):
+    root, results = store
+    lines = [json.loads(x) for x in cli("dump-log", str(root / "commitlog"), "--json").stdout.splitlines()]
+    records = [x for x in lines if "msgId" in x]
+    assert [x["commitLogOffset"] for x in records] == [r.commit_log_offset for r in results]
+    assert sum(1 for x in lines if x.get("end") == "blank") == len(list((root / "commitlog").iterdir())) - 1
+
+
+def test_inspect_shows_segments_queues_index_and_checkpoint(store):
+    root, _results = store
+    before = tree(root)
+    info = json.loads(cli("inspect", "--store", str(root), "--json").stdout)
+    assert info["state"] == "closed cleanly" and not info["locked"]
+    assert [s["start"] for s in info["segments"]] == [i * (16 << 10) for i in range(len(info["segments"]))]
+    queues = {(q["topic"], q["queueId"]): (q["minOffset"], q["maxOffset"]) for q in info["queues"]}
+    assert queues[("Topic0", 0)] == (0, 20) and queues[("TopicA", 0)] == (0, 2)
+    assert info["index"][0]["indexCount"] - 1 == 120 * 3 + 2 * 2  # UNIQ_KEY + keys
+    assert info["checkpoint"]["trusted"]
+    text = cli("inspect", "--store", str(root)).stdout
+    assert "commit log" in text and "index files" in text and "checkpoint:" in text
+    assert tree(root) == before
+
+
+def test_stats_counts_and_plots(store, tmp_path):
+    root, _ = store
+    data = json.loads(cli("stats", "--store", str(root), "--json").stdout)
+    assert data["messages"] == 122 and data["perTopic"] == {"Topic0": 60, "Topic1": 60, "TopicA": 2}
+    index = data["index"][0]
+    assert index["entries"] == 364 and sum(index["chainLengths"].values()) == 97
+    assert sum(int(k) * v for k, v in index["chainLengths"].items()) == 364
+    png = tmp_path / "stats.png"
+    cli("stats", "--store", str(root), "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_put_from_options_and_stdin(tmp_path):
+    root = tmp_path / "s"
+    out = cli("put", "--store", str(root), "-t", "T", "-b", "hello", "-k", "k1", "--tags", "A", "-p", "x=y").stdout
+    assert out.startswith("SendResult [sendStatus=PUT_OK") and "queueOffset=0" in out
+    lines = "\n".join(json.dumps({"topic": "T", "body": f"b{i}", "keys": [f"s{i}"], "queue": 1}) for i in range(3))
+    results = [json.loads(x) for x in cli("put", "--store", str(root), "--json", stdin=lines).stdout.splitlines()]
+    assert [r["queueOffset"] for r in results] == [0, 1, 2] and all(r["status"] == "PUT_OK" for r in results)
+    with MessageStore.open(root, StoreConfig(), read_only=True) as s:
+        assert [m.body for m in s.iter_messages()] == [b"hello", b"b0", b"b1", b"b2"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["query-by-key", "-t", "T", "-k", "k"], "holds no store"),
+    (["query-by-id", "-i", "zz"], "hexadecimal"),
+    (["query-by-id", "-i", "7F00000100002A9F00000000000FFFFF"], "not found"),
+    (["query-by-key", "-t", "Topic0", "-k", "k", "-b", "yesterday"], "ISO-8601"),
+    (["query-by-offset", "-t", "Topic0", "-q", "0", "-o", "999"], "OFFSET_OVERFLOW_BADLY"),
+    (["query-by-unique-key", "-i", "ABCDEF"], "no message"),
+    (["print-msg", "-t", "Nope"], "no consume queues"),
+    (["put", "-t", "bad/topic", "-b", "x"], "may contain only"),
+    (["put", "-t", "T", "-b", "x", "-k", "has space"], "space"),
+    (["put", "-t", "T"], "--body is required"),
+    (["stats", "--bucket", "week"], "week"),
+])
+def test_bad_input_is_one_clear_line_and_changes_nothing(store, tmp_path, args, message):
+    root, _ = store
+    target = tmp_path / "nothing" if args[0] == "query-by-key" and args[-1] == "k" and "-b" not in args else root
+    before = tree(root)
+    done = cli(*args, "--store", str(target), check=False)
+    assert done.returncode in (1, 2), done.stdout
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert tree(root) == before
+
+
+def test_writer_lock_is_reported(store, tmp_path):
+    root = tmp_path / "locked"
+    with MessageStore.open(root, CONFIG) as writer:
+        writer.put_message(Message("T", b"live"))
+        done = cli("put", "--store", str(root), "-t", "T", "-b", "x", check=False)
+        assert done.returncode == 1 and "locked by another writer" in done.stderr
+        assert "open by a writer" in cli("inspect", "--store", str(root)).stdout  # reads still work
+
+
+def test_dump_log_of_a_missing_path_is_a_usage_error(tmp_path):
+    done = cli("dump-log", str(tmp_path / "missing"), check=False)
+    assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+# --- verify ------------------------------------------------------------------------------------------
+
+def damaged_copy(store, tmp_path) -> tuple[Path, list]:
+    root, results = store
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    return copy, results
+
+
+def verify_json(root: Path) -> tuple[int, list[dict]]:
+    done = cli("verify", "--store", str(root), "--json", check=False)
+    return done.returncode, [json.loads(x) for x in done.stdout.splitlines()]
+
+
+def test_verify_is_clean_on_a_clean_store(store):
+    root, _ = store
+    assert verify_json(root) == (0, [])
+    assert "0 problem(s)" in cli("verify", "--store", str(root)).stdout
+
+
+def test_verify_finds_a_bad_crc_in_any_segment(store, tmp_path):
+    copy, results = damaged_copy(store, tmp_path)
+    victim = results[3]  # first segment: normal recovery would not re-check it
+    segment = copy / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[victim.commit_log_offset + 90] ^= 0x55  # a body byte
+    segment.write_bytes(bytes(data))
+    code, problems = verify_json(copy)
+    assert code == 1
+    assert {"kind": "commitlog", "offset": victim.commit_log_offset} == {k: problems[0][k] for k in ("kind", "offset")}
+    assert "CRC" in problems[0]["detail"] and problems[0]["path"].endswith(segment.name)
+
+
+def test_verify_finds_a_damaged_queue_unit(store, tmp_path):
+    copy, results = damaged_copy(store, tmp_path)
+    unit_file = copy / "consumequeue" / "Topic1" / "2" / f"{0:020d}"
+    data = bytearray(unit_file.read_bytes())
+    data[20 * 4 : 20 * 4 + 8] = struct.pack(">q", results[0].commit_log_offset + 1)  # unit 4 points nowhere
+    unit_file.write_bytes(bytes(data))
+    code, problems = verify_json(copy)
+    assert code == 1
+    assert any(p["kind"] == "consumequeue" and p["offset"] == 80 and "no record starts" in p["detail"]
+               for p in problems)
+    assert any("missing from its queue" in p["detail"] for p in problems)
+
+
+def test_verify_finds_a_damaged_index_entry(store, tmp_path):
+    copy, results = damaged_copy(store, tmp_path)
+    index_file = next((copy / "index").iterdir())
+    data = bytearray(index_file.read_bytes())
+    entry = 40 + 97 * 4 + 5 * 20
+    data[entry + 4 : entry + 12] = struct.pack(">q", results[50].commit_log_offset)  # entry 5 -> a foreign record
+    index_file.write_bytes(bytes(data))
+    code, problems = verify_json(copy)
+    assert code == 1
+    assert any(p["kind"] == "index" and p["offset"] == entry and "matches no key" in p["detail"] for p in problems)
+    assert any("have no index entry" in p["detail"] for p in problems)
+
+
+def test_verify_finds_garbage_after_the_end(store, tmp_path):
+    copy, results = damaged_copy(store, tmp_path)
+    last = sorted((copy / "commitlog").iterdir())[-1]
+    end = results[-1].commit_log_offset + results[-1].store_size - int(last.name)
+    data = bytearray(last.read_bytes())
+    data[end + 100 : end + 104] = b"junk"
+    last.write_bytes(bytes(data))
+    code, problems = verify_json(copy)
+    assert code == 1 and any("after the end of the log" in p["detail"] for p in problems)
+
+
+# --- Spark-backed commands ----------------------------------------------------------------------------
+
+def test_rebuild_and_export_commands(store, tmp_path):
+    pytest.importorskip("pyspark")
+    copy, _results = damaged_copy(store, tmp_path)
+    shutil.rmtree(copy / "index")
+    out = cli("rebuild", "--store", str(copy), "--master", "local[2]").stdout
+    assert "rebuilt 122 queue units" in out
+    assert verify_json(copy) == (0, [])
+    exported = tmp_path / "parquet"
+    out = cli("export", "--store", str(copy), "--master", "local[1]", "--out", str(exported), "-t", "TopicA").stdout
+    assert out.strip() == f"exported 2 messages to {exported}"
+    assert (exported / "topic=TopicA").is_dir()
+
+
+def test_demo_command_runs(tmp_path):
+    out = cli("demo", "--store", str(tmp_path / "d"), "--messages", "300", "--no-spark").stdout
+    assert "wrote" in out and "all identical" in out
