@@ -307,3 +307,13 @@ def test_rebuild_and_export_commands(store, tmp_path):
 def test_demo_command_runs(tmp_path):
     out = cli("demo", "--store", str(tmp_path / "d"), "--messages", "300", "--no-spark").stdout
     assert "wrote" in out and "all identical" in out
+
+
+def test_corrupt_file_is_one_clear_line(store, tmp_path):
+    copy, _ = damaged_copy(store, tmp_path)
+    segment = sorted((copy / "commitlog").iterdir())[0]
+    segment.write_bytes(segment.read_bytes()[:1000])  # a truncated segment
+    for args in (["query-by-key", "-t", "Topic0", "-k", "shared"], ["inspect"], ["verify"]):
+        done = cli(*args, "--store", str(copy), check=False)
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert done.stderr.count("\n") == 1 and "segment is 1000 bytes" in done.stderr

@@ -140,11 +140,9 @@ def detect_config(root: str | Path, base: StoreConfig | None = None) -> StoreCon
     root = Path(root)
     config = base or StoreConfig()
     changes: dict[str, object] = {}
-    commitlog = root / "commitlog"
-    if commitlog.is_dir():
-        sizes = [e.stat().st_size for e in os.scandir(commitlog) if e.name.isdigit() and e.stat().st_size > 0]
-        if sizes:
-            changes["mapped_file_size_commit_log"] = sizes[0]
+    segment_size = detect_segment_size(root)
+    if segment_size:
+        changes["mapped_file_size_commit_log"] = segment_size
     queues = root / "consumequeue"
     if queues.is_dir():
         for dirpath, _dirs, files in os.walk(queues):
@@ -168,6 +166,22 @@ def detect_config(root: str | Path, base: StoreConfig | None = None) -> StoreCon
                                   f"{config.max_hash_slot_num} and max_index_num={config.max_index_num} do not "
                                   f"give; pass the broker's maxHashSlotNum and maxIndexNum")
     return config.replace(**changes) if changes else config
+
+
+def detect_segment_size(root: str | Path) -> int | None:
+    """The commit-log segment size of a store: the most common size among its segment files (so one
+    truncated file is reported as damaged instead of redefining the size); None without segments."""
+    import os
+    from collections import Counter
+
+    directory = Path(root) / "commitlog"
+    if not directory.is_dir():
+        return None
+    sizes = Counter(e.stat().st_size for e in os.scandir(directory)
+                    if len(e.name) == 20 and e.name.isdigit() and e.stat().st_size > 0)
+    if not sizes:
+        return None
+    return max(sizes.items(), key=lambda item: (item[1], item[0]))[0]
 
 
 def _camel(name: str) -> str:

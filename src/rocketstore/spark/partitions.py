@@ -28,13 +28,12 @@ from ..checkpoint import StoreCheckpoint
 from ..codec.properties import PropertyName
 from ..codec.record import find_record_start, message_from_layout, read_layout
 from ..commitlog import COMMITLOG_DIR, CommitLog
-from ..config import StoreConfig
+from ..config import StoreConfig, detect_segment_size
 from ..dispatch import tags_code_of
 from ..errors import ConfigError, CorruptDataError, StoreIOError
 from ..index.bulk import index_key_hashes
 from ..index.service import build_key, index_keys
 from ..lifecycle import ABORT_FILE
-from ..mapped.file import parse_segment_name
 from ..message import SysFlag
 from ..recovery import recover_commit_log
 
@@ -167,14 +166,6 @@ def broker_name_of(root: Path) -> str:
     """The directory name; for RocketMQ's usual ``.../<broker>/store`` layout, the parent's."""
     resolved = root.resolve()
     return resolved.parent.name if resolved.name == "store" and resolved.parent.name else resolved.name
-
-
-def detect_segment_size(root: Path) -> int | None:
-    directory = root / COMMITLOG_DIR
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if parse_segment_name(entry.name) is not None and entry.stat().st_size > 0:
-            return entry.stat().st_size
-    return None
 
 
 def log_bounds(root: Path, segment_size: int) -> tuple[CommitLog, int, int]:

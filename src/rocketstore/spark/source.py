@@ -114,7 +114,7 @@ class RocketMQStreamReader(DataSourceStreamReader):
         self.options = options
 
     def _bounds(self) -> dict[str, tuple[int, int]]:
-        from .partitions import detect_segment_size
+        from ..config import detect_segment_size
 
         bounds = {}
         for root in self.roots:
