@@ -1,0 +1,78 @@
+"""Shared benchmark plumbing: results with their baselines, timing, peak memory, table and JSON output.
+
+Every figure is reported with the baseline it is compared against, measured in the same run on the
+same data (absolute times drift on shared machines), or against a published reference figure
+measured on this machine type (RocketMQ's Java code, ../shared/notes/REFERENCE.md).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+# RocketMQ's own Java classes on this machine type (REFERENCE.md)
+JAVA_PUTKEY_KEYS_S = 15.2e6
+JAVA_SELECT_QUERIES_S = 2.19e6
+ROCKETMQ_RECOVERY_MB_S = 200.0
+
+
+@dataclass
+class Result:
+    group: str
+    name: str
+    value: float
+    unit: str
+    baseline: str
+    baseline_value: float
+    target: float | None = None  # the ratio the issue asks for, if any
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline_value if self.baseline_value else float("nan")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(fn: Callable[[], object], repeat: int = 1) -> float:
+    """Median wall time of ``repeat`` calls, in seconds."""
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def table(results: list[Result]) -> str:
+    lines = [f"{'benchmark':<44}{'value':>16} {'unit':<9}{'ratio':>8}  {'baseline':<34}{'target':>8}"]
+    group = None
+    for r in results:
+        if r.group != group:
+            group = r.group
+            lines.append(f"-- {group}")
+        target = "" if r.target is None else (f"{'ok' if r.ratio >= r.target else 'MISS'} {r.target:g}")
+        lines.append(f"{r.name:<44}{r.value:>16,.1f} {r.unit:<9}{r.ratio:>8.2f}  {r.baseline:<34}{target:>8}")
+    return "\n".join(lines)
+
+
+def save(name: str, results: list[Result], extra: dict | None = None) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
+                                "results": [r.as_dict() for r in results], **(extra or {})}, indent=2))
+    return path
