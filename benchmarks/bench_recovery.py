@@ -29,10 +29,10 @@ from rocketstore.commitlog import CommitLog
 from rocketstore.encoder import MessageEncoder
 from rocketstore.recovery import recover_commit_log
 
-SEGMENT = 256 << 20
+SEGMENT = 256 << 20  # bytes per segment (16 MiB in the quick form)
 
 
-def build_log(root: Path, total: int, body_size: int) -> int:
+def build_log(root: Path, total: int, body_size: int, segment: int = SEGMENT) -> int:
     """Segments of real records (the store's encoder, offsets filled in); returns the bytes of records."""
     encoder = MessageEncoder(StoreConfig())
     templates = [encoder.encode(Message("BenchTopic", os.urandom(body_size), tags="TagA", keys=[f"k{i}"],
@@ -41,13 +41,13 @@ def build_log(root: Path, total: int, body_size: int) -> int:
     written = 0
     queue_offsets = [0] * 8
     now = time.time_ns() // 1_000_000
-    for start in range(0, total, SEGMENT):
-        buf = bytearray(SEGMENT)
+    for start in range(0, total, segment):
+        buf = bytearray(segment)
         pos = i = 0
         while True:
             rec = templates[i % 64]
-            if pos + rec.size + 8 > SEGMENT:
-                buf[pos : pos + 8] = blank_record(SEGMENT - pos)
+            if pos + rec.size + 8 > segment:
+                buf[pos : pos + 8] = blank_record(segment - pos)
                 break
             data = bytearray(rec.data)
             fill_in_place(data, 0, queue_offset=queue_offsets[rec.queue_id], phy_offset=start + pos,
@@ -61,8 +61,8 @@ def build_log(root: Path, total: int, body_size: int) -> int:
     return written
 
 
-def scan(root: Path) -> tuple[float, int]:
-    config = StoreConfig(mapped_file_size_commit_log=SEGMENT)
+def scan(root: Path, segment: int) -> tuple[float, int]:
+    config = StoreConfig(mapped_file_size_commit_log=segment)
     log = CommitLog(root, config, read_only=True)
     log.load()
     checkpoint = StoreCheckpoint(root / "checkpoint", read_only=True, trusted=False)
@@ -84,13 +84,13 @@ def read_and_crc(root: Path) -> float:
 
 
 def run(quick: bool) -> list[Result]:
-    total = (32 << 20) if quick else (1 << 30)
+    total, segment = ((32 << 20), (16 << 20)) if quick else ((1 << 30), SEGMENT)
     with tempfile.TemporaryDirectory(prefix="rocketstore-recovery-") as tmp:
         root = Path(tmp)
-        data = build_log(root, total, 1024)
+        data = build_log(root, total, 1024, segment)
         read_and_crc(root)  # both runs read from the page cache
         limit = min(read_and_crc(root) for _ in range(2))
-        elapsed, records = min(scan(root) for _ in range(2))
+        elapsed, records = min(scan(root, segment) for _ in range(2))
     mb = data / 1e6
     return [
         Result("recovery", f"abnormal recovery, CRC, {mb:,.0f} MB", mb / elapsed, "MB/s",

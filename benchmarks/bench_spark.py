@@ -21,6 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import Result, peak_rss_mb, save
+
 from rocketstore import Message, MessageStore, StoreConfig
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 20, max_hash_slot_num=500_000, max_index_num=2_000_000)
@@ -113,8 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     results = run(3000 if args.quick else args.messages)
     print(table(results))
     RESULTS.mkdir(exist_ok=True)
-    name = "spark-quick.json" if args.quick else "spark.json"
-    (RESULTS / name).write_text(json.dumps(results, indent=2))
+    base, one, two = results["single_process"], results["local[1]"], results["local[2]"]
+    rows = [
+        Result("spark", "scan local[2] vs local[1]", two["scan_mb_s"], "MB/s", f"local[1], {one['scan_mb_s']:.1f} MB/s",
+               one["scan_mb_s"], 1.6),
+        Result("spark", "rebuild local[2] vs local[1]", two["rebuild_keys_s"], "keys/s",
+               f"local[1], {one['rebuild_keys_s']:,.0f} keys/s", one["rebuild_keys_s"], 1.6),
+        Result("spark", "scan local[2] vs one process", two["scan_mb_s"], "MB/s",
+               f"single process, {base['scan_mb_s']:.1f} MB/s", base["scan_mb_s"]),
+        Result("spark", "rebuild local[2] vs one process", two["rebuild_keys_s"], "keys/s",
+               f"single process, {base['rebuild_keys_s']:,.0f} keys/s", base["rebuild_keys_s"]),
+    ]
+    save("spark-quick" if args.quick else "spark", rows, {"raw": results, "peak_rss_mb": peak_rss_mb()})
     return 0
 
 

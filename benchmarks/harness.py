@@ -34,10 +34,13 @@ class Result:
     baseline_value: float
     target: float | None = None  # the ratio the issue asks for, if any
     notes: dict = field(default_factory=dict)
+    higher_is_better: bool = True  # latencies: the ratio is baseline / value, so >= 1 is good either way
 
     @property
     def ratio(self) -> float:
-        return self.value / self.baseline_value if self.baseline_value else float("nan")
+        if not self.baseline_value or not self.value:
+            return float("nan")
+        return self.value / self.baseline_value if self.higher_is_better else self.baseline_value / self.value
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ratio": self.ratio}

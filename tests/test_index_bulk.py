@@ -137,3 +137,42 @@ def test_index_service_batches_write_what_buildindex_writes(tmp_path_factory, re
         else {}
     assert sorted(got) == sorted(ref)
     assert got == ref
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.lists(st.text(max_size=30), max_size=40))
+def test_vectorised_hashes_equal_java_string_hash(keys):
+    from rocketstore.codec import index_key_hash, java_string_hash
+    from rocketstore.index.bulk import java_string_hashes
+
+    assert java_string_hashes(keys).tolist() == [java_string_hash(k) for k in keys]
+    assert index_key_hashes(keys).tolist() == [index_key_hash(k) for k in keys]
+
+
+def test_vectorised_hashes_on_the_spec_examples():
+    from rocketstore.index.bulk import java_string_hashes
+
+    keys = ["TopicTest#order-1", "polygenelubricants", "TopicTest#order-achbomgl", "TagA", "Ea#20231001123456",
+            "FB#20231001123456", "TopicTest#订单-1", "T#😀", "", "a\x00", "\x00a"]
+    assert java_string_hashes(keys).tolist()[:8] == [-1829193424, -2147483648, -2147483648, 2598919, -19583063,
+                                                     -19583063, -573861415, 4308978]
+    assert index_key_hashes(keys).tolist()[:3] == [1829193424, 0, 0]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(puts=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(0, 3000)), min_size=1, max_size=60),
+       slots=st.integers(1, 13), max_num=st.integers(1, 10), window=st.tuples(st.integers(0, 60), st.integers(0, 60)))
+def test_select_batch_equals_select_phy_offsets(tmp_path_factory, puts, slots, max_num, window):
+    from rocketstore.index.bulk import select_batch
+
+    index = IndexFile.create(tmp_path_factory.mktemp("sel") / "f", slots, 70)
+    ts = 1_700_000_000_000
+    for i, (key, step) in enumerate(puts):
+        ts += step
+        index.put_key(key, i * 10, ts)
+    begin = 1_700_000_000_000 + min(window) * 1000
+    end = 1_700_000_000_000 + max(window) * 1000
+    queries, phys = select_batch(index, index_key_hashes(KEYS), max_num, begin, end)
+    for i, key in enumerate(KEYS):
+        assert phys[queries == i].tolist() == index.select_phy_offsets(key, max_num, begin, end), key
+    index.close()

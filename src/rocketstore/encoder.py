@@ -63,6 +63,8 @@ def validate_topic(topic: object) -> str:
 
 
 def _check_int(name: str, value: object, bounds: tuple[int, int]) -> int:
+    if type(value) is int and bounds[0] <= value <= bounds[1]:  # the fast path of every put
+        return value
     if not isinstance(value, int) or isinstance(value, bool) or not bounds[0] <= value <= bounds[1]:
         raise InvalidFlagError(f"{name} must be an integer in [{bounds[0]}, {bounds[1]}], not {value!r}")
     return value
@@ -98,6 +100,7 @@ class MessageEncoder:
         self.store_host = Host.parse(config.store_host)
         self.store_host_raw = self.store_host.to_bytes()
         self.uniq_keys = UniqKeyGenerator(self.store_host.ip)
+        self._valid_topics: set[str] = set()  # topics that passed validate_topic
         # The largest record one segment can take: it must leave room for the closing BLANK record.
         self.max_record_len = min(config.max_message_size + 65536,
                                   config.mapped_file_size_commit_log - BLANK_RECORD_LEN)
@@ -106,7 +109,11 @@ class MessageEncoder:
         """Check ``msg`` and encode it; raises a ``MessageIllegalError`` subclass when it is not storable."""
         if not isinstance(msg, Message):
             raise MessageIllegalError(f"expected a rocketstore.Message, got {type(msg).__name__}")
-        topic = validate_topic(msg.topic)
+        topic = msg.topic
+        if topic not in self._valid_topics:
+            validate_topic(topic)
+            if len(self._valid_topics) < 65536:
+                self._valid_topics.add(topic)
         body = msg.body
         if isinstance(body, str):
             body = body.encode("utf-8")
@@ -137,7 +144,7 @@ class MessageEncoder:
         properties = self._properties(msg)
         uniq_key = properties[PropertyName.UNIQ_KEY]
         wait_store = properties.get(PropertyName.WAIT, "true").lower() != "false"
-        props = encode_properties(properties).encode("utf-8")
+        props = encode_properties(properties, checked=True).encode("utf-8")
         if self.config.enabled_append_prop_crc:
             props += b"\0" * CRC32_RESERVED_LEN
         if len(props) > MAX_PROPERTIES_LEN:

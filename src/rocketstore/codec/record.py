@@ -55,7 +55,8 @@ _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
 _I16 = struct.Struct(">h")
 _SIZE_MAGIC = struct.Struct(">ii")
-assert _HEAD.size == 48 and _TAIL.size == 16
+_V4_FIXED = struct.Struct(">iiiiiqqiq8sq8siqi")  # the 88 fixed bytes of a record with two IPv4 hosts
+assert _HEAD.size == 48 and _TAIL.size == 16 and _V4_FIXED.size == FIXED_PART_LEN
 
 _CRC_PREFIX = f"{PropertyName.CRC32}\x01".encode()
 
@@ -103,6 +104,16 @@ def encode_record(
     every user-supplied value before it gets here.
     """
     size = record_length(len(body), len(topic), len(properties), sys_flag, version)
+    if len(born_host) == 8 and len(store_host) == 8 and version == MAGIC_V1:  # the common case: one pack
+        out = bytearray(_V4_FIXED.pack(size, version, body_crc(body) if crc is None else crc, queue_id, flag,
+                                       queue_offset, phy_offset, sys_flag, born_timestamp, born_host, store_timestamp,
+                                       store_host, reconsume_times, prepared_transaction_offset, len(body)))
+        out += body
+        out.append(len(topic))
+        out += topic
+        out += _I16.pack(len(properties))
+        out += properties
+        return out
     out = bytearray(size)
     _HEAD.pack_into(out, 0, size, version, body_crc(body) if crc is None else crc, queue_id, flag,
                     queue_offset, phy_offset, sys_flag, born_timestamp)
