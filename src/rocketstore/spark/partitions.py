@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from ..checkpoint import StoreCheckpoint
@@ -217,7 +218,14 @@ class MessageColumns:
         return len(self.data[0])
 
     def batch(self) -> pa.RecordBatch:
-        arrays = [pa.array(values, type=t) for values, t in zip(self.data, self.types, strict=True)]
+        if len(self.names) > len(ARROW_FIELDS):  # dispatch info: hash every index key of the batch at once
+            keys = self.data[-1]
+            lengths = np.fromiter(map(len, keys), dtype=np.int32, count=len(keys))
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            hashes = index_key_hashes([k for row in keys for k in row])
+            self.data[-1] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(hashes, type=pa.int64()))
+        arrays = [values if isinstance(values, pa.Array) else pa.array(values, type=t)
+                  for values, t in zip(self.data, self.types, strict=True)]
         self.data = [[] for _ in self.names]
         return pa.RecordBatch.from_arrays(arrays, names=self.names)
 
@@ -313,7 +321,7 @@ def append_message(columns: MessageColumns, msg, broker: str, options: ScanOptio
         values.append(tags_code_of(msg.topic, props, msg.store_timestamp, options.delay_levels_ms))
         rollback = SysFlag.transaction_type(msg.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE
         keys = [] if rollback else index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))
-        values.append(index_key_hashes(build_key(msg.topic, k) for k in keys).tolist())
+        values.append([build_key(msg.topic, k) for k in keys])  # hashed per batch in MessageColumns.batch
     for column, value in zip(columns.data, values, strict=True):
         column.append(value)
 
