@@ -47,7 +47,9 @@ class ConsumeQueue:
         self.queue_id = queue_id
         self.directory = root / CONSUMEQUEUE_DIR / topic / str(queue_id)
         self.file_size = config.mapped_file_size_consume_queue
-        self.mapped_files = MappedFileQueue(self.directory, self.file_size, read_only=read_only, preallocate=False)
+        # preallocated like segments: a write into a sparse mapped page on a full disk is a SIGBUS
+        self.mapped_files = MappedFileQueue(self.directory, self.file_size, read_only=read_only,
+                                            preallocate=config.preallocate)
         self.max_physic_offset = -1  # end (offset + size) of the last unit's record
         self.min_logic_offset = 0  # bytes
         self.lock = threading.Lock()

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from ..codec.hashing import index_key_hash
 from ..errors import CorruptDataError, StoreIOError
-from ..mapped.file import fsync_dir
+from ..mapped.file import allocate, fsync_dir
 
 INDEX_HEADER_SIZE = 40
 HASH_SLOT_SIZE = 4
@@ -82,8 +82,12 @@ class IndexFile:
 
     @classmethod
     def create(cls, path: str | Path, hash_slot_num: int, index_num: int, end_phy_offset: int = 0,
-               end_timestamp: int = 0) -> IndexFile:
-        """A new zero-filled file; a file that continues a full one inherits its end offset and time."""
+               end_timestamp: int = 0, *, preallocate: bool = False) -> IndexFile:
+        """A new zero-filled file; a file that continues a full one inherits its end offset and time.
+
+        ``preallocate`` reserves the blocks up front, so a full disk fails here and not later as a
+        SIGBUS on a write into the mapping.
+        """
         cls._check_geometry(hash_slot_num, index_num)
         path = Path(path)
         size = index_file_size(hash_slot_num, index_num)
@@ -91,10 +95,12 @@ class IndexFile:
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
             try:
-                os.ftruncate(fd, size)
+                allocate(fd, size, preallocate)
                 os.rename(tmp, path)
             except BaseException:
                 os.close(fd)
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
                 raise
             fsync_dir(path.parent)
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)

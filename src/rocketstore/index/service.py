@@ -141,7 +141,7 @@ class IndexService:
         while (self.directory / index_file_name(now)).exists():  # two files in one millisecond
             now += 1
         created = IndexFile.create(self.directory / index_file_name(now), self.hash_slot_num, self.index_num,
-                                   end_phy, end_ts)
+                                   end_phy, end_ts, preallocate=self.config.preallocate)
         self.files.append(created)
         return created
 

@@ -69,15 +69,7 @@ class MappedFile:
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
             try:
-                if preallocate:
-                    try:
-                        os.posix_fallocate(fd, 0, file_size)
-                    except OSError as exc:
-                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                            raise
-                        os.ftruncate(fd, file_size)
-                else:
-                    os.ftruncate(fd, file_size)
+                allocate(fd, file_size, preallocate)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -156,6 +148,18 @@ class MappedFile:
 
     def __repr__(self) -> str:
         return f"MappedFile({self.path.name}, wrote={self.wrote_position}, flushed={self.flushed_position})"
+
+
+def allocate(fd: int, size: int, preallocate: bool) -> None:
+    """Give a new file its full size: reserved blocks (fallocate) or, where unsupported or not wanted, sparse."""
+    if preallocate:
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+    os.ftruncate(fd, size)
 
 
 def fsync_dir(directory: Path) -> None:
