@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -283,7 +284,16 @@ def test_abort_file_lives_while_open_and_checkpoint_is_4096_bytes(tmp_path, smal
     assert physic == last.store_timestamp
 
 
-def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path):
+def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path, monkeypatch):
+    from rocketstore.mapped.file_queue import MappedFileQueue
+
+    real_flush = MappedFileQueue.flush
+
+    def slow_flush(self, least_pages=0):  # a 5 ms msync, like a real disk: concurrent puts pile up
+        time.sleep(0.005)
+        return real_flush(self, least_pages)
+
+    monkeypatch.setattr(MappedFileQueue, "flush", slow_flush)
     config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500,
                          flush_disk_type=FlushDiskType.SYNC_FLUSH)
     with MessageStore.open(tmp_path, config) as store:
@@ -306,7 +316,7 @@ def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path)
         for t in threads:
             t.join()
         assert not errors
-        assert store.flusher.flush_count - flushes_before < 400, "group commit shares flushes between puts"
+        assert store.flusher.flush_count - flushes_before < 200, "group commit shares flushes between puts"
         for q in range(8):
             assert store.next_queue_offset("T", q) == 50
 
