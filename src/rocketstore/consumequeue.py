@@ -16,10 +16,12 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .config import StoreConfig
+from .errors import CorruptDataError
 from .mapped.file import MappedFile
 from .mapped.file_queue import MappedFileQueue
 
@@ -351,6 +353,7 @@ class ConsumeQueueTable:
         self.read_only = read_only
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._lock = threading.Lock()
+        self.set_aside: list[str] = []  # damaged queues moved to recovery/ (rebuilt by re-dispatch)
 
     def load(self) -> None:
         """Map every ``consumequeue/<topic>/<queueId>`` directory (names RocketMQ could have written)."""
@@ -365,8 +368,21 @@ class ConsumeQueueTable:
                     continue
                 queue = ConsumeQueue(self.root, topic_entry.name, int(queue_entry.name), self.config,
                                      read_only=self.read_only)
-                queue.load()
+                try:
+                    queue.load()
+                except CorruptDataError as exc:  # derived data: rebuilt from the commit log
+                    queue.close()
+                    log.error("consume queue %s-%s is damaged: %s", topic_entry.name, queue_entry.name, exc)
+                    if not self.read_only:
+                        self._set_aside(Path(queue_entry.path), topic_entry.name, queue_entry.name)
+                    continue
                 self.queues[(topic_entry.name, int(queue_entry.name))] = queue
+
+    def _set_aside(self, directory: Path, topic: str, queue_id: str) -> None:
+        target = self.root / "recovery" / f"consumequeue-{topic}-{queue_id}-{time.strftime('%Y%m%d%H%M%S')}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(directory, target)
+        self.set_aside.append(str(target))
 
     def get(self, topic: str, queue_id: int) -> ConsumeQueue | None:
         return self.queues.get((topic, queue_id))

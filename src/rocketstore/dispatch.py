@@ -24,7 +24,7 @@ from .codec.record import RecordLayout, read_layout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
-from .errors import CorruptDataError
+from .errors import CorruptDataError, StoreIOError
 from .index.service import IndexRequest, IndexService
 from .message import SysFlag
 
@@ -199,9 +199,15 @@ class Dispatcher:
         return max(0, self.commit_log.max_offset - self.reput_from_offset)
 
     def shutdown(self) -> None:
+        """Stop the thread and catch up. If catching up fails (a full disk), the store's abort file
+        stays and the next open re-dispatches: queues and index are derived data."""
         self._stop.set()
         self._work.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.dispatch_available()
+        try:
+            self.dispatch_available()
+        except StoreIOError as exc:
+            self.last_error = exc
+            log.error("dispatch could not catch up before closing (%s); the next open re-dispatches", exc)

@@ -142,7 +142,9 @@ class MessageStore:
                 newest = self.index.files[-1]
                 start = min(start, newest.end_phy_offset if newest.index_count > 1 else newest.begin_phy_offset)
         if self.config.message_index_enable and self.index is not None and not self.index.files:
-            start = log_min  # no index at all (deleted, or never built): index the whole log
+            start = log_min  # no index at all (deleted, damaged, or never built): index the whole log
+        if self.queues.set_aside:
+            start = log_min  # a damaged queue was set aside: re-dispatch rebuilds it
         return max(start, log_min)
 
     def _note_logics(self, store_timestamp: int) -> None:

@@ -121,7 +121,11 @@ def _check_log(root: Path, commit_log: CommitLog, config: StoreConfig, report: V
                 else:
                     report.problems.append(Problem("commitlog", path, mapped.file_from_offset + pos, exc.reason))
                 break
-            if layout is None:
+            if layout is None:  # BLANK: nothing may follow it in this segment
+                tail = bytes(buf[pos + 8 :]).rstrip(b"\0")
+                if tail:
+                    report.problems.append(Problem("commitlog", path, mapped.file_from_offset + pos + 8 + len(tail) - 1,
+                                                   "non-zero bytes after the segment's BLANK record"))
                 break
             phy = mapped.file_from_offset + pos
             msg = message_from_layout(buf, pos, layout, read_body=False)

@@ -32,6 +32,7 @@ import numpy as np
 from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
+from ..errors import CorruptDataError
 from ..message import SysFlag
 from .bulk import put_hashes
 from .file import INDEX_HEADER_SIZE, IndexFile
@@ -92,16 +93,36 @@ class IndexService:
         self.lock = threading.RLock()
         self._clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.dirty = False
+        self.set_aside: str | None = None  # where a damaged index was moved
 
     # --- load and repair ---------------------------------------------------------------------
 
     def load(self) -> None:
+        """Map the index files. If one is damaged (wrong size, impossible header), a writer moves the
+        whole ``index/`` directory to ``recovery/`` and starts afresh (the store then re-indexes the
+        log); a read-only open skips the damaged file."""
         if not self.directory.is_dir():
             return
         names = sorted(e.name for e in os.scandir(self.directory) if _NAME.fullmatch(e.name))
         for name in names:
-            self.files.append(IndexFile.open(self.directory / name, self.hash_slot_num, self.index_num,
-                                             read_only=self.read_only))
+            try:
+                self.files.append(IndexFile.open(self.directory / name, self.hash_slot_num, self.index_num,
+                                                 read_only=self.read_only))
+            except CorruptDataError as exc:
+                log.error("index file %s is damaged: %s", name, exc)
+                if not self.read_only:
+                    self._set_aside()
+                    return
+
+    def _set_aside(self) -> None:
+        for index in self.files:
+            index.close()
+        self.files = []
+        target = self.directory.parent / "recovery" / f"index-{time.strftime('%Y%m%d%H%M%S')}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.directory, target)
+        self.set_aside = str(target)
+        log.warning("moved the damaged index to %s; it is rebuilt from the commit log", target)
 
     def repair(self, log_end: int, store_time: StoreTimeLookup) -> int:
         """Make the newest files consistent with a commit log that ends at ``log_end``.

@@ -1,0 +1,424 @@
+"""Reliability: damaged files, fuzzed decoders, concurrency, full and read-only disks, permissions.
+
+The crash loop (SIGKILL at random moments) is tests/test_crash.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
+from rocketstore.codec import decode_offset_msg_id, decode_properties, decode_uniq_key, read_layout
+from rocketstore.consumequeue import ConsumeQueue
+from rocketstore.errors import ChecksumError, RocketStoreError, StoreIOError
+from rocketstore.index import IndexFile
+from rocketstore.verify import verify_store
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=8192, mapped_file_size_consume_queue=20 * 50,
+                     max_hash_slot_num=97, max_index_num=388)
+
+
+def body_of(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest() * (1 + i % 5)
+
+
+def build(root: Path, count: int = 200, config: StoreConfig = CONFIG) -> list:
+    with MessageStore.open(root, config) as store:
+        results = [store.put_message(Message(f"T{i % 3}", body_of(i), keys=[f"k{i}"], tags=f"Tag{i % 2}",
+                                             queue_id=i % 2, properties={"i": str(i)})) for i in range(count)]
+        store.wait_for_dispatch()
+    return results
+
+
+# --- corruption -----------------------------------------------------------------------------------------
+
+def damage(path: Path, kind: str, rng: random.Random) -> int:
+    """Damage a file; returns the byte position where the damage starts."""
+    data = bytearray(path.read_bytes())
+    used = len(data.rstrip(b"\0")) or len(data)
+    if kind == "flip":
+        pos = rng.randrange(0, max(used, 1))
+        data[pos] ^= 1 << rng.randrange(8)
+    elif kind == "zero":
+        pos = rng.randrange(0, max(used - 1, 1))
+        data[pos : pos + rng.randint(1, 64)] = bytes(min(64, len(data) - pos))[: len(data[pos : pos + 64])]
+    elif kind == "truncate":
+        pos = rng.randrange(0, len(data))
+        del data[pos:]
+    else:  # garbage appended after the last record
+        pos = used
+        data[pos : pos + 32] = bytes(rng.randrange(1, 256) for _ in range(min(32, len(data) - pos)))
+    path.write_bytes(bytes(data))
+    return pos
+
+
+def files_of(root: Path, kind: str) -> list[Path]:
+    pattern = {"commitlog": "commitlog/*", "consumequeue": "consumequeue/*/*/*", "index": "index/*",
+               "checkpoint": "checkpoint"}[kind]
+    return sorted(p for p in root.glob(pattern) if p.is_file())
+
+
+def check_returned_messages(store: MessageStore, results: list) -> None:
+    """Whatever the store returns is intact: CRCs hold and bodies are what was written."""
+    by_offset = {r.commit_log_offset: i for i, r in enumerate(results)}
+    with contextlib.suppress(ChecksumError):  # damage in a segment recovery did not re-check
+        for msg in store.iter_messages():
+            assert zlib.crc32(msg.body) & 0x7FFFFFFF == msg.body_crc or not msg.body
+            i = by_offset.get(msg.commit_log_offset)
+            if i is not None:
+                assert msg.body == body_of(i)
+    store.wait_for_dispatch()
+    for topic in ("T0", "T1", "T2"):
+        for queue_id in (0, 1):
+            for msg in store.get_message(topic, queue_id, store.get_min_offset_in_queue(topic, queue_id),
+                                         32).messages:
+                assert msg.body == body_of(by_offset[msg.commit_log_offset])
+    for i in range(0, len(results), 17):
+        for msg in store.query_message(f"T{i % 3}", f"k{i}"):  # fields no CRC covers may be damaged: match offsets
+            assert msg.body == body_of(by_offset[msg.commit_log_offset]) and f"k{i}" in msg.keys
+
+
+@pytest.mark.parametrize("target", ["commitlog", "consumequeue", "index", "checkpoint"])
+@pytest.mark.parametrize("kind", ["flip", "zero", "truncate", "garbage"])
+@pytest.mark.parametrize("seed", range(3))
+def test_damaged_files_never_yield_bad_data(tmp_path, target, kind, seed):
+    rng = random.Random(f"{target}-{kind}-{seed}")
+    root = tmp_path / "store"
+    results = build(root)
+    victim = rng.choice(files_of(root, target))
+    where = damage(victim, kind, rng)
+    with contextlib.suppress(RocketStoreError):  # verify reports, or refuses with a specific error; never crashes
+        verify_store(root, CONFIG)
+    (root / "abort").write_text("1")  # the worst case: a crash, so recovery re-validates
+    try:
+        store = MessageStore.open(root, CONFIG)
+    except RocketStoreError:
+        assert target == "commitlog", "only a damaged commit log may stop the store from opening"
+        return
+    with store:
+        if target == "commitlog":
+            start = int(victim.name)
+            for r in results:  # every record before the first damaged byte survives recovery
+                if r.commit_log_offset + r.store_size <= start + where:
+                    assert store.look_message_by_offset(r.commit_log_offset).body == body_of(results.index(r))
+        check_returned_messages(store, results)
+
+
+@pytest.mark.parametrize("kind", ["body", "magic", "size", "truncate", "after-blank"])
+def test_verify_names_file_and_offset_of_each_detectable_damage(tmp_path, kind):
+    results = build(tmp_path / "s")
+    victim = results[40]
+    segment = tmp_path / "s" / "commitlog" / f"{victim.commit_log_offset - victim.commit_log_offset % 8192:020d}"
+    data = bytearray(segment.read_bytes())
+    pos = victim.commit_log_offset % 8192
+    expected = victim.commit_log_offset
+    if kind == "body":
+        data[read_layout(data, pos).body_pos + 3] ^= 0xFF
+    elif kind == "magic":
+        data[pos + 5] ^= 0x10
+    elif kind == "size":
+        data[pos + 2] ^= 0x01
+    elif kind == "after-blank":
+        end = len(data.rstrip(b"\0"))
+        data[end + 10] = 0x42
+        expected = int(segment.name) + end + 10
+    if kind == "truncate":
+        segment.write_bytes(bytes(data[:5000]))
+        with pytest.raises(RocketStoreError, match="5000 bytes"):
+            verify_store(tmp_path / "s", CONFIG)
+        return
+    segment.write_bytes(bytes(data))
+    problem = verify_store(tmp_path / "s", CONFIG).problems[0]
+    assert (problem.kind, problem.path, problem.offset) == ("commitlog", str(segment), expected)
+
+
+def test_verify_names_file_and_offset_of_a_bad_record(tmp_path):
+    results = build(tmp_path / "s")
+    victim = results[40]
+    segment = tmp_path / "s" / "commitlog" / f"{victim.commit_log_offset - victim.commit_log_offset % 8192:020d}"
+    data = bytearray(segment.read_bytes())
+    layout = read_layout(data, victim.commit_log_offset % 8192)
+    data[layout.body_pos + 3] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    problem = verify_store(tmp_path / "s", CONFIG).problems[0]
+    assert (problem.path, problem.offset) == (str(segment), victim.commit_log_offset) and "CRC" in problem.detail
+
+
+def test_damaged_queue_and_index_files_are_set_aside_and_rebuilt(tmp_path):
+    results = build(tmp_path / "s")
+    queue_file = files_of(tmp_path / "s", "consumequeue")[0]
+    queue_file.write_bytes(queue_file.read_bytes()[:333])  # wrong size: cannot be mapped
+    index_file = files_of(tmp_path / "s", "index")[0]
+    data = bytearray(index_file.read_bytes())
+    data[36:40] = (10**6).to_bytes(4, "big")  # an impossible indexCount
+    index_file.write_bytes(bytes(data))
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        assert store.queues.set_aside and store.index.set_aside
+        store.wait_for_dispatch()
+        for i, r in enumerate(results):
+            assert [m.commit_log_offset for m in store.query_message(f"T{i % 3}", f"k{i}")] == [r.commit_log_offset]
+    assert verify_store(tmp_path / "s", CONFIG).clean
+    assert len(list((tmp_path / "s" / "recovery").iterdir())) == 2
+
+
+# --- fuzzing ------------------------------------------------------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=600), pos=st.integers(0, 40))
+def test_record_decoder_on_random_bytes(data, pos):
+    with contextlib.suppress(RocketStoreError):
+        read_layout(data, min(pos, len(data)), check_crc=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from("ab\x01\x02 é😀"), max_size=80))
+def test_properties_parser_never_raises(text):
+    parsed = decode_properties(text)
+    assert all("\x02" not in k and k and v for k, v in parsed.items())
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.one_of(st.text(max_size=60), st.text(alphabet="0123456789ABCDEFabcdef", min_size=30, max_size=58)))
+def test_message_id_decoders_raise_only_their_error(text):
+    for decode in (decode_offset_msg_id, decode_uniq_key):
+        with contextlib.suppress(RocketStoreError):
+            decode(text)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blob=st.binary(min_size=40, max_size=40 + 7 * 4 + 9 * 20), key=st.text(max_size=10))
+def test_index_files_of_random_bytes(tmp_path_factory, blob, key):
+    path = tmp_path_factory.mktemp("fz") / "f"
+    path.write_bytes(blob.ljust(40 + 7 * 4 + 9 * 20, b"\0"))
+    try:
+        index = IndexFile.open(path, 7, 9, read_only=True)
+    except RocketStoreError:
+        return
+    assert len(index.select_phy_offsets(key, 1000, -(1 << 62), 1 << 62)) <= 9  # bounded walk
+    index.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blob=st.binary(min_size=200, max_size=200))
+def test_queue_files_of_random_bytes(tmp_path_factory, blob):
+    root = tmp_path_factory.mktemp("fzq")
+    directory = root / "consumequeue" / "T" / "0"
+    directory.mkdir(parents=True)
+    (directory / f"{0:020d}").write_bytes(blob)
+    queue = ConsumeQueue(root, "T", 0, StoreConfig(mapped_file_size_consume_queue=200), read_only=True)
+    queue.load()
+    queue.recover()
+    assert 0 <= queue.max_offset_in_queue <= 10
+    for q in range(queue.max_offset_in_queue):
+        assert queue.get_unit(q) is not None
+    queue.close()
+
+
+# --- concurrency ----------------------------------------------------------------------------------------------
+
+READER = """
+import sys, hashlib
+from rocketstore import MessageStore, StoreConfig
+config = StoreConfig(mapped_file_size_commit_log=65536, max_hash_slot_num=97, max_index_num=388)
+seen = 0
+for _ in range(int(sys.argv[2])):
+    with MessageStore.open(sys.argv[1], config, read_only=True) as store:
+        count = 0
+        for msg in store.iter_messages():
+            w, n = msg.properties["w"], int(msg.properties["n"])
+            assert msg.body == hashlib.sha256(f"{w}-{n}".encode()).digest() * 3, (w, n)
+            count += 1
+        assert count >= seen
+        seen = count
+print(seen)
+"""
+
+
+def test_writers_readers_dispatcher_and_a_reader_process_at_once(tmp_path):
+    config = StoreConfig(mapped_file_size_commit_log=65536, mapped_file_size_consume_queue=20 * 100,
+                         max_hash_slot_num=97, max_index_num=388)
+    root = tmp_path / "busy"
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    acked: dict[str, list] = {}
+
+    def body(w: str, n: int) -> bytes:
+        return hashlib.sha256(f"{w}-{n}".encode()).digest() * 3
+
+    def writer(w: str, batch: bool) -> None:
+        try:
+            mine = acked.setdefault(w, [])
+            n = 0
+            while not stop.is_set() and n < 400:
+                msgs = [Message(f"C{n % 2}", body(w, n + j), keys=[f"{w}-{n + j}"], queue_id=(n + j) % 3,
+                                properties={"w": w, "n": str(n + j)}) for j in range(4 if batch else 1)]
+                mine.extend(store.put_messages(msgs))
+                n += len(msgs)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                for topic in ("C0", "C1"):
+                    for queue_id in range(3):
+                        got = store.get_message(topic, queue_id, 0, 64)
+                        for msg in got.messages:
+                            assert msg.body == body(msg.properties["w"], int(msg.properties["n"]))
+                for results in list(acked.values()):
+                    if results:
+                        r = results[len(results) // 2]
+                        store.wait_for_dispatch()
+                        assert store.view_message_by_id(r.msg_id).commit_log_offset == r.commit_log_offset
+        except BaseException as exc:
+            errors.append(exc)
+
+    with MessageStore.open(root, config) as store:
+        threads = [threading.Thread(target=writer, args=(f"w{i}", i % 2 == 1)) for i in range(6)]
+        threads += [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        process = subprocess.run([sys.executable, "-c", READER, str(root), "5"], capture_output=True, text=True,
+                                 timeout=300, check=False)
+        for t in threads[:6]:
+            t.join()
+        stop.set()
+        for t in threads[6:]:
+            t.join()
+        assert not errors, errors[0]
+        assert process.returncode == 0, process.stderr[-2000:]
+        store.wait_for_dispatch()
+        per_queue: dict[tuple[str, int], list[int]] = {}
+        for msg in store.iter_messages():
+            per_queue.setdefault((msg.topic, msg.queue_id), []).append(msg.queue_offset)
+        assert sum(map(len, per_queue.values())) == 6 * 400
+        for offsets in per_queue.values():
+            assert offsets == list(range(len(offsets))), "queue offsets unique and dense"
+        for (topic, queue_id), offsets in per_queue.items():
+            assert store.get_max_offset_in_queue(topic, queue_id) == len(offsets)
+
+
+# --- resource faults --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                          check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the RLIMIT_FSIZE test covers it")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+FULL_CONFIG = StoreConfig(mapped_file_size_commit_log=65536, mapped_file_size_consume_queue=20 * 100,
+                          max_hash_slot_num=97, max_index_num=388, flush_disk_type=FlushDiskType.SYNC_FLUSH)
+
+
+def fill_until_full(root: Path) -> tuple[list, BaseException]:
+    results: list = []
+    with MessageStore.open(root, FULL_CONFIG) as store:
+        try:
+            for i in range(100_000):
+                result = store.put_message(Message("Full", body_of(i), keys=[f"f{i}"], queue_id=i % 2))
+                results.append(result)
+        except StoreIOError as exc:
+            return results, exc
+        finally:
+            with contextlib.suppress(RocketStoreError):
+                store.wait_for_dispatch(2)
+    raise AssertionError("the disk never filled up")
+
+
+def test_disk_full_is_a_clear_error_and_the_store_reopens(tmp_path):
+    with small_disk(tmp_path / "disk", "600k") as disk:
+        results, error = fill_until_full(disk / "store")
+        assert "No space left" in str(error) or "space" in str(error).lower()
+        assert len(results) > 10
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        with MessageStore.open(disk / "store", FULL_CONFIG) as store:
+            for i, r in enumerate(results):
+                assert store.look_message_by_offset(r.commit_log_offset).body == body_of(i)
+            store.put_message(Message("Full", b"after", keys=["after"]))
+            store.wait_for_dispatch()
+            assert store.query_message("Full", f"f{len(results) - 1}")
+            assert store.query_message("Full", "after")
+        assert verify_store(disk / "store", FULL_CONFIG).clean
+
+
+LIMITED_WRITER = """
+import resource, signal, sys
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.errors import StoreIOError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # file-size limit: EFBIG instead of a signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+config = StoreConfig(mapped_file_size_commit_log=256 << 10, max_hash_slot_num=97, max_index_num=388)
+with MessageStore.open(sys.argv[1], config) as store:
+    try:
+        store.put_message(Message("T", b"x"))
+    except StoreIOError as exc:
+        print("REFUSED", exc)
+        sys.exit(3)
+"""
+
+
+def test_file_size_limit_refuses_the_segment_cleanly(tmp_path):
+    """Where no small disk can be mounted: a segment larger than RLIMIT_FSIZE cannot be allocated."""
+    done = subprocess.run([sys.executable, "-c", LIMITED_WRITER, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "File too large" in done.stdout
+    config = StoreConfig(mapped_file_size_commit_log=256 << 10, max_hash_slot_num=97, max_index_num=388)
+    with MessageStore.open(tmp_path / "store", config) as store:  # nothing half-made is left behind
+        assert store.max_phy_offset == 0
+        assert store.put_message(Message("T", b"fine now")).ok
+    assert not list((tmp_path / "store" / "commitlog").glob("*.tmp"))
+
+
+def test_read_only_file_system(tmp_path):
+    with small_disk(tmp_path / "ro", "4m") as disk:
+        results = build(disk / "store")
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(StoreIOError, match="Read-only file system"):
+            MessageStore.open(disk / "store", CONFIG)
+        with MessageStore.open(disk / "store", CONFIG, read_only=True) as store:
+            assert store.look_message_by_offset(results[-1].commit_log_offset).body == body_of(len(results) - 1)
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+        with MessageStore.open(disk / "store", CONFIG) as store:
+            assert store.put_message(Message("T0", b"writable again")).ok
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
+def test_permission_denied_is_a_clear_error(tmp_path):
+    root = tmp_path / "private"
+    build(root, 20)
+    code = ("import sys\nfrom rocketstore import MessageStore, StoreConfig\nfrom rocketstore.errors import "
+            "RocketStoreError\ntry:\n    MessageStore.open(sys.argv[1], StoreConfig(mapped_file_size_commit_log=8192,"
+            " max_hash_slot_num=97, max_index_num=388))\nexcept RocketStoreError as e:\n    print(type(e).__name__, e)"
+            "\n    sys.exit(3)\n")
+    shutil.copytree(root, tmp_path / "copy")
+    os.chmod(tmp_path, 0o755)
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120,
+                              check=False, user=65534, env={**os.environ, "HOME": "/tmp"})
+    except PermissionError:
+        pytest.skip("an unprivileged user cannot run this interpreter here")
+    if done.returncode not in (0, 3) and "Permission denied" in done.stderr:
+        pytest.skip("an unprivileged user cannot import the project here")
+    assert done.returncode == 3, done.stderr[-1000:]
+    assert "Permission denied" in done.stdout
