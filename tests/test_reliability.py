@@ -422,3 +422,23 @@ def test_permission_denied_is_a_clear_error(tmp_path):
         pytest.skip("an unprivileged user cannot import the project here")
     assert done.returncode == 3, done.stderr[-1000:]
     assert "Permission denied" in done.stdout
+
+
+# --- safety -------------------------------------------------------------------------------------------------------
+
+def test_hostile_keys_and_properties_never_leave_the_store_root(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("untouched")
+    root = tmp_path / "a" / "store"
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with MessageStore.open(root, CONFIG) as store:
+        hostile = ["../../outside/keep", "/etc/passwd", "..", "~root", "%2e%2e", "\u202e", "k\x00"]
+        for key in hostile:
+            store.put_message(Message("T0", b"x", keys=[key], properties={"path": f"../{key}"}))
+        store.wait_for_dispatch()
+        for key in hostile:
+            assert [m.keys for m in store.query_message("T0", key)] == [[key]]
+    after = sorted(str(p) for p in tmp_path.rglob("*"))
+    assert [p for p in after if p not in before and not p.startswith(str(tmp_path / "a"))] == []
+    assert (outside / "keep").read_text() == "untouched"
