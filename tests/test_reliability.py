@@ -442,3 +442,13 @@ def test_hostile_keys_and_properties_never_leave_the_store_root(tmp_path):
     after = sorted(str(p) for p in tmp_path.rglob("*"))
     assert [p for p in after if p not in before and not p.startswith(str(tmp_path / "a"))] == []
     assert (outside / "keep").read_text() == "untouched"
+
+
+def test_coverage_guided_fuzzing_of_the_decoders():
+    """atheris (libFuzzer) for a bounded time; `python tests/fuzz/fuzz_decoders.py` runs it for longer."""
+    pytest.importorskip("atheris")
+    harness = Path(__file__).parent / "fuzz" / "fuzz_decoders.py"
+    done = subprocess.run([sys.executable, str(harness), "-max_total_time=10", "-rss_limit_mb=1024"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Done" in done.stderr
