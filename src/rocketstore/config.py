@@ -68,6 +68,12 @@ class StoreConfig:
     default_query_max_num: int = 32  # defaultQueryMaxNum
     recovery_salvage_max_bytes: int = 64 * MIB  # rocketstore: torn-tail bytes kept in recovery/
 
+    # --- topics, consumers, delays
+    auto_create_topic_enable: bool = True  # autoCreateTopicEnable
+    default_topic_queue_nums: int = 8  # defaultTopicQueueNums
+    flush_consumer_offset_interval: int = 5_000  # flushConsumerOffsetInterval (ms)
+    enable_schedule_message: bool = True  # deliver DELAY messages (ScheduleMessageService)
+
     # --- retention
     file_reserved_time: int = 72  # fileReservedTime (hours)
     delete_when: str = "04"  # deleteWhen: local hours (";"-separated) when expired files are deleted

@@ -24,11 +24,11 @@ from .codec.record import RecordLayout, read_layout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
+from .encoder import SCHEDULE_TOPIC
 from .errors import CorruptDataError, StoreIOError
 from .index.service import IndexRequest, IndexService
 from .message import SysFlag
 
-SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
 INDEX_BATCH = 4096  # records per vectorised index batch
 _FIELDS = struct.Struct(">iiqq")  # queue id, flag, queue offset, phy offset at record position 12
 _TS = struct.Struct(">q")
@@ -50,10 +50,11 @@ class DispatchRequest:
     keys: str | None
     uniq_key: str | None
     sys_flag: int
+    index_topic: str
 
     def index_request(self) -> IndexRequest:
-        return IndexRequest(self.topic, self.commit_log_offset, self.store_timestamp, self.sys_flag, self.uniq_key,
-                            self.keys)
+        return IndexRequest(self.index_topic, self.commit_log_offset, self.store_timestamp, self.sys_flag,
+                            self.uniq_key, self.keys)
 
 
 def dispatch_request(buf, pos: int, layout: RecordLayout, config: StoreConfig) -> DispatchRequest:
@@ -67,7 +68,15 @@ def dispatch_request(buf, pos: int, layout: RecordLayout, config: StoreConfig) -
     return DispatchRequest(topic, queue_id, phy_offset, layout.size,
                            tags_code_of(topic, props, store_ts, config.delay_levels_ms),
                            store_ts, queue_offset, props.get(PropertyName.KEYS), props.get(PropertyName.UNIQ_KEY),
-                           sys_flag)
+                           sys_flag, index_topic_of(topic, props))
+
+
+def index_topic_of(topic: str, props: dict[str, str]) -> str:
+    """The topic a record's keys are indexed under: a scheduled message's real topic, so that it is
+    findable by key from the moment it is stored (RocketMQ indexes it under SCHEDULE_TOPIC_XXXX)."""
+    if topic == SCHEDULE_TOPIC:
+        return props.get(PropertyName.REAL_TOPIC) or topic
+    return topic
 
 
 def tags_code_of(topic: str, props: dict[str, str], store_timestamp: int, levels: tuple[int, ...]) -> int:
@@ -94,6 +103,7 @@ class Dispatcher:
         self.index = index
         self.config = config
         self.reput_from_offset = 0
+        self.rounds = 0  # dispatch rounds that delivered records (consumers wait on it)
         self._on_logic_timestamp = on_logic_timestamp
         self._cond = threading.Condition()
         self._work = threading.Event()
@@ -142,8 +152,20 @@ class Dispatcher:
             self.reput_from_offset = offset
         if done:
             with self._cond:
+                self.rounds += 1
                 self._cond.notify_all()
         return done
+
+    def wait_for_round(self, seen: int, timeout: float) -> int:
+        """Block until a dispatch round after ``seen`` delivered records (or ``timeout``); returns the count."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.rounds == seen:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return self.rounds
 
     def dispatch(self, req: DispatchRequest) -> None:
         """Both dispatchers for one record."""

@@ -37,6 +37,7 @@ from .errors import (
 from .message import Message, SysFlag
 
 TOPIC_MAX_LENGTH = 127  # TopicValidator.TOPIC_MAX_LENGTH
+SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
 RETRY_TOPIC_MAX_LENGTH = 255
 RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
 _TOPIC_CHARS = re.compile(r"[%|a-zA-Z0-9_-]+")
@@ -142,6 +143,7 @@ class MessageEncoder:
             sys_flag |= SysFlag.STOREHOST_V6
 
         properties = self._properties(msg)
+        topic, queue_id = self._schedule(topic, queue_id, properties)
         uniq_key = properties[PropertyName.UNIQ_KEY]
         wait_store = properties.get(PropertyName.WAIT, "true").lower() != "false"
         props = encode_properties(properties, checked=True).encode("utf-8")
@@ -166,6 +168,24 @@ class MessageEncoder:
             crc=body_crc(body),
         )
         return PendingRecord(data, topic, queue_id, sys_flag, uniq_key, wait_store)
+
+    def _schedule(self, topic: str, queue_id: int, properties: dict[str, str]) -> tuple[str, int]:
+        """A DELAY message goes to SCHEDULE_TOPIC_XXXX, queue level-1, its real topic and queue kept in
+        REAL_TOPIC/REAL_QID (``CommitLog.asyncPutMessage``); a level past the last is the last."""
+        raw = properties.get(PropertyName.DELAY)
+        if raw is None or topic == SCHEDULE_TOPIC:
+            return topic, queue_id
+        try:
+            level = int(raw)
+        except ValueError:
+            raise InvalidPropertyError(f"DELAY must be a delay level (an integer), not {raw!r}") from None
+        if level <= 0:
+            return topic, queue_id
+        level = min(level, len(self.config.delay_levels_ms))
+        properties[PropertyName.DELAY] = str(level)
+        properties[PropertyName.REAL_TOPIC] = topic
+        properties[PropertyName.REAL_QUEUE_ID] = str(queue_id)
+        return SCHEDULE_TOPIC, level - 1
 
     def _properties(self, msg: Message) -> dict[str, str]:
         """User properties plus TAGS, KEYS and a UNIQ_KEY (generated when the message has none)."""

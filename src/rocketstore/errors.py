@@ -57,6 +57,14 @@ class InvalidPropertyError(MessageIllegalError):
     """A property name or value is empty or contains a separator (\\x01 or \\x02)."""
 
 
+class TopicNotExistError(MessageIllegalError):
+    """The topic is not configured and ``auto_create_topic_enable`` is off (RocketMQ's TOPIC_NOT_EXIST)."""
+
+
+class InvalidQueueError(MessageIllegalError):
+    """The queue id is not below the topic's write queue count, or the topic is not writable."""
+
+
 class InvalidFlagError(MessageIllegalError):
     """A flag, sysflag or numeric field does not fit its on-disk width or sets unknown bits."""
 

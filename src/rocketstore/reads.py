@@ -18,6 +18,7 @@ from .codec.msgid import decode_offset_msg_id
 from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import ConsumeQueueTable
+from .encoder import SCHEDULE_TOPIC
 from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError
 from .index.service import IndexService
 from .message import MessageExt
@@ -157,12 +158,16 @@ class StoreReader:
             if phy in found:
                 continue
             msg = self._read_or_none(phy)
-            if msg is None or msg.topic != topic or not begin <= msg.store_timestamp <= end or not matches(msg):
+            if msg is None or not begin <= msg.store_timestamp <= end or not matches(msg):
+                continue
+            if msg.topic != topic and not (msg.topic == SCHEDULE_TOPIC and msg.properties.get("REAL_TOPIC") == topic):
                 continue
             found[phy] = msg
             if len(found) >= max_num:
                 break
-        return [found[phy] for phy in sorted(found)]
+        delivered = {m.uniq_key for m in found.values() if m.topic != SCHEDULE_TOPIC}
+        return [found[phy] for phy in sorted(found)  # a delivered delay message hides its scheduled copy
+                if found[phy].topic != SCHEDULE_TOPIC or found[phy].uniq_key not in delivered]
 
     def _read_or_none(self, phy: int) -> MessageExt | None:
         try:

@@ -13,13 +13,22 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from .brokerconfig import ConsumerOffsetManager, DelayOffsetManager, SubscriptionGroupManager, TopicConfigManager
 from .checkpoint import StoreCheckpoint
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
+from .consumer import Consumer
 from .dispatch import Dispatcher
-from .encoder import MessageEncoder, PendingRecord
-from .errors import ReadOnlyStoreError, RocketStoreError, StoreClosedError, StoreIOError
+from .encoder import SCHEDULE_TOPIC, MessageEncoder, PendingRecord
+from .errors import (
+    InvalidQueueError,
+    ReadOnlyStoreError,
+    RocketStoreError,
+    StoreClosedError,
+    StoreIOError,
+    TopicNotExistError,
+)
 from .flush import CommitLogFlusher
 from .index.service import IndexService
 from .lifecycle import AbortFile, StoreLock
@@ -27,6 +36,7 @@ from .message import Message, MessageExt, PutMessageResult, PutMessageStatus, Sy
 from .reads import GetMessageResult, StoreReader
 from .recovery import RecoveryReport, recover_commit_log
 from .retention import RetentionReport, delete_expired_files
+from .schedule import ScheduleMessageService
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +63,12 @@ class MessageStore:
         self.commit_log = CommitLog(root, config, read_only=read_only)
         self.checkpoint = StoreCheckpoint(root / CHECKPOINT_FILE, read_only=read_only)
         self.queues = ConsumeQueueTable(root, config, read_only=read_only)
+        self.topic_config = TopicConfigManager(root, read_only=read_only)
+        self.consumer_offsets = ConsumerOffsetManager(root, read_only=read_only)
+        self.delay_offsets = DelayOffsetManager(root, read_only=read_only)
+        self.subscription_groups = SubscriptionGroupManager(root, read_only=read_only)
+        self.schedule: ScheduleMessageService | None = None
+        self._topic_lock = threading.Lock()
         self.index: IndexService | None = None
         self.flusher: CommitLogFlusher | None = None
         self.dispatcher: Dispatcher | None = None
@@ -97,6 +113,8 @@ class MessageStore:
             self._lock = StoreLock(self.root)
             self._lock.acquire()
         abnormal = self._abort.exists()
+        for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.subscription_groups):
+            config_file.load()
         self.commit_log.load()
         self.queues.load()
         self.checkpoint = StoreCheckpoint.load(self.root / CHECKPOINT_FILE, read_only=self.read_only)
@@ -127,6 +145,9 @@ class MessageStore:
             self.flusher = CommitLogFlusher(self.commit_log, self.checkpoint, self.config)
             self.flusher.start()
             self.dispatcher.start()
+            if self.config.enable_schedule_message:
+                self.schedule = ScheduleMessageService(self, self.delay_offsets)
+                self.schedule.start()
             self._maintenance = threading.Thread(target=self._maintain, name="rocketstore-maintenance",
                                                  daemon=True)
             self._maintenance.start()
@@ -155,7 +176,8 @@ class MessageStore:
         interval = self.config.flush_interval_consume_queue / 1000
         thorough_every = self.config.flush_consume_queue_thorough_interval / 1000
         clean_every = 10.0
-        last_thorough = last_clean = time.monotonic()
+        offsets_every = self.config.flush_consumer_offset_interval / 1000
+        last_thorough = last_clean = last_offsets = time.monotonic()
         while not self._stop.wait(interval):
             now = time.monotonic()
             try:
@@ -169,6 +191,10 @@ class MessageStore:
                 if now - last_clean >= clean_every:
                     self.delete_expired_files()
                     last_clean = now
+                if now - last_offsets >= offsets_every:
+                    self.consumer_offsets.persist()
+                    self.delay_offsets.persist()
+                    last_offsets = now
             except Exception:  # never let housekeeping kill the store; the next pass retries
                 log.exception("store maintenance failed")
 
@@ -213,6 +239,11 @@ class MessageStore:
                 self._stop.set()
                 if self._maintenance is not None:
                     self._maintenance.join()
+                if self.schedule is not None:
+                    self.schedule.shutdown()
+                if not self.read_only:
+                    self.consumer_offsets.persist()
+                    self.delay_offsets.persist()
                 if not self.read_only and self.flusher is not None and self.dispatcher is not None:
                     self.flusher.shutdown()
                     self.dispatcher.shutdown()
@@ -256,9 +287,14 @@ class MessageStore:
         one store timestamp, one segment and, under SYNC_FLUSH, one disk flush.
         """
         self._check_open(write=True)
+        msgs = list(msgs)
         records = [self.encoder.encode(m) for m in msgs]
         if not records:
             return []
+        for msg, rec in zip(msgs, records, strict=True):
+            self._check_topic(msg.topic, msg.queue_id)
+            if rec.topic != msg.topic:  # a delayed message: its schedule queue too
+                self._check_topic(rec.topic, rec.queue_id)
         appended = self.commit_log.append(records)
         assert self.dispatcher is not None
         self.dispatcher.wake()
@@ -271,6 +307,74 @@ class MessageStore:
             self.dispatcher.wake()
         return [_result(status, rec, res, self.encoder.store_host_raw) for rec, res in zip(records, appended,
                                                                                               strict=True)]
+
+    def _check_topic(self, topic: str, queue_id: int) -> None:
+        """RocketMQ's topic rules: an unknown topic is created (``auto_create_topic_enable``, with
+        ``default_topic_queue_nums`` queues, or as many as the queue id needs) or refused; a queue id
+        must be below the topic's write queue count."""
+        config = self.topic_config.get(topic)
+        if config is None:
+            if not self.config.auto_create_topic_enable and topic != SCHEDULE_TOPIC:
+                raise TopicNotExistError(f"topic {topic} does not exist and auto_create_topic_enable is off")
+            with self._topic_lock:
+                config = self.topic_config.get(topic)
+                if config is None:
+                    queues = len(self.config.delay_levels_ms) if topic == SCHEDULE_TOPIC else \
+                        max(self.config.default_topic_queue_nums, queue_id + 1)
+                    config = self.topic_config.create_or_update(topic, write_queue_nums=queues)
+        if queue_id >= config.write_queue_nums:
+            raise InvalidQueueError(f"queue {queue_id} does not exist: topic {topic} has {config.write_queue_nums} "
+                                    f"write queues")
+        if not config.writable:
+            raise InvalidQueueError(f"topic {topic} is not writable (perm {config.perm})")
+
+    # --- topics and consumers ---------------------------------------------------------------------
+
+    def create_topic(self, topic: str, queues: int = 8, *, read_queues: int | None = None) -> None:
+        """Create or update a topic in config/topics.json (``updateTopic``)."""
+        self._check_open(write=True)
+        self.topic_config.create_or_update(topic, write_queue_nums=queues, read_queue_nums=read_queues)
+
+    def delete_topic(self, topic: str) -> bool:
+        """Remove a topic from config/topics.json (its messages stay until retention removes them)."""
+        self._check_open(write=True)
+        return self.topic_config.delete(topic)
+
+    def consumer(self, group: str, topic: str, **options) -> Consumer:
+        """A consumer of ``topic`` for consumer group ``group``; see ``rocketstore.consumer.Consumer``."""
+        self._check_open()
+        return Consumer(self, group, topic, **options)
+
+    def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        self._check_open(write=True)
+        self.consumer_offsets.commit(group, topic, queue_id, offset)
+
+    def query_offset(self, group: str, topic: str, queue_id: int) -> int:
+        """The group's committed offset in a queue, or -1 (``queryOffset``)."""
+        self._check_open()
+        return self.consumer_offsets.query(group, topic, queue_id)
+
+    def reset_offset(self, group: str, topic: str, to: str | int) -> dict[int, int]:
+        """Point a group at "earliest", "latest" or the first message at or after an epoch-ms time in every
+        queue (``resetOffsetByTime``); returns the new offsets and persists them at once."""
+        self._check_open(write=True)
+        if to not in ("earliest", "latest") and not isinstance(to, int):
+            raise ValueError("reset to 'earliest', 'latest' or an epoch-ms timestamp")
+        queue_ids = set(self.queue_ids(topic))
+        config = self.topic_config.get(topic)
+        if config is not None:
+            queue_ids.update(range(config.read_queue_nums))
+        offsets = {}
+        for queue_id in sorted(queue_ids):
+            if to == "earliest":
+                offsets[queue_id] = self.get_min_offset_in_queue(topic, queue_id)
+            elif to == "latest":
+                offsets[queue_id] = self.get_max_offset_in_queue(topic, queue_id)
+            else:
+                offsets[queue_id] = self.get_offset_in_queue_by_time(topic, queue_id, int(to))
+            self.consumer_offsets.commit(group, topic, queue_id, offsets[queue_id])
+        self.consumer_offsets.persist(force=True)
+        return offsets
 
     def flush(self) -> int:
         """Force everything written so far to disk; returns the flushed commit-log offset."""

@@ -28,7 +28,7 @@ from .codec.record import message_from_layout, read_layout
 from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import CQ_UNIT_SIZE, ConsumeQueueTable
-from .dispatch import tags_code_of
+from .dispatch import index_topic_of, tags_code_of
 from .errors import CorruptDataError
 from .index.bulk import ENTRY_DTYPE
 from .index.file import INDEX_HEADER_SIZE
@@ -136,7 +136,8 @@ def _check_log(root: Path, commit_log: CommitLog, config: StoreConfig, report: V
             keys = index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))
             records[phy] = _Record(msg.topic, msg.queue_id, msg.queue_offset, layout.size, msg.sys_flag,
                                    tags_code_of(msg.topic, props, msg.store_timestamp, config.delay_levels_ms),
-                                   frozenset(index_key_hash(build_key(msg.topic, k)) for k in keys))
+                                   frozenset(index_key_hash(build_key(index_topic_of(msg.topic, props), k))
+                                             for k in keys))
             report.records += 1
             pos += layout.size
         done += mapped.file_size

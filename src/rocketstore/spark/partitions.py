@@ -30,7 +30,7 @@ from ..codec.properties import PropertyName
 from ..codec.record import find_record_start, message_from_layout, read_layout
 from ..commitlog import COMMITLOG_DIR, CommitLog
 from ..config import StoreConfig, detect_segment_size
-from ..dispatch import tags_code_of
+from ..dispatch import index_topic_of, tags_code_of
 from ..errors import ConfigError, CorruptDataError, StoreIOError
 from ..index.bulk import index_key_hashes
 from ..index.service import build_key, index_keys
@@ -321,7 +321,8 @@ def append_message(columns: MessageColumns, msg, broker: str, options: ScanOptio
         values.append(tags_code_of(msg.topic, props, msg.store_timestamp, options.delay_levels_ms))
         rollback = SysFlag.transaction_type(msg.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE
         keys = [] if rollback else index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))
-        values.append([build_key(msg.topic, k) for k in keys])  # hashed per batch in MessageColumns.batch
+        topic = index_topic_of(msg.topic, props)
+        values.append([build_key(topic, k) for k in keys])  # hashed per batch in MessageColumns.batch
     for column, value in zip(columns.data, values, strict=True):
         column.append(value)
 

@@ -1,0 +1,119 @@
+"""Consuming a topic from Python: ``store.consumer(group, topic)``, resuming where the group left off.
+
+A consumer reads every queue of the topic in order per queue, starting at the group's committed
+offset (else at ``start``: "earliest", "latest" or an epoch-ms timestamp), and waits on the
+dispatcher, not in a busy loop, when there is nothing new. With ``auto_commit`` the offsets of
+what one ``poll`` returned are committed at the next ``poll`` (or ``commit``/``close``): a crash in
+between delivers those messages again, never loses them (at least once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+from .errors import ReadOnlyStoreError
+from .message import MessageExt
+from .reads import GetMessageStatus
+
+
+class Consumer:
+    def __init__(self, store, group: str, topic: str, *, tags: str | Iterable[str] | None = None,
+                 start: str | int = "earliest", auto_commit: bool = True, batch_size: int = 32) -> None:
+        if start not in ("earliest", "latest") and not isinstance(start, int):
+            raise ValueError("start is 'earliest', 'latest' or an epoch-ms timestamp")
+        self.store = store
+        self.group = group
+        self.topic = topic
+        self.tags = tags
+        self.start = start
+        self.auto_commit = auto_commit and not store.read_only
+        self.batch_size = batch_size
+        self._positions: dict[int, int] = {}
+        self._handed_out: dict[int, int] = {}
+        self._next_queue = 0
+        self.closed = False
+        if not store.read_only:
+            store.subscription_groups.ensure(group)
+
+    def _queue_ids(self) -> list[int]:
+        ids = set(self.store.queue_ids(self.topic))
+        config = self.store.topic_config.get(self.topic)
+        if config is not None:
+            ids.update(range(config.read_queue_nums))
+        return sorted(ids)
+
+    def _position(self, queue_id: int) -> int:
+        if queue_id not in self._positions:
+            committed = self.store.consumer_offsets.query(self.group, self.topic, queue_id)
+            if committed >= 0:
+                position = committed
+            elif self.start == "earliest":
+                position = self.store.get_min_offset_in_queue(self.topic, queue_id)
+            elif self.start == "latest":
+                position = self.store.get_max_offset_in_queue(self.topic, queue_id)
+            else:
+                position = self.store.get_offset_in_queue_by_time(self.topic, queue_id, int(self.start))
+            self._positions[queue_id] = position
+        return self._positions[queue_id]
+
+    def poll(self, timeout: float = 1.0, max_msgs: int | None = None) -> list[MessageExt]:
+        """The next messages (across queues, in order within each), waiting up to ``timeout`` seconds."""
+        if self.closed:
+            raise RuntimeError("consumer is closed")
+        if self.auto_commit:
+            self.commit()
+        limit = max_msgs or self.batch_size
+        deadline = time.monotonic() + timeout
+        dispatcher = self.store.dispatcher
+        while True:
+            seen = dispatcher.rounds if dispatcher is not None else 0
+            out: list[MessageExt] = []
+            queues = self._queue_ids()
+            for i in range(len(queues)):
+                queue_id = queues[(self._next_queue + i) % len(queues)]
+                position = self._position(queue_id)
+                result = self.store.get_message(self.topic, queue_id, position, limit - len(out), self.tags)
+                if result.status in (GetMessageStatus.OFFSET_TOO_SMALL, GetMessageStatus.OFFSET_OVERFLOW_BADLY,
+                                     GetMessageStatus.OFFSET_FOUND_NULL, GetMessageStatus.FOUND,
+                                     GetMessageStatus.NO_MATCHED_MESSAGE, GetMessageStatus.MESSAGE_WAS_REMOVING):
+                    self._positions[queue_id] = result.next_begin_offset
+                if result.messages:
+                    out.extend(result.messages)
+                    self._handed_out[queue_id] = result.next_begin_offset
+                if len(out) >= limit:
+                    break
+            self._next_queue += 1
+            if out:
+                return out
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or dispatcher is None:
+                return []
+            dispatcher.wait_for_round(seen, min(remaining, 1.0))  # woken by the dispatcher
+
+    def __iter__(self) -> Iterator[MessageExt]:
+        while not self.closed:
+            yield from self.poll(timeout=1.0)
+
+    def commit(self) -> None:
+        """Commit the offsets after everything handed out so far (``commitOffset``)."""
+        if self.store.read_only:
+            raise ReadOnlyStoreError("a read-only store cannot commit consumer offsets")
+        for queue_id, offset in self._handed_out.items():
+            self.store.consumer_offsets.commit(self.group, self.topic, queue_id, offset)
+        self._handed_out.clear()
+
+    def seek(self, queue_id: int, offset: int) -> None:
+        self._positions[queue_id] = offset
+
+    def close(self) -> None:
+        if not self.closed and self.auto_commit:
+            self.commit()
+            self.store.consumer_offsets.persist()
+        self.closed = True
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
