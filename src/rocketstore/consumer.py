@@ -35,6 +35,9 @@ class Consumer:
         self.closed = False
         if not store.read_only:
             store.subscription_groups.ensure(group)
+        self._latest_at_start: dict[int, int] = {}
+        if start == "latest":  # "latest" means when the consumer was created; newer queues start at 0
+            self._latest_at_start = {q: store.get_max_offset_in_queue(topic, q) for q in self._queue_ids()}
 
     def _queue_ids(self) -> list[int]:
         ids = set(self.store.queue_ids(self.topic))
@@ -51,7 +54,8 @@ class Consumer:
             elif self.start == "earliest":
                 position = self.store.get_min_offset_in_queue(self.topic, queue_id)
             elif self.start == "latest":
-                position = self.store.get_max_offset_in_queue(self.topic, queue_id)
+                position = self._latest_at_start.get(queue_id, self.store.get_min_offset_in_queue(self.topic,
+                                                                                                    queue_id))
             else:
                 position = self.store.get_offset_in_queue_by_time(self.topic, queue_id, int(self.start))
             self._positions[queue_id] = position

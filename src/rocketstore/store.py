@@ -172,31 +172,34 @@ class MessageStore:
         self._logics_timestamp = store_timestamp
 
     def _maintain(self) -> None:
-        """Consume-queue and index flushing, checkpointing and retention (RocketMQ's other services)."""
-        interval = self.config.flush_interval_consume_queue / 1000
-        thorough_every = self.config.flush_consume_queue_thorough_interval / 1000
-        clean_every = 10.0
-        offsets_every = self.config.flush_consumer_offset_interval / 1000
-        last_thorough = last_clean = last_offsets = time.monotonic()
-        while not self._stop.wait(interval):
+        """Consume-queue and index flushing, checkpointing, offsets and retention (RocketMQ's other
+        services), each on its own interval."""
+        every = {
+            "flush": self.config.flush_interval_consume_queue / 1000,
+            "checkpoint": self.config.flush_consume_queue_thorough_interval / 1000,
+            "offsets": self.config.flush_consumer_offset_interval / 1000,
+            "retention": 10.0,
+        }
+        last = dict.fromkeys(every, time.monotonic())
+        while not self._stop.wait(min(every.values())):
             now = time.monotonic()
+            due = {task for task, interval in every.items() if now - last[task] >= interval}
             try:
-                if now - last_thorough >= thorough_every:
+                if "checkpoint" in due:
                     self.checkpoint_now()
-                    last_thorough = now
-                else:
+                elif "flush" in due:
                     self.queues.flush(self.config.flush_consume_queue_least_pages)
                     if self.index is not None:
                         self.index.flush()
-                if now - last_clean >= clean_every:
-                    self.delete_expired_files()
-                    last_clean = now
-                if now - last_offsets >= offsets_every:
+                if "offsets" in due:
                     self.consumer_offsets.persist()
                     self.delay_offsets.persist()
-                    last_offsets = now
+                if "retention" in due:
+                    self.delete_expired_files()
             except Exception:  # never let housekeeping kill the store; the next pass retries
                 log.exception("store maintenance failed")
+            for task in due:
+                last[task] = now
 
     def checkpoint_now(self) -> None:
         """Flush consume queues and index fully, then record how far they are durable."""

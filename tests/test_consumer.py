@@ -1,0 +1,238 @@
+"""Topics, consumer groups and offsets (config/ directory), the consumer API and delayed delivery."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.brokerconfig import ConsumerOffsetManager, TopicConfigManager, parse_fastjson, to_fastjson
+from rocketstore.errors import InvalidQueueError, TopicNotExistError
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
+                     max_hash_slot_num=97, max_index_num=388, message_delay_level="1s 2s 30s")
+
+# What a RocketMQ 5.x broker writes (fastjson, pretty): bare integer map keys, tabs, alphabetical fields.
+BROKER_TOPICS = """{
+\t"dataVersion":{
+\t\t"counter":3,
+\t\t"stateVersion":0,
+\t\t"timestamp":1700000000000
+\t},
+\t"topicConfigTable":{
+\t\t"TopicTest":{
+\t\t\t"attributes":{},
+\t\t\t"order":false,
+\t\t\t"perm":6,
+\t\t\t"readQueueNums":4,
+\t\t\t"topicFilterType":"SINGLE_TAG",
+\t\t\t"topicName":"TopicTest",
+\t\t\t"topicSysFlag":0,
+\t\t\t"writeQueueNums":4
+\t\t},
+\t\t"SELF_TEST_TOPIC":{
+\t\t\t"order":false,
+\t\t\t"perm":6,
+\t\t\t"readQueueNums":1,
+\t\t\t"topicFilterType":"SINGLE_TAG",
+\t\t\t"topicName":"SELF_TEST_TOPIC",
+\t\t\t"topicSysFlag":0,
+\t\t\t"writeQueueNums":1
+\t\t}
+\t}
+}"""
+BROKER_OFFSETS = """{
+\t"offsetTable":{
+\t\t"%RETRY%please_rename_unique_group_name_4@please_rename_unique_group_name_4":{0:0
+\t\t},
+\t\t"TopicTest@please_rename_unique_group_name_4":{0:250,1:250,2:251,3:249
+\t\t}
+\t}
+}"""
+
+
+def write_broker_config(root: Path) -> None:
+    (root / "config").mkdir(parents=True)
+    (root / "config" / "topics.json").write_text(BROKER_TOPICS)
+    (root / "config" / "consumerOffset.json").write_text(BROKER_OFFSETS)
+
+
+def test_reads_a_brokers_config_directory_and_round_trips_it(tmp_path):
+    write_broker_config(tmp_path)
+    topics = TopicConfigManager(tmp_path)
+    topics.load()
+    assert (topics.get("TopicTest").write_queue_nums, topics.get("TopicTest").perm) == (4, 6)
+    assert topics.version == 3
+    offsets = ConsumerOffsetManager(tmp_path)
+    offsets.load()
+    assert offsets.query("please_rename_unique_group_name_4", "TopicTest", 2) == 251
+    assert offsets.query("please_rename_unique_group_name_4", "TopicTest", 9) == -1
+    offsets.commit("please_rename_unique_group_name_4", "TopicTest", 2, 260)
+    offsets.persist()
+    topics.persist()
+    written = (tmp_path / "config" / "consumerOffset.json").read_text()
+    assert '{\n\t\t\t0:250,\n\t\t\t1:250,\n\t\t\t2:260,\n\t\t\t3:249\n\t\t}' in written  # bare keys, as fastjson
+    assert (tmp_path / "config" / "consumerOffset.json.bak").read_text() == BROKER_OFFSETS
+    again = ConsumerOffsetManager(tmp_path)
+    again.load()
+    assert again.table == {**offsets.table}
+    data = parse_fastjson((tmp_path / "config" / "topics.json").read_text())
+    assert data["dataVersion"]["counter"] == 4
+    assert data["topicConfigTable"]["TopicTest"] == parse_fastjson(BROKER_TOPICS)["topicConfigTable"]["TopicTest"]
+    assert list(data["topicConfigTable"]["TopicTest"]) == sorted(data["topicConfigTable"]["TopicTest"])
+
+
+def test_fastjson_text_round_trips():
+    value = {"offsetTable": {"T@g": {0: 1, 7: 2}, "U@g": {}}, "x": [1, "a", {"b": None}], "s": "\u8ba2\u5355"}
+    assert parse_fastjson(to_fastjson(value)) == value
+    assert json.loads(to_fastjson({"a": {"b": 1}})) == {"a": {"b": 1}}
+
+
+def test_a_torn_config_file_loads_from_its_backup(tmp_path):
+    offsets = ConsumerOffsetManager(tmp_path)
+    offsets.commit("g", "T", 0, 5)
+    offsets.persist()
+    offsets.commit("g", "T", 0, 6)
+    offsets.persist()
+    (tmp_path / "config" / "consumerOffset.json").write_text('{"offsetTable":{"T@g":{0:')  # a torn write
+    again = ConsumerOffsetManager(tmp_path)
+    again.load()
+    assert again.query("g", "T", 0) == 5
+    assert not list((tmp_path / "config").glob("*.tmp"))
+
+
+def test_topic_rules_on_put(tmp_path):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.put_message(Message("Auto", b"x", queue_id=3))
+        assert store.topic_config.get("Auto").write_queue_nums == 8
+        store.put_message(Message("Wide", b"x", queue_id=11))
+        assert store.topic_config.get("Wide").write_queue_nums == 12
+        with pytest.raises(InvalidQueueError):
+            store.put_message(Message("Auto", b"x", queue_id=8))
+        store.create_topic("Small", 2)
+        with pytest.raises(InvalidQueueError):
+            store.put_message(Message("Small", b"x", queue_id=2))
+        assert store.delete_topic("Small") and not store.delete_topic("Small")
+    saved = parse_fastjson((tmp_path / "config" / "topics.json").read_text())["topicConfigTable"]
+    assert sorted(saved) == ["Auto", "Wide"]
+    with MessageStore.open(tmp_path, CONFIG.replace(auto_create_topic_enable=False)) as store:
+        with pytest.raises(TopicNotExistError):
+            store.put_message(Message("Unknown", b"x"))
+        assert store.put_message(Message("Auto", b"known")).ok
+
+
+def fill(store: MessageStore, count: int, topic: str = "Orders") -> list:
+    return [store.put_message(Message(topic, f"m{i}".encode(), keys=[f"o{i}"], tags=f"T{i % 2}", queue_id=i % 4))
+            for i in range(count)]
+
+
+def test_two_groups_consume_independently_and_resume(tmp_path):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        fill(store, 40)
+        store.wait_for_dispatch()
+        with store.consumer("A", "Orders") as a:
+            got_a = [m.body for m in a.poll(timeout=1, max_msgs=100)]
+        b = store.consumer("B", "Orders", tags="T1")
+        first = b.poll(timeout=1, max_msgs=5)
+        b.close()
+        assert len(got_a) == 40 and len(first) == 5 and all(m.tags == "T1" for m in first)
+        per_queue: dict[int, list[int]] = {}
+        for body in got_a:
+            i = int(body[1:])
+            per_queue.setdefault(i % 4, []).append(i)
+        assert all(v == sorted(v) for v in per_queue.values()), "in order within each queue"
+        assert store.query_offset("A", "Orders", 0) == 10
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        with store.consumer("A", "Orders") as a:
+            assert a.poll(timeout=0.2) == []  # A consumed everything
+        with store.consumer("B", "Orders", tags="T1") as b:
+            rest = b.poll(timeout=1, max_msgs=100)
+        assert len(rest) == 15 and not {m.body for m in rest} & {m.body for m in first}
+        store.reset_offset("A", "Orders", "earliest")
+        with store.consumer("A", "Orders") as a:
+            assert len(a.poll(timeout=1, max_msgs=100)) == 40
+
+
+def test_consumer_waits_for_new_messages_without_spinning(tmp_path):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        consumer = store.consumer("G", "Live", start="latest")
+        timer = threading.Timer(0.3, lambda: store.put_message(Message("Live", b"late")))
+        timer.start()
+        started = time.monotonic()
+        got = consumer.poll(timeout=10)
+        assert [m.body for m in got] == [b"late"] and time.monotonic() - started < 5
+        timer.join()
+        cpu = time.process_time()
+        assert consumer.poll(timeout=1.0) == []
+        assert time.process_time() - cpu < 0.5, "waiting must not burn CPU"
+
+
+CONSUMER = """
+import sys, time
+from rocketstore import MessageStore, StoreConfig
+config = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=2000,
+                     max_hash_slot_num=97, max_index_num=388, flush_consumer_offset_interval=50)
+with MessageStore.open(sys.argv[1], config) as store:
+    consumer = store.consumer("G", "Orders")
+    while True:
+        for msg in consumer.poll(timeout=0.5, max_msgs=7):
+            print(msg.body.decode(), flush=True)
+            time.sleep(0.005)  # processing takes time: the kill lands mid-stream
+"""
+
+
+def test_a_killed_consumer_resumes_without_losing_messages(tmp_path):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        fill(store, 300)
+    consumed: list[str] = []
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", CONSUMER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda p=proc, out=lines: out.extend(x.strip() for x in p.stdout))
+        reader.start()
+        try:
+            deadline = time.monotonic() + 20
+            while len(lines) < 60 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.01)
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            reader.join()
+        consumed.extend(lines)
+    with MessageStore.open(tmp_path, CONFIG) as store, store.consumer("G", "Orders") as consumer:
+        while batch := consumer.poll(timeout=0.5, max_msgs=100):  # the fourth run drains the rest
+            consumed.extend(m.body.decode() for m in batch)
+    assert set(consumed) == {f"m{i}" for i in range(300)}, "at least once: nothing lost"
+    assert len(consumed) < 2 * 300, "resumed from committed offsets, not from the start"
+
+
+def test_delayed_messages_appear_when_due_and_are_findable_at_once(tmp_path):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        consumer = store.consumer("G", "Pay", start="earliest")
+        sent = store.put_message(Message("Pay", b"later", keys=["order-77"], queue_id=1, properties={"DELAY": "2"}))
+        assert store.put_message(Message("Pay", b"now", keys=["order-78"])).ok
+        store.wait_for_dispatch()
+        assert [m.body for m in store.query_message("Pay", "order-77")] == [b"later"], "findable before delivery"
+        early = consumer.poll(timeout=1.0, max_msgs=10)
+        assert [m.body for m in early] == [b"now"], "not delivered before its time (2 s)"
+        deadline = time.monotonic() + 10
+        late: list = []
+        while not late and time.monotonic() < deadline:
+            late = consumer.poll(timeout=1.0)
+        assert [m.body for m in late] == [b"later"]
+        delivered = late[0]
+        assert (delivered.topic, delivered.queue_id, delivered.uniq_key) == ("Pay", 1, sent.uniq_key)
+        assert "DELAY" not in delivered.properties and "REAL_TOPIC" not in delivered.properties
+        assert delivered.store_timestamp - sent.store_timestamp >= 2000
+        found = store.query_message("Pay", "order-77")
+        assert [m.topic for m in found] == ["Pay"], "after delivery a query shows the delivered copy once"
+    offsets = parse_fastjson((tmp_path / "config" / "delayOffset.json").read_text())["offsetTable"]
+    assert offsets == {2: 1}
