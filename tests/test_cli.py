@@ -18,7 +18,7 @@ from rocketstore import Message, MessageStore, StoreConfig
 CONFIG = StoreConfig(mapped_file_size_commit_log=16 << 10, mapped_file_size_consume_queue=20 * 100,
                      max_hash_slot_num=97, max_index_num=388)  # 388 = 4 x 97: geometry detectable from size
 COMMANDS = ["put", "query-by-key", "query-by-id", "query-by-unique-key", "query-by-offset", "print-msg", "dump-log",
-            "inspect", "verify", "rebuild", "export", "stats", "demo"]
+            "inspect", "verify", "rebuild", "export", "stats", "demo", "topic", "consumer-progress", "reset-offset"]
 
 
 def cli(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_every_command_has_help_with_examples():
         assert command in top
         text = cli(command, "--help").stdout
         assert "Examples" in text or "Example" in text, command
-        assert "--store" in text or command == "dump-log", command
+        assert "--store" in text or command in ("dump-log", "topic"), command
 
 
 def test_query_by_key_table_and_json_match_the_library(store):
@@ -317,3 +317,30 @@ def test_corrupt_file_is_one_clear_line(store, tmp_path):
         done = cli(*args, "--store", str(copy), check=False)
         assert done.returncode == 1 and "Traceback" not in done.stderr
         assert done.stderr.count("\n") == 1 and "segment is 1000 bytes" in done.stderr
+
+
+def test_topics_consumer_progress_and_reset_offset(store, tmp_path):
+    root, results = damaged_copy(store, tmp_path)  # a private copy: these commands write config/
+    assert "create topic Fresh: 3 write queues" in cli("topic", "create", "--store", str(root), "-t", "Fresh", "-w",
+                                                       "3").stdout
+    topics = {t["topic"]: t for t in map(json.loads, cli("topic", "list", "--store", str(root), "--json")
+                                         .stdout.splitlines())}
+    assert topics["Fresh"]["writeQueueNums"] == 3 and topics["Topic0"]["messages"] == 60
+    with MessageStore.open(root, CONFIG) as s, s.consumer("g1", "Topic0") as consumer:
+        assert len(consumer.poll(timeout=1, max_msgs=25)) == 25
+        consumer.commit()
+    progress = [json.loads(x) for x in cli("consumer-progress", "--store", str(root), "-g", "g1", "--json")
+                .stdout.splitlines()]
+    assert sum(r["consumerOffset"] for r in progress) == 25 and sum(r["diff"] for r in progress) == 35
+    assert "Diff Total: 35" in cli("consumer-progress", "--store", str(root)).stdout
+    middle = results[60].store_timestamp  # a Topic0 message in the middle of the log
+    out = cli("reset-offset", "--store", str(root), "-g", "g1", "-t", "Topic0", "-s", str(middle)).stdout
+    with MessageStore.open(root, CONFIG, read_only=True) as s:
+        expected = {q: s.get_offset_in_queue_by_time("Topic0", q, middle) for q in s.queue_ids("Topic0")}
+        assert {q: s.query_offset("g1", "Topic0", q) for q in expected} == expected
+    assert out.splitlines()[0].split() == ["#QID", "#Offset"]
+    assert "deleted" not in cli("topic", "delete", "--store", str(root), "-t", "Fresh").stdout
+    bad = cli("reset-offset", "--store", str(root), "-g", "g1", "-t", "Nope", "-s", "earliest", check=False)
+    assert bad.returncode == 1 and "does not exist" in bad.stderr
+    bad = cli("consumer-progress", "--store", str(root), "-g", "nobody", check=False)
+    assert bad.returncode == 1 and "no committed offsets" in bad.stderr

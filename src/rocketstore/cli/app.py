@@ -480,6 +480,128 @@ def verify(as_json, **kwargs) -> None:
         sys.exit(1)
 
 
+# --- topics and consumer groups ------------------------------------------------------------------------
+
+@main.group(epilog="""\b
+Examples:
+  rocketstore topic list
+  rocketstore topic create -t OrderPaid -w 8
+  rocketstore topic delete -t OrderPaid
+""")
+def topic() -> None:
+    """Topics in config/topics.json (like mqadmin topicList / updateTopic / deleteTopic)."""
+
+
+@topic.command("list", epilog="Example:\n  rocketstore topic list --json")
+@store_options
+@json_option
+@fails_cleanly
+def topic_list(as_json, **kwargs) -> None:
+    """Configured topics with queue counts, plus topics that only have consume queues."""
+    with read_only_store(_store_args(kwargs)) as store:
+        names = sorted(set(store.topic_config.topics) | set(store.topics()))
+        rows = []
+        for name in names:
+            cfg = store.topic_config.get(name)
+            messages = sum(store.get_max_offset_in_queue(name, q) - store.get_min_offset_in_queue(name, q)
+                           for q in store.queue_ids(name))
+            rows.append({"topic": name, "writeQueueNums": cfg.write_queue_nums if cfg else None,
+                         "readQueueNums": cfg.read_queue_nums if cfg else None, "perm": cfg.perm if cfg else None,
+                         "messages": messages})
+    if as_json:
+        for row in rows:
+            emit_json(row)
+    else:
+        _table("topics", ["topic", "write queues", "read queues", "perm", "messages"],
+               [[r["topic"], r["writeQueueNums"] or "-", r["readQueueNums"] or "-", r["perm"] or "-", r["messages"]]
+                for r in rows])
+
+
+@topic.command("create", epilog="Example:\n  rocketstore topic create -t OrderPaid -w 8")
+@store_options
+@click.option("-t", "--topic", "name", required=True, help="topic")
+@click.option("-w", "--write-queues", type=click.IntRange(1, 1024), default=8, show_default=True)
+@click.option("-r", "--read-queues", type=click.IntRange(1, 1024), default=None, help="default: as many as -w")
+@fails_cleanly
+def topic_create(name, write_queues, read_queues, **kwargs) -> None:
+    """Create or update a topic."""
+    root, config = config_for(**_store_args(kwargs), must_exist=False)
+    with MessageStore.open(root, config) as store:
+        store.create_topic(name, write_queues, read_queues=read_queues)
+    click.echo(f"create topic {name}: {write_queues} write queues, {read_queues or write_queues} read queues")
+
+
+@topic.command("delete", epilog="Example:\n  rocketstore topic delete -t OrderPaid")
+@store_options
+@click.option("-t", "--topic", "name", required=True, help="topic")
+@fails_cleanly
+def topic_delete(name, **kwargs) -> None:
+    """Remove a topic from config/topics.json (its messages stay until retention removes them)."""
+    root, config = config_for(**_store_args(kwargs))
+    with MessageStore.open(root, config) as store:
+        if not store.delete_topic(name):
+            raise Failure(f"topic {name} is not configured")
+    click.echo(f"delete topic {name}")
+
+
+@main.command("consumer-progress", epilog="""\b
+Examples:
+  rocketstore consumer-progress
+  rocketstore consumer-progress -g please_rename_unique_group_name_4 --json
+""")
+@store_options
+@click.option("-g", "--group", help="consumer group (default: every group with committed offsets)")
+@json_option
+@fails_cleanly
+def consumer_progress(group, as_json, **kwargs) -> None:
+    """Committed offsets and lag per queue (like mqadmin consumerProgress)."""
+    with read_only_store(_store_args(kwargs)) as store:
+        pairs = [(t, g) for t, g in store.consumer_offsets.groups() if group is None or g == group]
+        if group is not None and not pairs:
+            raise Failure(f"consumer group {group} has no committed offsets in this store")
+        rows = []
+        for topic_name, group_name in pairs:
+            for queue_id, offset in sorted(store.consumer_offsets.offsets(group_name, topic_name).items()):
+                broker = store.get_max_offset_in_queue(topic_name, queue_id)
+                unit = store.queues.get(topic_name, queue_id)
+                last = unit.get_unit(offset - 1) if unit is not None and offset > 0 else None
+                rows.append({"group": group_name, "topic": topic_name, "queueId": queue_id, "brokerOffset": broker,
+                             "consumerOffset": offset, "diff": max(0, broker - offset),
+                             "lastTimestamp": store.commit_log.store_time(last[0], last[1]) if last else -1})
+    if as_json:
+        for row in rows:
+            emit_json(row)
+        return
+    _table("consumer progress", ["#Group", "#Topic", "#QID", "#Broker Offset", "#Consumer Offset", "#Diff",
+                                 "#LastTime"],
+           [[r["group"], r["topic"], r["queueId"], r["brokerOffset"], r["consumerOffset"], r["diff"],
+             human_time(r["lastTimestamp"]) if r["lastTimestamp"] > 0 else "N/A"] for r in rows])
+    click.echo(f"Diff Total: {sum(r['diff'] for r in rows)}")
+
+
+@main.command("reset-offset", epilog="""\b
+Examples:
+  rocketstore reset-offset -g my_group -t TopicTest -s 2026-11-21T09:00
+  rocketstore reset-offset -g my_group -t TopicTest -s earliest
+""")
+@store_options
+@click.option("-g", "--group", required=True, help="consumer group")
+@click.option("-t", "--topic", "topic_name", required=True, help="topic")
+@click.option("-s", "--timestamp", required=True, help="epoch ms, ISO-8601, 'earliest' or 'latest'")
+@fails_cleanly
+def reset_offset(group, topic_name, timestamp, **kwargs) -> None:
+    """Point a consumer group at a time in every queue (like mqadmin resetOffsetByTime)."""
+    target = timestamp if timestamp in ("earliest", "latest") else parse_time(timestamp, "--timestamp")
+    root, config = config_for(**_store_args(kwargs))
+    with MessageStore.open(root, config) as store:
+        if not store.queue_ids(topic_name) and store.topic_config.get(topic_name) is None:
+            raise Failure(f"topic {topic_name} does not exist in this store")
+        offsets = store.reset_offset(group, topic_name, target)
+    click.echo(f"{'#QID':<6}{'#Offset':>12}")
+    for queue_id, offset in offsets.items():
+        click.echo(f"{queue_id:<6}{offset:>12}")
+
+
 # --- Spark jobs and stats ---------------------------------------------------------------------------
 
 def master_option(command):
