@@ -561,7 +561,9 @@ def consumer_progress(group, as_json, **kwargs) -> None:
             raise Failure(f"consumer group {group} has no committed offsets in this store")
         rows = []
         for topic_name, group_name in pairs:
-            for queue_id, offset in sorted(store.consumer_offsets.offsets(group_name, topic_name).items()):
+            committed = store.consumer_offsets.offsets(group_name, topic_name)
+            for queue_id in sorted(set(committed) | set(store.queue_ids(topic_name))):
+                offset = committed.get(queue_id, 0)  # a queue the group never committed counts from 0
                 broker = store.get_max_offset_in_queue(topic_name, queue_id)
                 unit = store.queues.get(topic_name, queue_id)
                 last = unit.get_unit(offset - 1) if unit is not None and offset > 0 else None
