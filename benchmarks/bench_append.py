@@ -10,7 +10,6 @@ same encoded records into a pre-allocated mmap in a tight loop: the practical li
 
 from __future__ import annotations
 
-import argparse
 import mmap
 import os
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import Result, peak_rss_mb, save, table
+from harness import Result, bench_main
 
 from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
 from rocketstore.encoder import MessageEncoder
@@ -102,14 +101,7 @@ def run(quick: bool) -> list[Result]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    results = run(args.quick)
-    print(table(results))
-    print(f"peak RSS {peak_rss_mb():.0f} MB")
-    save("append-quick" if args.quick else "append", results, {"peak_rss_mb": peak_rss_mb()})
-    return 0
+    return bench_main("append", run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

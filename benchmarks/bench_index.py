@@ -15,7 +15,6 @@ Java figures (REFERENCE.md): putKey 15.2 million keys/s, selectPhyOffset 2.19 mi
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import JAVA_PUTKEY_KEYS_S, JAVA_SELECT_QUERIES_S, Result, peak_rss_mb, save, table
+from harness import JAVA_PUTKEY_KEYS_S, JAVA_SELECT_QUERIES_S, Result, bench_main
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.checkpoint import StoreCheckpoint
@@ -153,14 +152,7 @@ def run(quick: bool) -> list[Result]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    results = run(args.quick)
-    print(table(results))
-    print(f"peak RSS {peak_rss_mb():.0f} MB (the 420 MB index files are mapped, not loaded into Python objects)")
-    save("index-quick" if args.quick else "index", results, {"peak_rss_mb": peak_rss_mb()})
-    return 0
+    return bench_main("index", run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

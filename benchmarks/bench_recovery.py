@@ -10,7 +10,6 @@ reported ~200 MB/s.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import ROCKETMQ_RECOVERY_MB_S, Result, peak_rss_mb, save, table
+from harness import ROCKETMQ_RECOVERY_MB_S, Result, bench_main
 
 from rocketstore import Message, StoreConfig
 from rocketstore.checkpoint import StoreCheckpoint
@@ -101,14 +100,7 @@ def run(quick: bool) -> list[Result]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    results = run(args.quick)
-    print(table(results))
-    print(f"peak RSS {peak_rss_mb():.0f} MB")
-    save("recovery-quick" if args.quick else "recovery", results, {"peak_rss_mb": peak_rss_mb()})
-    return 0
+    return bench_main("recovery", run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -79,3 +79,17 @@ def save(name: str, results: list[Result], extra: dict | None = None) -> Path:
     path.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
                                 "results": [r.as_dict() for r in results], **(extra or {})}, indent=2))
     return path
+
+
+def bench_main(name: str, run: Callable[[bool], list[Result]], description: str) -> int:
+    """The command line every benchmark shares: ``--quick``, a table, peak RSS, results/<name>.json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="the smoke form CI runs")
+    args = parser.parse_args()
+    results = run(args.quick)
+    print(table(results))
+    print(f"peak RSS {peak_rss_mb():.0f} MB")
+    save(f"{name}-quick" if args.quick else name, results, {"peak_rss_mb": peak_rss_mb()})
+    return 0

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from ..codec.hashing import index_key_hash
 from ..errors import CorruptDataError, StoreIOError
-from ..mapped.file import allocate, fsync_dir
+from ..mapped.file import allocate, close_mapping, fsync_dir
 
 INDEX_HEADER_SIZE = 40
 HASH_SLOT_SIZE = 4
@@ -263,13 +263,8 @@ class IndexFile:
             raise StoreIOError(exc.errno, f"msync of {self.path} failed: {exc.strerror}") from exc
 
     def close(self) -> None:
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            with contextlib.suppress(BufferError):  # a reader still holds a view; unmapped when it goes
-                mm.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        close_mapping(self._mm, self._fd)
+        self._mm, self._fd = None, -1
 
     def destroy(self) -> None:
         self.close()

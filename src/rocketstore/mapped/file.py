@@ -132,14 +132,8 @@ class MappedFile:
         return written
 
     def close(self) -> None:
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            # A reader may still hold a view of the mapping; the kernel unmaps it when that goes away.
-            with contextlib.suppress(BufferError):
-                mm.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        close_mapping(self._mm, self._fd)
+        self._mm, self._fd = None, -1
 
     def destroy(self) -> None:
         self.close()
@@ -148,6 +142,15 @@ class MappedFile:
 
     def __repr__(self) -> str:
         return f"MappedFile({self.path.name}, wrote={self.wrote_position}, flushed={self.flushed_position})"
+
+
+def close_mapping(mm: mmap.mmap | None, fd: int) -> None:
+    """Unmap and close. A reader may still hold a view of the mapping: the kernel unmaps it when that goes."""
+    if mm is not None:
+        with contextlib.suppress(BufferError):
+            mm.close()
+    if fd >= 0:
+        os.close(fd)
 
 
 def allocate(fd: int, size: int, preallocate: bool) -> None:
