@@ -222,3 +222,26 @@ def test_clean_reopens_do_not_index_anything_twice(tmp_path, small_config):
     for _ in range(3):
         with MessageStore.open(tmp_path, small_config) as store:
             assert sum(f.index_count - 1 for f in store.index.files) == entries
+
+
+def test_a_torn_batch_of_index_puts_is_relinked_to_the_counted_entries(tmp_path, small_config):
+    """Batched puts write every slot head before the count: a kill between leaves chains of uncounted
+    entries; each slot must be walked back to its newest counted entry, not cleared."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        older = [keyed(store, "T", ["x"]) for _ in range(3)]
+        store.wait_for_dispatch()
+    path = sorted((tmp_path / "index").iterdir())[-1]
+    index = IndexFile.open(path, 97, 500)
+    count = index.index_count
+    key_hash, slot = index.slot_of("T#x")
+    head = int.from_bytes(index.buffer[40 + slot * 4 : 44 + slot * 4], "big")
+    entries_at = 40 + 97 * 4
+    for n, prev in ((count, head), (count + 1, count)):  # two uncounted entries chained in the slot
+        index.buffer[entries_at + n * 20 : entries_at + n * 20 + 20] = (
+            key_hash.to_bytes(4, "big") + (10**9 + n).to_bytes(8, "big") + bytes(4) + prev.to_bytes(4, "big"))
+    index.buffer[40 + slot * 4 : 44 + slot * 4] = (count + 1).to_bytes(4, "big")
+    index.close()
+    (tmp_path / "abort").write_text("1")
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.wait_for_dispatch()
+        assert [m.commit_log_offset for m in store.query_message("T", "x")] == [r.commit_log_offset for r in older]

@@ -322,12 +322,17 @@ def _repair_file(index: IndexFile, log_end: int, store_time: StoreTimeLookup) ->
     count = index.index_count
     slots = np.frombuffer(buf, dtype=">i4", count=index.hash_slot_num, offset=INDEX_HEADER_SIZE).copy()
     changed = False
-    # A kill between a put's slot write and its count update leaves a slot pointing at entry `count`.
+    # A kill between a batch's slot writes and its count update leaves slots pointing past the count,
+    # possibly at a chain of several uncounted entries: follow each chain back to a counted entry.
     torn = np.flatnonzero(slots >= count)
     for slot in torn:
         n = int(slots[slot])
-        prev = index.entry(n)[3] if n < index.index_num else 0
-        slots[slot] = prev if 0 < prev < count else 0
+        for _ in range(index.index_num):
+            if n < count:
+                break
+            prev = index.entry(n)[3] if n < index.index_num else 0
+            n = prev if 0 <= prev < n else 0  # links only go back; anything else is damage
+        slots[slot] = n if 0 < n < count else 0
         changed = True
     removed = 0
     while count > 1:
