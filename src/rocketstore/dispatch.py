@@ -26,6 +26,7 @@ from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
 from .encoder import SCHEDULE_TOPIC
 from .errors import CorruptDataError, StoreIOError
+from .health import StoreHealth
 from .index.service import IndexRequest, IndexService
 from .message import SysFlag
 
@@ -97,7 +98,7 @@ class Dispatcher:
     """Builds consume queues and index entries from the commit log, in a background thread."""
 
     def __init__(self, commit_log: CommitLog, queues: ConsumeQueueTable, index: IndexService | None,
-                 config: StoreConfig, on_logic_timestamp) -> None:
+                 config: StoreConfig, on_logic_timestamp, health: StoreHealth | None = None) -> None:
         self.commit_log = commit_log
         self.queues = queues
         self.index = index
@@ -111,6 +112,7 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._round_lock = threading.Lock()
         self.last_error: BaseException | None = None
+        self.health = health or StoreHealth()  # a failing round refuses puts until a round succeeds
 
     def confirm_offset(self) -> int:
         if self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH:

@@ -35,6 +35,24 @@ class StoreIOError(RocketStoreError, OSError):
     """
 
 
+class StoreFailedError(StoreIOError):
+    """The store has stopped accepting writes because a write it had already made could not be made durable.
+
+    After a failed msync/fsync the kernel may have dropped the dirty pages (PostgreSQL's "fsyncgate"):
+    retrying the flush would report success for bytes that never reached the disk. The store therefore
+    fails stop: every later put raises this until the store is closed and reopened, so that recovery
+    re-validates the log from what is really on disk.
+    """
+
+
+class DispatchFailedError(StoreIOError):
+    """Consume queues or the index could not be written (RocketMQ's LOGIC_QUEUE_ERROR / INDEX_ERROR).
+
+    Puts are refused while the dispatcher fails, so nothing is acknowledged that consumers cannot see;
+    writes resume once a dispatch round succeeds again.
+    """
+
+
 # --- bad messages -----------------------------------------------------------------------------
 
 class MessageIllegalError(RocketStoreError, ValueError):
