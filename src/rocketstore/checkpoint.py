@@ -9,8 +9,12 @@ Layout (big-endian i64 fields, the rest of the 4 KiB zero)::
     32 confirmPhyOffset     confirm offset; normal recovery stores where the last valid record starts
 
 rocketstore adds a seal RocketMQ ignores: bytes 40-43 ``RSCK`` and 44-47 the CRC-32 of bytes
-0-39. A sealed checkpoint whose CRC fails is not trusted (recovery then starts from the first
-segment); an unsealed one (RocketMQ's) is trusted only if its values are sane.
+0-39. A checkpoint is trusted when its values are sane. A seal that matches says the values are
+the ones rocketstore wrote; a seal that does not match, over sane values, is what a RocketMQ broker
+leaves when it takes over a store rocketstore sealed (it rewrites bytes 0-39 in place and never
+touches the rest), so the values are trusted as RocketMQ's and the seal is renewed at the next
+flush. Only values that cannot be right (negative, or times far in the future) are ignored, and
+recovery then starts from the first segment.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class StoreCheckpoint:
     confirm_phy_offset: int = 0
     read_only: bool = False
     trusted: bool = True  # False when the file on disk was damaged and has been ignored
+    rewritten_by_rocketmq: bool = False  # sane values under a stale seal: a broker wrote it last
 
     @classmethod
     def load(cls, path: Path, *, read_only: bool = False) -> StoreCheckpoint:
@@ -63,15 +68,15 @@ class StoreCheckpoint:
             return checkpoint
         values = _FIELDS.unpack_from(data, 0)
         sealed = len(data) >= 48 and data[40:44] == SEAL_MAGIC
-        if sealed and _SEAL.unpack_from(data, 40)[1] != zlib.crc32(data[:40]):
-            log.warning("checkpoint %s fails its CRC; ignoring it", path)
-            checkpoint.trusted = False
-            return checkpoint
         horizon = time.time_ns() // 1_000_000 + 86_400_000
         if any(v < 0 for v in values) or any(v > horizon for v in values[:3]):
             log.warning("checkpoint %s holds impossible values %s; ignoring it", path, values)
             checkpoint.trusted = False
             return checkpoint
+        if sealed and _SEAL.unpack_from(data, 40)[1] != zlib.crc32(data[:40]):
+            checkpoint.rewritten_by_rocketmq = True
+            log.info("checkpoint %s was rewritten since rocketstore sealed it (by a RocketMQ broker); using its "
+                     "values %s", path, values)
         (checkpoint.physic_msg_timestamp, checkpoint.logics_msg_timestamp, checkpoint.index_msg_timestamp,
          checkpoint.master_flushed_offset, checkpoint.confirm_phy_offset) = values
         return checkpoint

@@ -28,8 +28,9 @@ from .codec.record import (
 )
 from .config import StoreConfig
 from .encoder import PendingRecord
-from .errors import CorruptDataError, MessageNotFoundError, MessageTooLargeError, OffsetOutOfRangeError
-from .mapped.file import MappedFile
+from .errors import CorruptDataError, FlushError, MessageNotFoundError, MessageTooLargeError, OffsetOutOfRangeError
+from .health import StoreHealth
+from .mapped.file import STAGING_DIR, MappedFile
 from .mapped.file_queue import MappedFileQueue
 from .message import MessageExt
 
@@ -53,12 +54,15 @@ def now_ms() -> int:
 class CommitLog:
     """Append, read and scan the commit log of one store."""
 
-    def __init__(self, root: Path, config: StoreConfig, *, read_only: bool = False) -> None:
+    def __init__(self, root: Path, config: StoreConfig, *, read_only: bool = False,
+                 health: StoreHealth | None = None) -> None:
         self.config = config
         self.read_only = read_only
+        self.health = health or StoreHealth()
         self.directory = root / COMMITLOG_DIR
         self.mapped_files = MappedFileQueue(self.directory, config.mapped_file_size_commit_log,
-                                            read_only=read_only, preallocate=config.preallocate)
+                                            read_only=read_only, preallocate=config.preallocate,
+                                            staging=root / STAGING_DIR)
         self.put_lock = threading.Lock()
         # next queue offset of each (topic, queue id); rebuilt by recovery
         self.queue_offsets: dict[tuple[str, int], int] = {}
@@ -99,9 +103,13 @@ class CommitLog:
         seal = self.config.enabled_append_prop_crc
         with self.put_lock:
             store_ts = max(now_ms(), self.last_store_timestamp)  # never backwards: time lookups bisect
-            mapped = self.mapped_files.last_for_write()
-            if total + BLANK_RECORD_LEN > mapped.remaining:
-                mapped = self._roll(mapped)
+            try:
+                mapped = self.mapped_files.last_for_write()
+                if total + BLANK_RECORD_LEN > mapped.remaining:
+                    mapped = self._roll(mapped)
+            except FlushError as exc:  # a new segment whose name may not survive: nothing after it would
+                self.health.fail_flush(exc)
+                raise
             pos = mapped.wrote_position
             phy = mapped.file_from_offset + pos
             assigned: dict[tuple[str, int], int] = {}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .config import StoreConfig
 from .errors import CorruptDataError
-from .mapped.file import MappedFile
+from .mapped.file import STAGING_DIR, MappedFile
 from .mapped.file_queue import MappedFileQueue
 
 CQ_UNIT_SIZE = 20
@@ -51,7 +51,7 @@ class ConsumeQueue:
         self.file_size = config.mapped_file_size_consume_queue
         # preallocated like segments: a write into a sparse mapped page on a full disk is a SIGBUS
         self.mapped_files = MappedFileQueue(self.directory, self.file_size, read_only=read_only,
-                                            preallocate=config.preallocate)
+                                            preallocate=config.preallocate, staging=root / STAGING_DIR)
         self.max_physic_offset = -1  # end (offset + size) of the last unit's record
         self.min_logic_offset = 0  # bytes
         self.lock = threading.Lock()

@@ -35,6 +35,10 @@ class StoreIOError(RocketStoreError, OSError):
     """
 
 
+class FlushError(StoreIOError):
+    """An msync or fsync failed: bytes the store wrote may never reach the disk, whatever a retry reports."""
+
+
 class StoreFailedError(StoreIOError):
     """The store has stopped accepting writes because a write it had already made could not be made durable.
 

@@ -8,6 +8,10 @@ SYNC_FLUSH (``GroupCommitService``): a put returns once its bytes are msynced. I
 handing requests to a flush thread, the first waiting writer becomes the leader and flushes
 everything written so far; writers that arrive meanwhile wait and are covered by the next
 flush, so concurrent puts share one msync without a thread hand-off per put.
+
+A failed msync is final for this process (see ``health.py``): the failing flush raises, every later
+flush raises ``StoreFailedError`` without touching the disk, so no put is acknowledged on the
+strength of a retry that the kernel would report as a success for pages it has already dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import time
 from .checkpoint import StoreCheckpoint
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
+from .errors import StoreIOError
+from .health import StoreHealth
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +32,10 @@ log = logging.getLogger(__name__)
 class CommitLogFlusher:
     """Owns every msync of the commit log and the checkpoint's ``physicMsgTimestamp``."""
 
-    def __init__(self, commit_log: CommitLog, checkpoint: StoreCheckpoint, config: StoreConfig) -> None:
+    def __init__(self, commit_log: CommitLog, checkpoint: StoreCheckpoint, config: StoreConfig,
+                 health: StoreHealth | None = None) -> None:
         self.commit_log = commit_log
+        self.health = health or StoreHealth()
         self.checkpoint = checkpoint
         self.config = config
         self.sync = config.flush_disk_type is FlushDiskType.SYNC_FLUSH
@@ -42,10 +50,18 @@ class CommitLogFlusher:
     # --- the one flush routine -----------------------------------------------------------------
 
     def flush(self, least_pages: int = 0) -> int:
-        """msync what has been written; returns the flushed offset."""
+        """msync what has been written; returns the flushed offset. After one failure, always raises."""
         end, store_ts = self.commit_log.last_append
         with self._flush_lock:
-            flushed = self.commit_log.mapped_files.flush(least_pages)
+            if self.health.flush_error is not None:
+                self.health.check_writable()
+            try:
+                flushed = self.commit_log.mapped_files.flush(least_pages)
+            except StoreIOError as exc:
+                self.last_error = exc
+                self.health.fail_flush(exc)
+                log.error("commit-log flush failed, the store stops accepting writes: %s", exc)
+                raise
             self.flush_count += 1
         if store_ts and flushed >= end:
             self.checkpoint.physic_msg_timestamp = max(self.checkpoint.physic_msg_timestamp, store_ts)
@@ -91,14 +107,18 @@ class CommitLogFlusher:
             thorough = now - last_thorough >= thorough_every
             try:
                 self.flush(0 if thorough else self.config.flush_commit_log_least_pages)
-            except Exception as exc:  # keep flushing; the error is reported by close()
+            except StoreIOError:  # recorded in health: the next put, flush() and close() raise it
+                return
+            except Exception as exc:  # a bug, not the disk: the same fail-stop
                 self.last_error = exc
-                log.error("background flush failed: %s", exc)
+                self.health.fail_flush(exc)
+                log.exception("background flush failed")
+                return
             if thorough:
                 last_thorough = now
 
     def shutdown(self) -> None:
-        """Stop the thread and flush everything (clean shutdown)."""
+        """Stop the thread and flush everything (clean shutdown); raises if any flush ever failed."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

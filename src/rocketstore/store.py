@@ -7,7 +7,9 @@ files; it sees the log as it was when opened.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -30,8 +32,10 @@ from .errors import (
     TopicNotExistError,
 )
 from .flush import CommitLogFlusher
+from .health import StoreHealth
 from .index.service import IndexService
 from .lifecycle import AbortFile, StoreLock
+from .mapped.file import STAGING_DIR
 from .message import Message, MessageExt, PutMessageResult, PutMessageStatus, SysFlag
 from .reads import GetMessageResult, StoreReader
 from .recovery import RecoveryReport, recover_commit_log
@@ -60,7 +64,8 @@ class MessageStore:
         self._lock: StoreLock | None = None
         self._abort = AbortFile(root)
         self.encoder = MessageEncoder(config)
-        self.commit_log = CommitLog(root, config, read_only=read_only)
+        self.health = StoreHealth()  # why puts are refused, if they are (RocketMQ's RunningFlags)
+        self.commit_log = CommitLog(root, config, read_only=read_only, health=self.health)
         self.checkpoint = StoreCheckpoint(root / CHECKPOINT_FILE, read_only=read_only)
         self.queues = ConsumeQueueTable(root, config, read_only=read_only)
         self.topic_config = TopicConfigManager(root, read_only=read_only)
@@ -79,6 +84,7 @@ class MessageStore:
         self._stop = threading.Event()
         self._maintenance: threading.Thread | None = None
         self._logics_timestamp = 0
+        self._derived_flush_failed = False  # a queue/index flush failed: the checkpoint no longer vouches
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -112,6 +118,7 @@ class MessageStore:
                 raise StoreIOError(exc.errno, f"cannot create store root {self.root}: {exc.strerror}") from exc
             self._lock = StoreLock(self.root)
             self._lock.acquire()
+            _clear_staging(self.root / STAGING_DIR)
         abnormal = self._abort.exists()
         for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.subscription_groups):
             config_file.load()
@@ -131,7 +138,8 @@ class MessageStore:
         elif not self.read_only:
             self.queues.truncate_dirty(end)
         self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
-        self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics)
+        self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics,
+                                     self.health)
         self.dispatcher.reput_from_offset = self._reput_start(abnormal, dispatch_from)
         if not self.read_only:
             self.dispatcher.dispatch_available()  # catch up before the first put or read
@@ -142,7 +150,7 @@ class MessageStore:
         self.reader = StoreReader(self.commit_log, self.queues, self.index, self.config)
         if not self.read_only:
             self._abort.create()
-            self.flusher = CommitLogFlusher(self.commit_log, self.checkpoint, self.config)
+            self.flusher = CommitLogFlusher(self.commit_log, self.checkpoint, self.config, self.health)
             self.flusher.start()
             self.dispatcher.start()
             if self.config.enable_schedule_message:
@@ -207,14 +215,25 @@ class MessageStore:
         self._flush_queues_and_index()
 
     def _flush_queues_and_index(self) -> None:
-        """Flush consume queues and index, then record in the checkpoint how far each is durable."""
+        """Flush consume queues and index, then record in the checkpoint how far each is durable.
+
+        After a failed queue or index flush the checkpoint's logics and index times never advance
+        again in this process (a retried flush proves nothing), and the abort file stays at close,
+        so the next open re-dispatches from where the files were last known durable.
+        """
         logics = self._logics_timestamp
-        self.queues.flush(0)
-        if self.index is not None:
-            durable = self.index.flush()
+        durable = 0
+        try:
+            self.queues.flush(0)
+            if self.index is not None:
+                durable = self.index.flush()
+        except StoreIOError:
+            self._derived_flush_failed = True
+            raise
+        if not self._derived_flush_failed:
             self.checkpoint.index_msg_timestamp = max(self.checkpoint.index_msg_timestamp, durable)
-        if logics:
-            self.checkpoint.logics_msg_timestamp = logics
+            if logics:
+                self.checkpoint.logics_msg_timestamp = logics
         self.checkpoint.flush()
 
     def _last_store_timestamp(self) -> int:
@@ -233,28 +252,46 @@ class MessageStore:
         return int.from_bytes(mapped.buffer[ts_pos : ts_pos + 8], "big", signed=True)
 
     def close(self) -> None:
-        """Flush everything, delete the abort file and release the lock. Safe to call twice."""
+        """Flush everything, delete the abort file and release the lock. Safe to call twice.
+
+        Every step runs even when an earlier one fails; the lock is always released. If anything
+        failed (a flush, a dispatch, a config write), the abort file stays, so the next open runs
+        crash recovery, and the first error is raised.
+        """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+            errors: list[BaseException] = []
+
+            def step(action: Callable[[], object]) -> None:
+                try:
+                    action()
+                except Exception as exc:
+                    errors.append(exc)
+
             try:
                 self._stop.set()
                 if self._maintenance is not None:
                     self._maintenance.join()
                 if self.schedule is not None:
-                    self.schedule.shutdown()
+                    step(self.schedule.shutdown)
                 if not self.read_only:
-                    self.consumer_offsets.persist()
-                    self.delay_offsets.persist()
+                    step(self.consumer_offsets.persist)
+                    step(self.delay_offsets.persist)
                 if not self.read_only and self.flusher is not None and self.dispatcher is not None:
-                    self.flusher.shutdown()
-                    self.dispatcher.shutdown()
-                    self._flush_queues_and_index()
-                    if self.dispatcher.behind_bytes() == 0:  # else the next open re-dispatches
-                        self._abort.delete()
+                    step(self.flusher.shutdown)
+                    step(self.dispatcher.shutdown)
+                    step(self._flush_queues_and_index)
+                    clean = not errors and self.health.healthy and not self._derived_flush_failed
+                    if clean and self.dispatcher.behind_bytes() == 0:  # else the next open re-dispatches
+                        step(self._abort.delete)
             finally:
                 self._release()
+            if errors:
+                log.error("store %s closed with errors (the next open runs crash recovery): %s", self.root,
+                          "; ".join(str(e) for e in errors))
+                raise errors[0]
 
     def _release(self) -> None:
         if self.index is not None:
@@ -290,6 +327,7 @@ class MessageStore:
         one store timestamp, one segment and, under SYNC_FLUSH, one disk flush.
         """
         self._check_open(write=True)
+        self.health.check_writable()
         msgs = list(msgs)
         records = [self.encoder.encode(m) for m in msgs]
         if not records:
@@ -503,6 +541,20 @@ class MessageStore:
     def __repr__(self) -> str:
         mode = "read-only" if self.read_only else "read-write"
         return f"MessageStore({str(self.root)!r}, {mode}, log=[{self.min_phy_offset}, {self.max_phy_offset}))"
+
+
+def _clear_staging(staging: Path) -> None:
+    """Remove files a killed writer left half-prepared (only used where O_TMPFILE is not available)."""
+    try:
+        entries = list(os.scandir(staging))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StoreIOError(exc.errno, f"cannot list {staging}: {exc.strerror}") from exc
+    for entry in entries:
+        if entry.is_file(follow_symlinks=False) and entry.name.endswith(".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
 
 
 def _result(status: PutMessageStatus, rec: PendingRecord, res, store_host_raw: bytes) -> PutMessageResult:

@@ -21,7 +21,6 @@ begin time before begin is overwritten, and a walk stops at the first entry olde
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import struct
@@ -31,7 +30,7 @@ from typing import ClassVar
 
 from ..codec.hashing import index_key_hash
 from ..errors import CorruptDataError, StoreIOError
-from ..mapped.file import allocate, close_mapping, fsync_dir
+from ..mapped.file import close_mapping, create_file_atomically
 
 INDEX_HEADER_SIZE = 40
 HASH_SLOT_SIZE = 4
@@ -82,7 +81,7 @@ class IndexFile:
 
     @classmethod
     def create(cls, path: str | Path, hash_slot_num: int, index_num: int, end_phy_offset: int = 0,
-               end_timestamp: int = 0, *, preallocate: bool = False) -> IndexFile:
+               end_timestamp: int = 0, *, preallocate: bool = False, staging: Path | None = None) -> IndexFile:
         """A new zero-filled file; a file that continues a full one inherits its end offset and time.
 
         ``preallocate`` reserves the blocks up front, so a full disk fails here and not later as a
@@ -91,19 +90,14 @@ class IndexFile:
         cls._check_geometry(hash_slot_num, index_num)
         path = Path(path)
         size = index_file_size(hash_slot_num, index_num)
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+            create_file_atomically(path, size, preallocate=preallocate, staging=staging)
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
             try:
-                allocate(fd, size, preallocate)
-                os.rename(tmp, path)
+                mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
             except BaseException:
                 os.close(fd)
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
                 raise
-            fsync_dir(path.parent)
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
         except OSError as exc:
             raise StoreIOError(exc.errno, f"cannot create index file {path}: {exc.strerror}") from exc
         index = cls(path, hash_slot_num, index_num, mm, fd, read_only=False)

@@ -33,6 +33,7 @@ from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..errors import CorruptDataError
+from ..mapped.file import STAGING_DIR
 from ..message import SysFlag
 from .bulk import put_hashes
 from .file import INDEX_HEADER_SIZE, IndexFile
@@ -162,7 +163,8 @@ class IndexService:
         while (self.directory / index_file_name(now)).exists():  # two files in one millisecond
             now += 1
         created = IndexFile.create(self.directory / index_file_name(now), self.hash_slot_num, self.index_num,
-                                   end_phy, end_ts, preallocate=self.config.preallocate)
+                                   end_phy, end_ts, preallocate=self.config.preallocate,
+                                   staging=self.directory.parent / STAGING_DIR)
         self.files.append(created)
         return created
 

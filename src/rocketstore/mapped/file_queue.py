@@ -19,8 +19,9 @@ class MappedFileQueue:
     """The segments of one log directory, sorted by start offset."""
 
     def __init__(self, directory: Path, mapped_file_size: int, *, read_only: bool = False,
-                 preallocate: bool = True) -> None:
+                 preallocate: bool = True, staging: Path | None = None) -> None:
         self.directory = directory
+        self.staging = staging  # where new segments are prepared if the file system lacks O_TMPFILE
         self.mapped_file_size = mapped_file_size
         self.read_only = read_only
         self.preallocate = preallocate
@@ -38,7 +39,7 @@ class MappedFileQueue:
         names = []
         for entry in os.scandir(self.directory):
             if entry.name.endswith(".tmp") and not self.read_only:
-                os.unlink(entry.path)  # an allocation interrupted by a crash
+                os.unlink(entry.path)  # an allocation interrupted by a crash (rocketstore before O_TMPFILE)
                 continue
             if parse_segment_name(entry.name) is None:
                 continue  # RocketMQ would choke on it; we leave foreign files alone
@@ -105,7 +106,7 @@ class MappedFileQueue:
             raise CorruptDataError(f"segment start {start_offset} does not continue the log", str(self.directory))
         self.directory.mkdir(parents=True, exist_ok=True)
         mapped = MappedFile.create(self.directory / segment_name(start_offset), self.mapped_file_size,
-                                   preallocate=self.preallocate)
+                                   preallocate=self.preallocate, staging=self.staging)
         self.files.append(mapped)
         self._starts.append(start_offset)
         return mapped

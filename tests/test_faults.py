@@ -1,0 +1,367 @@
+"""Faults of the operating system, injected: failed msync and fsync, kills in the middle of creating a file,
+a checkpoint rewritten by RocketMQ.
+
+Two ways in: ``strace -e inject=`` on a real writer process (the fault as the kernel reports it), and the
+seams the code offers for the same calls (``rocketstore.mapped.file.msync`` and ``os.fsync``), which make
+the in-process tests deterministic.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rocketstore import FlushDiskType, Message, MessageStore, PutMessageStatus, StoreConfig
+from rocketstore.checkpoint import StoreCheckpoint
+from rocketstore.errors import StoreFailedError, StoreIOError
+from rocketstore.mapped import file as mapped_file
+
+SYNC = StoreConfig(flush_disk_type=FlushDiskType.SYNC_FLUSH, mapped_file_size_commit_log=65536,
+                   mapped_file_size_consume_queue=20 * 50, max_hash_slot_num=97, max_index_num=400)
+ASYNC = SYNC.replace(flush_disk_type=FlushDiskType.ASYNC_FLUSH, flush_interval_commit_log=10,
+                     flush_commit_log_least_pages=0)
+JAVA_LONG = re.compile(r"-?\d+")  # Long.parseLong accepts leading zeros
+INDEX_NAME = re.compile(r"\d{17}")
+
+
+def message(i: int, topic: str = "T") -> Message:
+    return Message(topic, f"body-{i}".encode() * 10, keys=[f"k{i}"], queue_id=i % 2)
+
+
+class FailingMsync:
+    """Replaces ``rocketstore.mapped.file.msync``: the ``fail_at``-th msync of a commit-log segment fails with EIO."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.calls = 0
+        self.real = mapped_file.msync
+
+    def __call__(self, mm, start: int, length: int) -> None:
+        if len(mm) == SYNC.mapped_file_size_commit_log:  # commit-log segments only
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        self.real(mm, start, length)
+
+
+def acked(results) -> list[int]:
+    return [i for i, r in results if r == PutMessageStatus.PUT_OK.name]
+
+
+# --- 1. a failed msync under SYNC_FLUSH --------------------------------------------------------------------
+
+def test_failed_msync_under_sync_flush_fails_stop(tmp_path, monkeypatch):
+    """After one failed msync no put is acknowledged again (a retried msync would 'succeed' for pages the kernel
+    already dropped), the failed put is never dispatched, close() reports it, and a reopen recovers."""
+    failing = FailingMsync(fail_at=5)
+    monkeypatch.setattr(mapped_file, "msync", failing)
+    store = MessageStore.open(tmp_path, SYNC)
+    outcomes = []
+    for i in range(12):
+        try:
+            outcomes.append((i, store.put_message(message(i)).status.name))
+        except StoreIOError as exc:
+            outcomes.append((i, type(exc).__name__))
+    assert outcomes[:4] == [(i, "PUT_OK") for i in range(4)]
+    assert outcomes[4] == (4, "FlushError")
+    assert all(kind == "StoreFailedError" for _, kind in outcomes[5:])
+    assert not store.health.healthy
+    with pytest.raises(StoreFailedError):
+        store.flush()
+    store.wait_for_dispatch()
+    seen = store.get_message("T", 0, 0).messages + store.get_message("T", 1, 0).messages
+    assert sorted(m.keys[0] for m in seen) == ["k0", "k1", "k2", "k3"]  # the failed put reaches no consumer
+    with pytest.raises(StoreFailedError):
+        store.close()
+    assert (tmp_path / "abort").exists()
+    monkeypatch.setattr(mapped_file, "msync", failing.real)
+    with MessageStore.open(tmp_path, SYNC) as reopened:
+        assert reopened.recovery.abnormal  # the abort file stayed: crash recovery re-validated the log
+        reopened.wait_for_dispatch()
+        for i in range(4):
+            assert [m.keys for m in reopened.query_message("T", f"k{i}")] == [[f"k{i}"]]
+        assert reopened.put_message(message(99)).status is PutMessageStatus.PUT_OK
+
+
+def test_concurrent_sync_puts_after_a_failed_msync_are_never_acknowledged(tmp_path, monkeypatch):
+    import threading
+
+    failing = FailingMsync(fail_at=20)
+    monkeypatch.setattr(mapped_file, "msync", failing)
+    store = MessageStore.open(tmp_path, SYNC)
+    outcomes: list[tuple[int, str]] = []
+    guard = threading.Lock()
+
+    def producer(t: int) -> None:
+        for i in range(40):
+            try:
+                status = store.put_message(message(t * 1000 + i)).status.name
+            except StoreIOError as exc:
+                status = type(exc).__name__
+            with guard:
+                outcomes.append((failing.calls, status))
+
+    threads = [threading.Thread(target=producer, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failing.calls >= failing.fail_at
+    # everything that completed after the failure was refused; nothing after it was acknowledged
+    first_failure = min(n for n, (_, s) in enumerate(outcomes) if s != "PUT_OK")
+    assert all(s != "PUT_OK" for _, s in outcomes[first_failure + 4 :])  # at most the in-flight ones before it
+    assert sum(s == "FlushError" for _, s in outcomes) >= 1
+    with pytest.raises(StoreFailedError):
+        store.close()
+
+
+STRACE_WRITER = textwrap.dedent("""
+    import json, sys
+    from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
+    cfg = StoreConfig(flush_disk_type=FlushDiskType.SYNC_FLUSH, mapped_file_size_commit_log=65536,
+                      flush_interval_consume_queue=3_600_000, flush_consume_queue_thorough_interval=3_600_000)
+    store = MessageStore.open(sys.argv[1], cfg)
+    for i in range(10):
+        try:
+            status = store.put_message(Message("T", b"x" * 100, keys=[f"k{i}"])).status.name
+        except Exception as exc:
+            status = type(exc).__name__
+        print(json.dumps([i, status]), flush=True)
+    store.wait_for_dispatch()
+    print(json.dumps(["consumed", [m.keys[0] for m in store.get_message("T", 0, 0).messages]]), flush=True)
+    try:
+        store.close()
+    except Exception as exc:
+        print(json.dumps(["close", type(exc).__name__]), flush=True)
+""")
+
+
+def test_failed_msync_injected_by_strace(tmp_path):
+    """The issue's reproduction: ``strace -e inject=msync:error=EIO:when=5`` on a writer of 10 SYNC puts."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    script = tmp_path / "writer.py"
+    script.write_text(STRACE_WRITER)
+    root = tmp_path / "store"
+    proc = subprocess.run(["strace", "-f", "-o", str(tmp_path / "strace.log"), "-e", "trace=msync",
+                           "-e", "inject=msync:error=EIO:when=5", sys.executable, str(script), str(root)],
+                          check=False, capture_output=True, text=True, timeout=120)
+    if "PTRACE" in proc.stderr or "Operation not permitted" in proc.stderr:
+        pytest.skip(f"ptrace is not permitted here: {proc.stderr.strip()[:200]}")
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    puts = [(i, s) for i, s in lines if isinstance(i, int)]
+    consumed = next(v for k, v in lines if k == "consumed")
+    failed_at = next(i for i, s in puts if s != "PUT_OK")
+    assert all(s == "PUT_OK" for _, s in puts[:failed_at])
+    assert all(s == "StoreFailedError" for _, s in puts[failed_at + 1 :]), puts
+    assert consumed == [f"k{i}" for i in range(failed_at)]
+    assert ["close", "StoreFailedError"] in lines
+    with MessageStore.open(root, SYNC) as store:
+        store.wait_for_dispatch()
+        for i in range(failed_at):
+            assert len(store.query_message("T", f"k{i}")) == 1
+
+
+# --- 2. directory fsync errors -------------------------------------------------------------------------------
+
+@pytest.fixture
+def failing_dir_fsync(monkeypatch):
+    """``os.fsync`` fails with EIO on the directories whose names are added to the returned set."""
+    doomed: set[str] = set()
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.isdir(target) and os.path.basename(target) in doomed:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return doomed
+
+
+def test_failed_directory_fsync_after_a_segment_roll_fails_stop(tmp_path, failing_dir_fsync):
+    store = MessageStore.open(tmp_path, SYNC)
+    failing_dir_fsync.add("commitlog")
+    outcomes = []
+    for i in range(200):  # 1,1xx-byte records: the 64 KiB segment rolls within the first 60
+        try:
+            outcomes.append(store.put_message(message(i)).status.name)
+        except StoreIOError as exc:
+            outcomes.append(type(exc).__name__)
+    first = outcomes.index("FlushError")
+    assert all(s == "PUT_OK" for s in outcomes[:first])
+    assert all(s == "StoreFailedError" for s in outcomes[first + 1 :])
+    with pytest.raises(StoreFailedError):
+        store.close()
+    failing_dir_fsync.clear()
+    with MessageStore.open(tmp_path, SYNC) as reopened:
+        assert reopened.recovery.abnormal
+        assert sum(1 for _ in reopened.iter_messages()) == first
+
+
+def test_failed_directory_fsync_of_config_and_abort_is_an_error(tmp_path, failing_dir_fsync):
+    with MessageStore.open(tmp_path, SYNC) as store:
+        failing_dir_fsync.add("config")
+        with pytest.raises(StoreIOError, match="fsync of directory"):
+            store.create_topic("NewTopic", 4)
+        failing_dir_fsync.clear()
+    failing_dir_fsync.add(tmp_path.name)  # the store root: where the abort file is created
+    with pytest.raises(StoreIOError, match="fsync of directory"):
+        MessageStore.open(tmp_path, SYNC)
+    failing_dir_fsync.clear()
+    with MessageStore.open(tmp_path, SYNC) as store:  # the failed open released the lock
+        assert store.topic_config.get("NewTopic") is not None
+
+
+def test_fsync_dir_reports_every_failure(tmp_path):
+    with pytest.raises(StoreIOError):
+        mapped_file.fsync_dir(tmp_path / "missing")
+
+
+# --- 3. ASYNC_FLUSH errors surface ---------------------------------------------------------------------------
+
+def test_failed_background_flush_surfaces_at_the_next_put_flush_and_close(tmp_path, monkeypatch):
+    import threading
+
+    failed = threading.Event()
+    real = mapped_file.msync
+
+    def msync(mm, start: int, length: int) -> None:
+        if len(mm) == ASYNC.mapped_file_size_commit_log and threading.current_thread().name == "rocketstore-flush":
+            failed.set()
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(mm, start, length)
+
+    store = MessageStore.open(tmp_path, ASYNC)
+    monkeypatch.setattr(mapped_file, "msync", msync)
+    assert store.put_message(message(0)).status is PutMessageStatus.PUT_OK
+    assert failed.wait(5)
+    deadline = 100
+    while store.health.healthy and deadline:  # the flusher records the failure right after msync raised
+        failed.wait(0.01)
+        deadline -= 1
+    with pytest.raises(StoreFailedError):
+        store.put_message(message(1))
+    with pytest.raises(StoreFailedError):
+        store.flush()
+    with pytest.raises(StoreFailedError):
+        store.close()
+    assert (tmp_path / "abort").exists()
+    monkeypatch.setattr(mapped_file, "msync", real)
+    with MessageStore.open(tmp_path, ASYNC) as reopened:
+        assert reopened.recovery.abnormal
+        assert [m.keys for m in reopened.iter_messages()] == [["k0"]]
+
+
+# --- 10. no temporary names where RocketMQ parses names ---------------------------------------------------------
+
+KILL_DURING_ALLOCATION = textwrap.dedent("""
+    import os, sys
+    from rocketstore import Message, MessageStore, StoreConfig
+    from rocketstore.mapped import file as mapped_file
+    if sys.argv[3] == "no-tmpfile":
+        del os.O_TMPFILE
+    calls = [0]
+    real = mapped_file.allocate
+    def allocate(fd, size, preallocate):
+        calls[0] += 1
+        if calls[0] == int(sys.argv[2]):
+            os.write(fd, b"partial")   # a half-made file ...
+            os.kill(os.getpid(), 9)    # ... and the process dies, as under SIGKILL
+        real(fd, size, preallocate)
+    mapped_file.allocate = allocate
+    cfg = StoreConfig(mapped_file_size_commit_log=8192, mapped_file_size_consume_queue=20 * 10,
+                      max_hash_slot_num=11, max_index_num=40)
+    store = MessageStore.open(sys.argv[1], cfg)
+    for i in range(400):
+        store.put_message(Message(f"T{i % 3}", b"x" * 200, keys=[f"k{i}"], queue_id=i % 2))
+        store.wait_for_dispatch()
+    os.kill(os.getpid(), 9)
+""")
+
+
+def names_rocketmq_would_load(root: Path) -> list[str]:
+    """Every name RocketMQ's loaders would choke on (``Long.parseLong``/``Integer.parseInt`` of file names)."""
+    bad = [f"commitlog/{p.name}" for p in (root / "commitlog").iterdir() if not JAVA_LONG.fullmatch(p.name)]
+    for topic in (root / "consumequeue").iterdir() if (root / "consumequeue").is_dir() else []:
+        for queue in topic.iterdir():
+            if not queue.name.isdigit():
+                bad.append(f"consumequeue/{topic.name}/{queue.name}")
+                continue
+            bad += [f"consumequeue/{topic.name}/{queue.name}/{p.name}" for p in queue.iterdir()
+                    if not JAVA_LONG.fullmatch(p.name)]
+    if (root / "index").is_dir():
+        bad += [f"index/{p.name}" for p in (root / "index").iterdir() if not INDEX_NAME.fullmatch(p.name)]
+    return bad
+
+
+@pytest.mark.parametrize("mode", ["tmpfile", "no-tmpfile"])
+@pytest.mark.parametrize("kill_at", [1, 2, 4, 7, 12])
+def test_a_kill_while_creating_a_file_leaves_no_name_rocketmq_cannot_parse(tmp_path, mode, kill_at):
+    """A SIGKILLed writer used to leave ``<name>.tmp`` in commitlog/ and consumequeue/<topic>/<q>/, which RocketMQ's
+    ``MappedFileQueue.doLoad`` parses as a number (NumberFormatException, load() false)."""
+    script = tmp_path / "writer.py"
+    script.write_text(KILL_DURING_ALLOCATION)
+    root = tmp_path / "store"
+    proc = subprocess.run([sys.executable, str(script), str(root), str(kill_at), mode], check=False,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert names_rocketmq_would_load(root) == []
+    config = StoreConfig(mapped_file_size_commit_log=8192, mapped_file_size_consume_queue=20 * 10,
+                         max_hash_slot_num=11, max_index_num=40)
+    with MessageStore.open(root, config) as store:
+        count = sum(1 for _ in store.iter_messages())
+        store.wait_for_dispatch()
+        assert sum(store.get_max_offset_in_queue(f"T{t}", q) for t in range(3) for q in range(2)) == count
+    assert list((root / mapped_file.STAGING_DIR).glob("*.tmp")) == []  # a writer open clears what a kill left
+
+
+# --- 11. a checkpoint RocketMQ rewrote ------------------------------------------------------------------------
+
+def rocketmq_rewrites_checkpoint(path: Path, physic: int, logics: int, index: int, confirm: int) -> None:
+    """What RocketMQ's ``StoreCheckpoint.flush`` does: the five longs at 0-39 rewritten in place, the rest untouched."""
+    with open(path, "r+b") as out:
+        out.write(physic.to_bytes(8, "big", signed=True) + logics.to_bytes(8, "big", signed=True)
+                  + index.to_bytes(8, "big", signed=True)
+                  + bytes(8) + confirm.to_bytes(8, "big"))
+
+
+def test_checkpoint_rewritten_by_rocketmq_is_used_and_resealed(tmp_path, caplog):
+    with MessageStore.open(tmp_path, SYNC) as store:
+        for i in range(50):
+            store.put_message(message(i))
+    sealed = StoreCheckpoint.load(tmp_path / "checkpoint")
+    assert sealed.physic_msg_timestamp > 0
+    # a broker takes over, runs, and rewrites the checkpoint with its own (later) values
+    later = sealed.physic_msg_timestamp + 5000
+    rocketmq_rewrites_checkpoint(tmp_path / "checkpoint", later, later - 10, later - 20, 4096)
+    caplog.clear()
+    loaded = StoreCheckpoint.load(tmp_path / "checkpoint")
+    assert loaded.trusted and loaded.rewritten_by_rocketmq
+    assert (loaded.physic_msg_timestamp, loaded.logics_msg_timestamp, loaded.index_msg_timestamp,
+            loaded.confirm_phy_offset) == (later, later - 10, later - 20, 4096)
+    assert "fails its CRC" not in caplog.text
+    with MessageStore.open(tmp_path, SYNC) as store:  # rocketstore again: it keeps using the values ...
+        assert store.checkpoint.trusted
+        assert store.checkpoint.physic_msg_timestamp >= later
+    again = StoreCheckpoint.load(tmp_path / "checkpoint")  # ... and seals them anew
+    assert again.trusted and not again.rewritten_by_rocketmq
+
+
+def test_checkpoint_with_impossible_values_is_still_ignored(tmp_path):
+    with MessageStore.open(tmp_path, SYNC) as store:
+        store.put_message(message(0))
+    rocketmq_rewrites_checkpoint(tmp_path / "checkpoint", 1 << 62, 1, 1, 0)
+    assert not StoreCheckpoint.load(tmp_path / "checkpoint").trusted
+    rocketmq_rewrites_checkpoint(tmp_path / "checkpoint", 5, -1, 1, 0)
+    assert not StoreCheckpoint.load(tmp_path / "checkpoint").trusted
