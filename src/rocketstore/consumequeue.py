@@ -312,6 +312,30 @@ class ConsumeQueue:
         offset, size, _ = _UNIT.unpack_from(mapped.buffer, mapped.file_size - CQ_UNIT_SIZE)
         return store_time(offset, size)
 
+    # --- repair -------------------------------------------------------------------------------
+
+    def rewrite_unit(self, queue_offset: int, phy_offset: int, size: int, tags_code: int) -> bool:
+        """Put the right unit back at ``queue_offset`` (one found pointing at another queue's record)."""
+        logical = queue_offset * CQ_UNIT_SIZE
+        mapped = self.mapped_files.find(logical)
+        if mapped is None or mapped.read_only or logical - mapped.file_from_offset >= mapped.wrote_position:
+            return False
+        pos = logical - mapped.file_from_offset
+        buf = mapped.buffer
+        _HEAD.pack_into(buf, pos, phy_offset)
+        _TAGS.pack_into(buf, pos + 12, tags_code)
+        _SIZE.pack_into(buf, pos + 8, size)
+        return True
+
+    def truncate_to(self, queue_offset: int) -> None:
+        """Drop the units from ``queue_offset`` on; re-dispatch writes them again from the commit log."""
+        logical = max(queue_offset * CQ_UNIT_SIZE, self.min_logic_offset)
+        mapped = self.mapped_files.find(logical)
+        if mapped is not None:
+            self._zero_after(mapped, logical - mapped.file_from_offset)
+        self.mapped_files.truncate_dirty_files(logical)
+        self.max_physic_offset = self._last_real_unit_end(self.mapped_files.files)
+
     # --- durability and retention ------------------------------------------------------------
 
     def flush(self, least_pages: int = 0) -> None:
