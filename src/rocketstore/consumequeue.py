@@ -32,7 +32,8 @@ _UNIT = struct.Struct(UNIT_FMT)
 _HEAD = struct.Struct(">q")  # offset
 _SIZE = struct.Struct(">i")
 _TAGS = struct.Struct(">q")
-PRE_BLANK_UNIT = _UNIT.pack(0, 0x7FFFFFFF, 0)
+PRE_BLANK_SIZE = 0x7FFFFFFF
+PRE_BLANK_UNIT = _UNIT.pack(0, PRE_BLANK_SIZE, 0)
 assert _UNIT.size == CQ_UNIT_SIZE
 
 log = logging.getLogger(__name__)

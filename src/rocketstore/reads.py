@@ -10,7 +10,8 @@ never return a foreign message, the walk continues past them, and no query retur
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .codec.hashing import java_string_hash
@@ -25,6 +26,9 @@ from .message import MessageExt
 
 LONG_MAX = (1 << 63) - 1
 MAX_TOTAL_MSG_SIZE = 128 << 20  # maxTransferBytesOnMessageInDisk-style cap on one getMessage batch
+MAX_REPORTED_UNITS = 10_000
+
+log = logging.getLogger(__name__)
 
 
 class GetMessageStatus(enum.Enum):
@@ -70,6 +74,9 @@ class StoreReader:
         self.queues = queues
         self.index = index
         self.config = config
+        # units found pointing at another queue's record: (topic, queue id, queue offset) -> where they point
+        self.damaged_units: dict[tuple[str, int, int], int] = {}
+        self.repair_unit: Callable[[str, int, int], MessageExt | None] | None = None
 
     # --- by queue offset ---------------------------------------------------------------------
 
@@ -109,6 +116,10 @@ class StoreReader:
                 msg = self.commit_log.get_message(phy)
             except (MessageNotFoundError, CorruptDataError):
                 continue
+            if (msg.topic, msg.queue_id, msg.queue_offset) != (topic, queue_id, offset + i):
+                msg = self._misdirected(topic, queue_id, offset + i, msg)
+                if msg is None:
+                    continue
             if wanted is not None and msg.tags not in wanted:
                 continue  # the tags code matched, the tags did not: a hash collision
             result.messages.append(msg)
@@ -116,6 +127,19 @@ class StoreReader:
         if result.messages:
             result.status = GetMessageStatus.FOUND
         return result
+
+    def _misdirected(self, topic: str, queue_id: int, queue_offset: int, found: MessageExt) -> MessageExt | None:
+        """A unit that points at a record of another queue (or another offset of this one) is damage: the record
+        is never served in its place. ``repair_unit`` (set on a writer) may find and restore the right record."""
+        key = (topic, queue_id, queue_offset)
+        if key not in self.damaged_units and len(self.damaged_units) < MAX_REPORTED_UNITS:
+            self.damaged_units[key] = found.commit_log_offset
+            log.error("consume queue %s-%d: unit %d points at commit-log offset %d, a record of %s-%d at queue offset "
+                      "%d; not served", topic, queue_id, queue_offset, found.commit_log_offset, found.topic,
+                      found.queue_id, found.queue_offset)
+        if self.repair_unit is not None:
+            return self.repair_unit(topic, queue_id, queue_offset)
+        return None
 
     def offset_by_time(self, topic: str, queue_id: int, timestamp: int, boundary: str = "lower") -> int:
         if boundary not in ("lower", "upper"):

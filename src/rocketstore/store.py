@@ -19,12 +19,14 @@ from .brokerconfig import ConsumerOffsetManager, DelayOffsetManager, Subscriptio
 from .checkpoint import StoreCheckpoint
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
-from .consumequeue import ConsumeQueueTable
+from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
 from .consumer import Consumer
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, dispatch_request
 from .encoder import SCHEDULE_TOPIC, MessageEncoder, PendingRecord
 from .errors import (
+    CorruptDataError,
     InvalidQueueError,
+    MessageNotFoundError,
     ReadOnlyStoreError,
     RocketStoreError,
     StoreClosedError,
@@ -85,6 +87,8 @@ class MessageStore:
         self._maintenance: threading.Thread | None = None
         self._logics_timestamp = 0
         self._derived_flush_failed = False  # a queue/index flush failed: the checkpoint no longer vouches
+        self._queue_restart = -1  # where re-dispatch must start to rewrite queue tails found damaged
+        self.queue_units_repaired = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -137,6 +141,7 @@ class MessageStore:
                 self.queues.destroy_all()
         elif not self.read_only:
             self.queues.truncate_dirty(end)
+            self._queue_restart = self._check_queue_tails()
         self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
         self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics,
                                      self.health)
@@ -148,6 +153,8 @@ class MessageStore:
             self.commit_log.queue_offsets[(topic, queue_id)] = queue.max_offset_in_queue
         self.commit_log.last_store_timestamp = self._last_store_timestamp()
         self.reader = StoreReader(self.commit_log, self.queues, self.index, self.config)
+        if not self.read_only:
+            self.reader.repair_unit = self._repair_unit
         if not self.read_only:
             self._abort.create()
             self.flusher = CommitLogFlusher(self.commit_log, self.checkpoint, self.config, self.health)
@@ -172,9 +179,77 @@ class MessageStore:
                 start = min(start, newest.end_phy_offset if newest.index_count > 1 else newest.begin_phy_offset)
         if self.config.message_index_enable and self.index is not None and not self.index.files:
             start = log_min  # no index at all (deleted, damaged, or never built): index the whole log
+        if self._queue_restart >= 0:
+            start = min(start, self._queue_restart)  # a queue's tail pointed at the wrong records
         if self.queues.set_aside:
             start = log_min  # a damaged queue was set aside: re-dispatch rebuilds it
         return max(start, log_min)
+
+    # --- consume-queue units that point at the wrong record -----------------------------------------------
+
+    def _unit_identity(self, phy: int) -> tuple[str, int, int] | None:
+        """(topic, queue id, queue offset) of the record at ``phy``, or None when no valid record starts there."""
+        try:
+            mapped, pos, layout = self.commit_log.locate(phy, check_crc=False)
+        except (MessageNotFoundError, CorruptDataError):
+            return None
+        req = dispatch_request(mapped.buffer, pos, layout, self.config)
+        return req.topic, req.queue_id, req.queue_offset
+
+    def _check_queue_tails(self, depth: int = 64) -> int:
+        """Every queue's last unit must point at its own record. A tail that points elsewhere (damage, or a
+        foreign tool) would make re-dispatch skip the real record as a duplicate and serve the foreign one,
+        so the bad units are cut and re-dispatch starts before them. Returns that offset, or -1."""
+        restart = -1
+        for (topic, queue_id), queue in list(self.queues.queues.items()):
+            first_bad = None
+            offset = queue.max_offset_in_queue - 1
+            while offset >= queue.min_offset_in_queue and queue.max_offset_in_queue - offset <= depth:
+                unit = queue.get_unit(offset)
+                if unit is None or unit[1] == PRE_BLANK_SIZE:
+                    break
+                if self._unit_identity(unit[0]) == (topic, queue_id, offset):
+                    break
+                first_bad = offset
+                offset -= 1
+            if first_bad is None:
+                continue
+            good = queue.get_unit(first_bad - 1) if first_bad > queue.min_offset_in_queue else None
+            resume = good[0] + good[1] if good and good[1] != PRE_BLANK_SIZE else self.commit_log.min_offset
+            log.error("consume queue %s-%d: units from offset %d point at records of other queues; cut, and "
+                      "re-dispatched from commit-log offset %d", topic, queue_id, first_bad, resume)
+            self.queue_units_repaired += queue.max_offset_in_queue - first_bad
+            queue.truncate_to(first_bad)
+            restart = resume if restart < 0 else min(restart, resume)
+        return restart
+
+    def _repair_unit(self, topic: str, queue_id: int, queue_offset: int) -> MessageExt | None:
+        """Find the record that belongs at (topic, queue, offset) between its neighbours' records, restore its
+        unit and return it (None when it cannot be found: the read then skips the unit)."""
+        queue = self.queues.get(topic, queue_id)
+        if queue is None or self.dispatcher is None:
+            return None
+        low, high = self.commit_log.min_offset, self.dispatcher.reput_from_offset
+        before = queue.get_unit(queue_offset - 1) if queue_offset > queue.min_offset_in_queue else None
+        if before is not None and 0 < before[1] != PRE_BLANK_SIZE:
+            low = max(low, before[0] + before[1])
+        after = queue.get_unit(queue_offset + 1)
+        if after is not None and 0 < after[1] != PRE_BLANK_SIZE and low < after[0] < high:
+            high = after[0]
+        try:
+            for mapped, pos, layout in self.commit_log.iter_layouts(low, high, check_crc=False):
+                req = dispatch_request(mapped.buffer, pos, layout, self.config)
+                if (req.topic, req.queue_id, req.queue_offset) == (topic, queue_id, queue_offset) and \
+                        SysFlag.transaction_type(req.sys_flag) in (SysFlag.TRANSACTION_NOT_TYPE,
+                                                                   SysFlag.TRANSACTION_COMMIT_TYPE):
+                    queue.rewrite_unit(queue_offset, req.commit_log_offset, req.size, req.tags_code)
+                    self.queue_units_repaired += 1
+                    log.warning("consume queue %s-%d: unit %d restored to commit-log offset %d", topic, queue_id,
+                                queue_offset, req.commit_log_offset)
+                    return self.commit_log.get_message(req.commit_log_offset)
+        except (CorruptDataError, MessageNotFoundError) as exc:
+            log.error("consume queue %s-%d: cannot repair unit %d: %s", topic, queue_id, queue_offset, exc)
+        return None
 
     def _note_logics(self, store_timestamp: int) -> None:
         self._logics_timestamp = store_timestamp

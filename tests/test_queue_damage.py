@@ -1,0 +1,89 @@
+"""Consume-queue units that point at a real record of another queue (a real record start, the right size).
+
+Such a unit passes every check RocketMQ makes, so it serves a foreign message; rocketstore checks the record's
+topic, queue id and queue offset against the unit, never serves a mismatch, restores the unit when it can find
+the right record, and cuts a damaged tail on a writer open so that re-dispatch writes it again.
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+from rocketstore import Message, MessageStore, StoreConfig
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=1 << 20, mapped_file_size_consume_queue=20 * 100)
+UNIT = struct.Struct(">qiq")
+
+
+def build(root: Path) -> dict[str, list[tuple[int, int]]]:
+    """A store with topics A and B interleaved; returns each topic's (offset, size) of queue 0 in order."""
+    where: dict[str, list[tuple[int, int]]] = {"A": [], "B": []}
+    with MessageStore.open(root, CONFIG) as store:
+        for i in range(10):
+            for topic in ("A", "B"):
+                result = store.put_message(Message(topic, f"{topic}-{i}".encode(), keys=[f"{topic}{i}"], queue_id=0))
+                where[topic].append((result.commit_log_offset, result.store_size))
+        store.wait_for_dispatch()
+    return where
+
+
+def point_unit(root: Path, topic: str, queue_offset: int, phy: int, size: int) -> None:
+    path = root / "consumequeue" / topic / "0" / f"{0:020d}"
+    with open(path, "r+b") as f:
+        f.seek(queue_offset * 20)
+        f.write(UNIT.pack(phy, size, 0))
+
+
+def bodies(store: MessageStore, topic: str) -> list[bytes]:
+    return [m.body for m in store.get_message(topic, 0, 0, max_msgs=100).messages]
+
+
+def test_a_unit_pointing_at_another_topics_record_is_never_served(tmp_path):
+    where = build(tmp_path)
+    point_unit(tmp_path, "B", 3, *where["A"][7])  # B-3 now points at A's 8th record
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
+        got = bodies(store, "B")
+        assert b"A-7" not in got
+        assert got == [f"B-{i}".encode() for i in range(10) if i != 3]
+        assert ("B", 0, 3) in store.reader.damaged_units
+
+
+def test_print_msg_never_prints_the_foreign_message(tmp_path):
+    where = build(tmp_path)
+    point_unit(tmp_path, "B", 0, *where["A"][0])
+    cli = Path(sys.executable).with_name("rocketstore")
+    out = subprocess.run([str(cli), "print-msg", "--store", str(tmp_path), "-t", "B", "--body"], check=False,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "A-0" not in out.stdout and "B-1" in out.stdout
+
+
+def test_a_writer_restores_a_middle_unit_when_it_reads_it(tmp_path):
+    where = build(tmp_path)
+    point_unit(tmp_path, "B", 4, *where["A"][2])
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert bodies(store, "B") == [f"B-{i}".encode() for i in range(10)]  # B-4 found again, in its place
+        assert store.queue_units_repaired == 1
+    raw = (tmp_path / "consumequeue" / "B" / "0" / f"{0:020d}").read_bytes()
+    assert UNIT.unpack_from(raw, 4 * 20)[:2] == where["B"][4]  # the repair is on disk
+
+
+def test_a_damaged_tail_is_cut_and_re_dispatched_on_a_writer_open(tmp_path):
+    """The issue's case: the last unit of B points at A's record; B's real record was re-dispatched as a
+    'duplicate' and never delivered, and A's message was served twice."""
+    where = build(tmp_path)
+    point_unit(tmp_path, "B", 9, *where["A"][9])
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.queue_units_repaired == 1
+        assert bodies(store, "B") == [f"B-{i}".encode() for i in range(10)]
+        result = store.put_message(Message("B", b"B-10", queue_id=0))
+        assert result.queue_offset == 10
+        store.wait_for_dispatch()
+        assert bodies(store, "B") == [f"B-{i}".encode() for i in range(11)]
+        assert bodies(store, "A") == [f"A-{i}".encode() for i in range(10)]
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
+        assert bodies(store, "B") == [f"B-{i}".encode() for i in range(11)]
+        assert not store.reader.damaged_units
