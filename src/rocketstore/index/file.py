@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..codec.hashing import index_key_hash
-from ..errors import CorruptDataError, StoreIOError
-from ..mapped.file import close_mapping, create_file_atomically
+from ..errors import CorruptDataError, FlushError, StoreIOError
+from ..mapped.file import close_mapping, create_file_atomically, msync
 
 INDEX_HEADER_SIZE = 40
 HASH_SLOT_SIZE = 4
@@ -252,9 +252,9 @@ class IndexFile:
             return
         self.write_header()
         try:
-            self._mm.flush()
+            msync(self._mm, 0, len(self._mm))  # the GIL is released: puts go on while 420 MB are synced
         except OSError as exc:
-            raise StoreIOError(exc.errno, f"msync of {self.path} failed: {exc.strerror}") from exc
+            raise FlushError(exc.errno, f"msync of {self.path} failed: {exc.strerror}") from exc
 
     def close(self) -> None:
         close_mapping(self._mm, self._fd)
