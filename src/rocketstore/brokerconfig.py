@@ -3,9 +3,18 @@
 RocketMQ's broker writes these JSON files with fastjson, whose output is not quite JSON: maps with
 integer keys (queue ids, delay levels) have bare keys, e.g. ``{"offsetTable":{"T@g":{0:250,1:250}}}``.
 rocketstore reads both forms and writes RocketMQ's, so a broker can read our files and we can
-read the broker's. Every write is atomic: the new content goes to ``<file>.tmp`` and is fsynced,
-the previous content is kept as ``<file>.bak``, then the temporary file is renamed over the file.
-A file that is missing, empty or unreadable is loaded from its ``.bak`` (``ConfigManager.load``).
+read the broker's.
+
+Writes (``persist_text``) are atomic and safe from any number of threads: one lock per file serialises
+them, the new content goes to a unique ``<file>.tmp.<pid>.<n>`` that is fsynced and renamed over the
+file (never deleted first, so a reader always finds a whole file), and ``<file>.bak`` is written first
+from content known to be good (the previous file only if it validates), so a crash or a race never
+leaves both copies bad. A writer's ``load`` removes temporary files a killed process left behind.
+
+Reads (``load_config``) validate the whole document against the file's schema (below): invalid UTF-8,
+bad JSON, nesting, duplicate keys, NaN, and a wrong type or range anywhere are a ``ConfigFileError``
+naming the file and the field. A bad file is replaced by its ``.bak`` (with a warning); only when both
+copies are bad does ``load`` raise (or, for a read-only store, carry on with an empty configuration).
 
 Files (RocketMQ's names and fields)::
 
@@ -17,23 +26,34 @@ Files (RocketMQ's names and fields)::
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import itertools
 import json
 import logging
+import math
 import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from .errors import ConfigError, StoreIOError
+from .errors import ConfigError, ConfigFileError, StoreIOError
 from .mapped.file import fsync_dir
 
 CONFIG_DIR = "config"
 TOPIC_GROUP_SEPARATOR = "@"
 PERM_READ, PERM_WRITE = 0x4, 0x2
-_BARE_INT_KEY = re.compile(r'([{,]\s*)(-?\d+)(\s*:)')
+MAX_QUEUE_NUMS = 1024
+MAX_DEPTH = 64  # nesting allowed below a field of free content (RocketMQ's own files nest 4 levels)
+_I32_MAX, _I64_MAX = (1 << 31) - 1, (1 << 63) - 1
+# A JSON string (also an unterminated one, so that a torn file costs linear time) or a bare integer map key.
+_FASTJSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)|([{,]\s*)(-?\d+)(\s*:)', re.S)
+_INT_LITERAL = re.compile(r"-?\d+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +61,36 @@ log = logging.getLogger(__name__)
 # --- fastjson-compatible text -------------------------------------------------------------------------
 
 def parse_fastjson(text: str) -> object:
-    """JSON, also accepting fastjson's bare integer map keys (which become int keys)."""
-    quoted = _BARE_INT_KEY.sub(lambda m: f'{m.group(1)}"\\u0000{m.group(2)}"{m.group(3)}', text)
+    """JSON, also accepting fastjson's bare integer map keys (which become int keys).
+
+    As strict as fastjson's writer: a duplicate key, NaN or an infinite number raises ValueError;
+    nesting beyond the interpreter's recursion limit raises RecursionError.
+    """
+    def quote(m: re.Match) -> str:
+        return m.group(0) if m.group(1) is None else f'{m.group(1)}"\\u0000{m.group(2)}"{m.group(3)}'
 
     def hook(pairs: list[tuple[str, object]]) -> dict:
-        return {int(k[1:]) if k.startswith("\x00") else k: v for k, v in pairs}
+        out: dict = {}
+        for name, value in pairs:
+            key = int(name[1:]) if name.startswith("\x00") and _INT_LITERAL.fullmatch(name, 1) else name
+            if key in out:
+                raise ValueError(f"duplicate key {key!r}")
+            out[key] = value
+        return out
 
-    return json.loads(quoted, object_pairs_hook=hook)
+    return json.loads(_FASTJSON_TOKEN.sub(quote, text), object_pairs_hook=hook, parse_constant=_no_constant,
+                      parse_float=_finite_float)
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a number")
+    return value
 
 
 def to_fastjson(value: object, indent: int = 0) -> str:
@@ -64,52 +107,342 @@ def to_fastjson(value: object, indent: int = 0) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def persist_text(path: Path, text: str) -> None:
-    """``MixAll.string2File``, made crash-safe: tmp (fsynced), .bak of the old content, atomic rename."""
+# --- schemas: what each file may hold ------------------------------------------------------------------
+# A check takes a parsed value and its dotted field name, and returns the value (map keys normalised: a
+# queue id written "0" or bare 0 becomes 0) or raises _Invalid. One schema per file is built from them.
+
+Check = Callable[[object, str], object]
+
+
+class _Invalid(Exception):
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(reason)
+        self.where = where
+        self.reason = reason
+
+
+def _show(value: object) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _field(where: str, key: object) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _text(value: str, where: str) -> str:
+    if _SURROGATE.search(value):  # json accepts "\ud800"; such a string cannot be written back as UTF-8
+        raise _Invalid(where, "holds an unpaired UTF-16 surrogate")
+    return value
+
+
+def integer(lo: int, hi: int) -> Check:
+    def check(value: object, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise _Invalid(where, f"must be an integer {lo}..{hi}, not {_show(value)}")
+        return value
+    return check
+
+
+def boolean(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(where, f"must be true or false, not {_show(value)}")
+    return value
+
+
+def string(*choices: str, nonempty: bool = False) -> Check:
+    def check(value: object, where: str) -> str:
+        if not isinstance(value, str) or (nonempty and not value) or (choices and value not in choices):
+            wanted = " or ".join(map(repr, choices)) if choices else "a non-empty string" if nonempty else "a string"
+            raise _Invalid(where, f"must be {wanted}, not {_show(value)}")
+        return _text(value, where)
+    return check
+
+
+def name_key(key: object, where: str) -> str:
+    """A map key naming a topic, group or attribute (fastjson always quotes them; a bare number is kept as text)."""
+    if isinstance(key, int):
+        return str(key)
+    if not key:
+        raise _Invalid(where, "is an empty name")
+    return _text(key, where)
+
+
+def int_key(lo: int, hi: int) -> Check:
+    """A map key holding a number: fastjson's bare ``0`` or standard JSON's ``"0"``."""
+    def check(key: object, where: str) -> int:
+        if isinstance(key, str) and _INT_LITERAL.fullmatch(key) and len(key) < 20:
+            key = int(key)
+        if not isinstance(key, int) or not lo <= key <= hi:
+            raise _Invalid(where, f"key must be an integer {lo}..{hi}, not {_show(key)}")
+        return key
+    return check
+
+
+def free(value: object, where: str) -> object:
+    """Any JSON (fields rocketstore keeps but does not use), nested at most ``MAX_DEPTH`` levels."""
+    pending = [(value, where, 0)]
+    while pending:
+        item, at, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise _Invalid(at, f"nests deeper than {MAX_DEPTH} levels")
+        if isinstance(item, str):
+            _text(item, at)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                if isinstance(key, str):
+                    _text(key, at)
+                pending.append((inner, _field(at, key), depth + 1))
+        elif isinstance(item, list):
+            pending.extend((inner, f"{at}[{i}]", depth + 1) for i, inner in enumerate(item))
+    return value
+
+
+def mapping(key: Check, value: Check) -> Check:
+    """An object whose keys are data (topics, groups, queue ids), each value checked by ``value``."""
+    def check(data: object, where: str) -> dict:
+        if not isinstance(data, dict):
+            raise _Invalid(where, f"must be an object, not {_show(data)}")
+        out: dict = {}
+        for k, item in data.items():
+            at = _field(where, k)
+            normal = key(k, at)
+            if normal in out:  # e.g. bare 0 and "0"
+                raise _Invalid(at, "appears twice")
+            out[normal] = value(item, at)
+        return out
+    return check
+
+
+def record(fields: dict[str, Check]) -> Check:
+    """An object with named fields; fields not named are kept as they are (``free``)."""
+    def check(data: object, where: str) -> dict:
+        if not isinstance(data, dict):
+            raise _Invalid(where, f"must be an object, not {_show(data)}")
+        return {k: fields[k](item, _field(where, k)) if k in fields else free(item, _field(where, k))
+                for k, item in data.items()}
+    return check
+
+
+_DATA_VERSION = record({"counter": integer(0, _I64_MAX), "stateVersion": integer(-_I64_MAX - 1, _I64_MAX),
+                        "timestamp": integer(-_I64_MAX - 1, _I64_MAX)})
+_OFFSET = integer(0, _I64_MAX)
+_I32 = integer(-_I32_MAX - 1, _I32_MAX)
+TOPICS_SCHEMA = record({
+    "dataVersion": _DATA_VERSION,
+    "topicConfigTable": mapping(name_key, record({
+        "topicName": string(nonempty=True), "readQueueNums": integer(1, MAX_QUEUE_NUMS),
+        "writeQueueNums": integer(1, MAX_QUEUE_NUMS), "perm": integer(0, 15),
+        "topicFilterType": string("SINGLE_TAG", "MULTI_TAG"), "topicSysFlag": _I32, "order": boolean,
+        "attributes": mapping(name_key, string())})),
+})
+SUBSCRIPTION_GROUPS_SCHEMA = record({
+    "dataVersion": _DATA_VERSION,
+    "subscriptionGroupTable": mapping(name_key, record({
+        "groupName": string(nonempty=True), "consumeEnable": boolean, "consumeFromMinEnable": boolean,
+        "consumeBroadcastEnable": boolean, "consumeMessageOrderly": boolean,
+        "notifyConsumerIdsChangedEnable": boolean, "retryQueueNums": integer(0, _I32_MAX), "retryMaxTimes": _I32,
+        "brokerId": integer(0, _I64_MAX), "whichBrokerWhenConsumeSlowly": integer(0, _I64_MAX),
+        "groupSysFlag": _I32, "consumeTimeoutMinute": _I32})),
+})
+CONSUMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(name_key, mapping(int_key(0, _I32_MAX), _OFFSET))})
+DELAY_OFFSETS_SCHEMA = record({"offsetTable": mapping(int_key(1, _I32_MAX), _OFFSET)})
+
+
+# --- reading and writing a file ------------------------------------------------------------------------
+
+def decode_config(path: Path, raw: bytes, schema: Check = free) -> dict | None:
+    """The validated document held in ``raw`` (the bytes of ``path``); None when empty (as RocketMQ treats it).
+
+    Raises ConfigFileError naming the file and, for a wrong value, the field.
+    """
+    if not raw.strip():
+        return None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as out:
-            out.write(text)
+        data = parse_fastjson(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigFileError(f"is not UTF-8 text (bad byte at {exc.start})", str(path)) from None
+    except RecursionError:
+        raise ConfigFileError("nests too deeply to be a config file", str(path)) from None
+    except ValueError as exc:
+        raise ConfigFileError(f"is not valid JSON: {exc}", str(path)) from None
+    try:
+        checked = schema(data, "")
+        if not isinstance(checked, dict):
+            raise _Invalid("", f"must be an object, not {_show(data)}")
+    except _Invalid as exc:
+        raise ConfigFileError(exc.reason, str(path), exc.where) from None
+    return checked
+
+
+def _read_config(path: Path, schema: Check) -> dict | None:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # a directory, no permission, EIO: as bad as bad content
+        raise ConfigFileError(f"cannot be read: {exc.strerror}", str(path)) from None
+    return decode_config(path, raw, schema)
+
+
+def load_config(path: Path, schema: Check = free) -> dict | None:
+    """The file's validated content, or its ``.bak``'s if the file is bad in any way (logged); None if neither
+    holds anything (a new store). Raises ConfigFileError, about the file, when no copy is usable."""
+    bak = path.with_name(path.name + ".bak")
+    problems: list[ConfigFileError] = []
+    for candidate in (path, bak):
+        try:
+            data = _read_config(candidate, schema)
+        except ConfigFileError as exc:
+            log.warning("%s%s", exc, "; trying its backup" if candidate == path else "")
+            problems.append(exc)
+            continue
+        if data is not None:
+            if problems:
+                log.warning("%s: loaded from its backup %s", path, bak.name)
+            return data
+    if not problems:
+        return None
+    first = problems[0]
+    if len(problems) == 2:
+        raise ConfigFileError(f"{first.reason}; and its backup {bak.name} is bad too: {problems[1]}", first.path,
+                              first.field)
+    raise first
+
+
+@dataclass
+class _FileState:
+    """Per file, process-wide: every manager and thread writing the file shares its lock."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    written: bytes = b""  # digest of the content this process last wrote: the file as it is then is good
+
+
+_FILES: dict[str, _FileState] = {}
+_FILES_LOCK = threading.Lock()
+_TMP_SEQ = itertools.count()
+
+
+def _file_state(path: Path) -> _FileState:
+    with _FILES_LOCK:
+        return _FILES.setdefault(os.path.abspath(path), _FileState())
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _replace_with(target: Path, data: bytes) -> None:
+    """Write ``data`` to a unique temporary name, fsync it, and rename it over ``target`` (atomic)."""
+    tmp = target.with_name(f"{target.name}.tmp.{os.getpid()}.{next(_TMP_SEQ)}")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
             out.flush()
             os.fsync(out.fileno())
-        if path.exists():
-            bak = path.with_name(path.name + ".bak")
-            bak_tmp = path.with_name(path.name + ".bak.tmp")
-            with open(bak_tmp, "wb") as out:
-                out.write(path.read_bytes())
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(bak_tmp, bak)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        raise StoreIOError(exc.errno, f"cannot write {path}: {exc.strerror}") from exc
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
-def load_json(path: Path) -> dict | None:
-    """The file's content, or its ``.bak`` if the file is missing, empty or unreadable; None if neither."""
-    for candidate in (path, path.with_name(path.name + ".bak")):
+def persist_text(path: Path, text: str, schema: Check = free) -> None:
+    """``MixAll.string2File``, made crash- and thread-safe.
+
+    Under the file's lock: the ``.bak`` gets the previous content if it is known good (this process wrote
+    it, or it validates against ``schema``), else the new content; then the new content replaces the file.
+    Both go through a fsynced temporary file and an atomic rename, so at every instant the file is whole
+    and one of the two copies is good. Raises StoreIOError (FlushError when a directory fsync fails).
+    """
+    data = text.encode("utf-8")
+    state = _file_state(path)
+    with state.lock:
         try:
-            text = candidate.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            backup = _good_backup(path, state, data, schema)
+            if backup is not None:
+                _replace_with(path.with_name(path.name + ".bak"), backup)
+            _replace_with(path, data)
+            fsync_dir(path.parent)
+        except StoreIOError:
+            raise
         except OSError as exc:
-            raise StoreIOError(exc.errno, f"cannot read {candidate}: {exc.strerror}") from exc
-        if not text.strip():
-            continue
-        try:
-            data = parse_fastjson(text)
-        except ValueError as exc:
-            log.error("%s is not readable JSON (%s); trying its backup", candidate, exc)
-            continue
-        if isinstance(data, dict):
-            return data
-    return None
+            raise StoreIOError(exc.errno, f"cannot write {path}: {exc.strerror}") from exc
+        state.written = _digest(data)
+
+
+def _good_backup(path: Path, state: _FileState, data: bytes, schema: Check) -> bytes | None:
+    """What ``.bak`` should hold before ``path`` becomes ``data``: None to leave it (there is no file yet)."""
+    try:
+        old = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if state.written and _digest(old) == state.written:
+        return old
+    try:
+        if decode_config(path, old, schema) is not None:
+            return old
+    except ConfigFileError as exc:
+        log.warning("%s; not keeping it as the backup", exc)
+    return data
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Delete temporary files of ``path`` that a killed writer left (its own in-flight ones hold the lock)."""
+    state = _file_state(path)
+    with state.lock:
+        for pattern in (f"{path.name}.tmp*", f"{path.name}.bak.tmp*"):
+            for stale in path.parent.glob(pattern):
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+                    log.info("removed %s, left by an interrupted write", stale)
 
 
 def data_version(counter: int) -> dict:
     return {"counter": counter, "stateVersion": 0, "timestamp": time.time_ns() // 1_000_000}
+
+
+class ConfigFile:
+    """One file of config/: loaded (or its backup) through ``SCHEMA``, written with ``persist_text``."""
+
+    FILE: ClassVar[str]
+    SCHEMA: ClassVar[Check]
+
+    def __init__(self, root: Path, *, read_only: bool = False) -> None:
+        self.path = root / CONFIG_DIR / self.FILE
+        self.read_only = read_only
+        self.load_error: ConfigFileError | None = None  # why the last load found no usable copy
+        self._lock = threading.RLock()  # guards the in-memory content
+
+    def load(self, *, empty_if_bad: bool = False) -> None:
+        """Read the file, or its ``.bak`` when the file is bad. When both are bad, raise ConfigFileError and
+        change nothing, or with ``empty_if_bad`` (read-only stores, which must still serve the messages)
+        log a warning and keep the empty configuration."""
+        try:
+            data = load_config(self.path, self.SCHEMA) or {}
+        except ConfigFileError as exc:
+            self.load_error = exc
+            if not empty_if_bad:
+                raise
+            log.warning("%s; using an empty %s", exc, self.FILE)
+            return
+        with self._lock:
+            self._apply(data)
+        if not self.read_only:
+            remove_stale_temps(self.path)
+
+    def _apply(self, data: dict) -> None:
+        raise NotImplementedError
+
+    def _write(self, body: dict) -> None:
+        persist_text(self.path, to_fastjson(body), self.SCHEMA)
 
 
 # --- topics -------------------------------------------------------------------------------------------------
@@ -142,32 +475,29 @@ class TopicConfig:
     def to_json(self) -> dict:
         out = {name: getattr(self, attr) for name, attr in self._FIELDS.items()}
         out.update(self.extra)
-        return dict(sorted(out.items()))  # fastjson writes fields in alphabetical order
+        return dict(sorted(out.items(), key=lambda item: str(item[0])))  # fastjson writes fields alphabetically
 
     @property
     def writable(self) -> bool:
         return bool(self.perm & PERM_WRITE)
 
 
-class TopicConfigManager:
+class TopicConfigManager(ConfigFile):
     """``TopicConfigManager``: config/topics.json."""
 
     FILE = "topics.json"
+    SCHEMA = staticmethod(TOPICS_SCHEMA)
 
     def __init__(self, root: Path, *, read_only: bool = False) -> None:
-        self.path = root / CONFIG_DIR / self.FILE
-        self.read_only = read_only
+        super().__init__(root, read_only=read_only)
         self.topics: dict[str, TopicConfig] = {}
         self.version = 0
         self.extra: dict = {}
-        self._lock = threading.Lock()
 
-    def load(self) -> None:
-        data = load_json(self.path) or {}
-        for name, cfg in (data.get("topicConfigTable") or {}).items():
-            if isinstance(cfg, dict):
-                self.topics[str(name)] = TopicConfig.from_json({"topicName": name, **cfg})
-        self.version = int((data.get("dataVersion") or {}).get("counter", 0))
+    def _apply(self, data: dict) -> None:
+        self.topics = {name: TopicConfig.from_json({"topicName": name, **cfg})
+                       for name, cfg in data.get("topicConfigTable", {}).items()}
+        self.version = data.get("dataVersion", {}).get("counter", 0)
         self.extra = {k: v for k, v in data.items() if k not in ("topicConfigTable", "dataVersion")}
 
     def persist(self) -> None:
@@ -175,10 +505,9 @@ class TopicConfigManager:
             return
         with self._lock:
             self.version += 1
-            body = {"dataVersion": data_version(self.version),
-                    "topicConfigTable": {name: cfg.to_json() for name, cfg in sorted(self.topics.items())},
-                    **self.extra}
-            persist_text(self.path, to_fastjson(body))
+            self._write({"dataVersion": data_version(self.version),
+                         "topicConfigTable": {name: cfg.to_json() for name, cfg in sorted(self.topics.items())},
+                         **self.extra})
 
     def get(self, topic: str) -> TopicConfig | None:
         return self.topics.get(topic)
@@ -188,59 +517,69 @@ class TopicConfigManager:
         from .encoder import validate_topic
 
         validate_topic(topic)
-        if not 1 <= write_queue_nums <= 1024 or not 1 <= (read_queue_nums or write_queue_nums) <= 1024:
-            raise ConfigError("a topic has 1 to 1024 queues")
-        cfg = self.topics.get(topic) or TopicConfig(topic)
-        cfg.write_queue_nums = write_queue_nums
-        cfg.read_queue_nums = read_queue_nums or write_queue_nums
-        cfg.perm, cfg.order = perm, order
-        self.topics[topic] = cfg
-        self.persist()
+        if not 1 <= write_queue_nums <= MAX_QUEUE_NUMS or not 1 <= (read_queue_nums or write_queue_nums) <= \
+                MAX_QUEUE_NUMS:
+            raise ConfigError(f"a topic has 1 to {MAX_QUEUE_NUMS} queues")
+        with self._lock:
+            cfg = self.topics.get(topic) or TopicConfig(topic)
+            cfg.write_queue_nums = write_queue_nums
+            cfg.read_queue_nums = read_queue_nums or write_queue_nums
+            cfg.perm, cfg.order = perm, order
+            self.topics[topic] = cfg
+            self.persist()
         return cfg
 
     def delete(self, topic: str) -> bool:
-        existed = self.topics.pop(topic, None) is not None
-        if existed:
-            self.persist()
+        with self._lock:
+            existed = self.topics.pop(topic, None) is not None
+            if existed:
+                self.persist()
         return existed
 
 
 # --- offsets ---------------------------------------------------------------------------------------------------
 
-class OffsetTable:
-    """An ``offsetTable`` file: consumerOffset.json (``topic@group`` -> queue -> offset) or delayOffset.json."""
+class OffsetTable(ConfigFile):
+    """An ``offsetTable`` file: consumerOffset.json (``topic@group`` -> queue -> offset) or delayOffset.json.
 
-    def __init__(self, path: Path, *, read_only: bool = False) -> None:
-        self.path = path
-        self.read_only = read_only
+    Commits only take ``_lock`` (short); ``persist`` also holds ``_write_lock`` from the snapshot to the end
+    of the write, so that snapshots reach the file in the order they were taken and a later one is never
+    overwritten by an earlier one.
+    """
+
+    def __init__(self, root: Path, *, read_only: bool = False) -> None:
+        super().__init__(root, read_only=read_only)
         self.table: dict = {}
         self.extra: dict = {}
         self.dirty = False
-        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
 
-    def load(self) -> None:
-        data = load_json(self.path) or {}
-        table = data.get("offsetTable") or {}
-        self.table = {k: ({int(q): int(o) for q, o in v.items()} if isinstance(v, dict) else int(v))
-                      for k, v in table.items()}
+    def _apply(self, data: dict) -> None:
+        self.table = data.get("offsetTable", {})
         self.extra = {k: v for k, v in data.items() if k != "offsetTable"}
 
     def persist(self, force: bool = False) -> None:
         if self.read_only or not (self.dirty or force):
             return
-        with self._lock:
-            snapshot = {k: dict(sorted(v.items())) if isinstance(v, dict) else v for k, v in self.table.items()}
-            self.dirty = False
-        persist_text(self.path, to_fastjson({"offsetTable": snapshot, **self.extra}))
+        with self._write_lock:
+            with self._lock:
+                if not (self.dirty or force):
+                    return  # another thread wrote this content while we waited
+                snapshot = {k: dict(sorted(v.items())) if isinstance(v, dict) else v for k, v in self.table.items()}
+                body = {"offsetTable": snapshot, **self.extra}
+                self.dirty = False
+            try:
+                self._write(body)
+            except BaseException:
+                self.dirty = True  # the next persist retries
+                raise
 
 
 class ConsumerOffsetManager(OffsetTable):
     """``ConsumerOffsetManager``: the next offset each group consumes in each queue of a topic."""
 
     FILE = "consumerOffset.json"
-
-    def __init__(self, root: Path, *, read_only: bool = False) -> None:
-        super().__init__(root / CONFIG_DIR / self.FILE, read_only=read_only)
+    SCHEMA = staticmethod(CONSUMER_OFFSETS_SCHEMA)
 
     def commit(self, group: str, topic: str, queue_id: int, offset: int) -> None:
         with self._lock:
@@ -253,24 +592,25 @@ class ConsumerOffsetManager(OffsetTable):
 
     def groups(self, topic: str | None = None) -> list[tuple[str, str]]:
         """(topic, group) pairs with committed offsets."""
+        with self._lock:
+            keys = list(self.table)
         pairs = []
-        for key in self.table:
+        for key in keys:
             t, sep, g = key.partition(TOPIC_GROUP_SEPARATOR)
             if sep and (topic is None or t == topic):
                 pairs.append((t, g))
         return sorted(pairs)
 
     def offsets(self, group: str, topic: str) -> dict[int, int]:
-        return dict(self.table.get(f"{topic}{TOPIC_GROUP_SEPARATOR}{group}", {}))
+        with self._lock:
+            return dict(self.table.get(f"{topic}{TOPIC_GROUP_SEPARATOR}{group}", {}))
 
 
 class DelayOffsetManager(OffsetTable):
     """delayOffset.json: how far ``ScheduleMessageService`` has delivered each delay level."""
 
     FILE = "delayOffset.json"
-
-    def __init__(self, root: Path, *, read_only: bool = False) -> None:
-        super().__init__(root / CONFIG_DIR / self.FILE, read_only=read_only)
+    SCHEMA = staticmethod(DELAY_OFFSETS_SCHEMA)
 
     def get(self, level: int) -> int:
         return int(self.table.get(level, 0))
@@ -281,31 +621,44 @@ class DelayOffsetManager(OffsetTable):
             self.dirty = True
 
 
-class SubscriptionGroupManager:
+class SubscriptionGroupManager(ConfigFile):
     """subscriptionGroup.json, kept as RocketMQ wrote it; groups that consume through rocketstore are added."""
 
     FILE = "subscriptionGroup.json"
+    SCHEMA = staticmethod(SUBSCRIPTION_GROUPS_SCHEMA)
 
     def __init__(self, root: Path, *, read_only: bool = False) -> None:
-        self.path = root / CONFIG_DIR / self.FILE
-        self.read_only = read_only
+        super().__init__(root, read_only=read_only)
         self.groups: dict[str, dict] = {}
         self.extra: dict = {}
         self.version = 0
 
-    def load(self) -> None:
-        data = load_json(self.path) or {}
-        self.groups = {str(k): v for k, v in (data.get("subscriptionGroupTable") or {}).items()}
-        self.version = int((data.get("dataVersion") or {}).get("counter", 0))
+    def _apply(self, data: dict) -> None:
+        self.groups = data.get("subscriptionGroupTable", {})
+        self.version = data.get("dataVersion", {}).get("counter", 0)
         self.extra = {k: v for k, v in data.items() if k not in ("subscriptionGroupTable", "dataVersion")}
 
     def ensure(self, group: str) -> None:
-        if group in self.groups or self.read_only:
+        """Add ``group`` (RocketMQ's defaults) and write the file, unless it is there; a failed write adds nothing."""
+        if self.read_only or group in self.groups:
             return
-        self.groups[group] = {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True,
-                              "consumeFromMinEnable": True, "consumeMessageOrderly": False, "groupName": group,
-                              "groupSysFlag": 0, "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16,
-                              "retryQueueNums": 1, "whichBrokerWhenConsumeSlowly": 1}
-        self.version += 1
-        persist_text(self.path, to_fastjson({"dataVersion": data_version(self.version),
-                                             "subscriptionGroupTable": self.groups, **self.extra}))
+        with self._lock:
+            if group in self.groups:
+                return
+            self.groups[group] = {"brokerId": 0, "consumeBroadcastEnable": True, "consumeEnable": True,
+                                  "consumeFromMinEnable": True, "consumeMessageOrderly": False, "groupName": group,
+                                  "groupSysFlag": 0, "notifyConsumerIdsChangedEnable": True, "retryMaxTimes": 16,
+                                  "retryQueueNums": 1, "whichBrokerWhenConsumeSlowly": 1}
+            try:
+                self.persist()
+            except BaseException:
+                del self.groups[group]
+                raise
+
+    def persist(self) -> None:
+        if self.read_only:
+            return
+        with self._lock:
+            self.version += 1
+            self._write({"dataVersion": data_version(self.version), "subscriptionGroupTable": self.groups,
+                         **self.extra})

@@ -16,6 +16,19 @@ class ConfigError(RocketStoreError, ValueError):
     """A ``StoreConfig`` value is out of range or inconsistent with the files on disk."""
 
 
+class ConfigFileError(ConfigError):
+    """A file of ``config/`` (topics.json, consumerOffset.json, ...) cannot be used: unreadable bytes, bad JSON,
+    or a field that is not what RocketMQ writes there. ``path`` names the file, ``field`` the dotted field
+    (empty when the whole document is bad) and ``reason`` what was found."""
+
+    def __init__(self, reason: str, path: str | None = None, field: str = "") -> None:
+        self.reason = reason
+        self.path = path
+        self.field = field
+        where = f"{path}: " if path is not None else ""
+        super().__init__(f"{where}{field} {reason}" if field else f"{where}{reason}")
+
+
 class StoreLockedError(RocketStoreError):
     """Another writer (a rocketstore process or a RocketMQ broker) holds the store's lock file."""
 

@@ -125,7 +125,7 @@ class MessageStore:
             _clear_staging(self.root / STAGING_DIR)
         abnormal = self._abort.exists()
         for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.subscription_groups):
-            config_file.load()
+            config_file.load(empty_if_bad=self.read_only)  # a reader still serves the messages
         self.commit_log.load()
         self.queues.load()
         self.checkpoint = StoreCheckpoint.load(self.root / CHECKPOINT_FILE, read_only=self.read_only)
