@@ -142,8 +142,8 @@ class MessageEncoder:
         if self.store_host.is_ipv6:
             sys_flag |= SysFlag.STOREHOST_V6
 
-        properties = self._properties(msg)
-        topic, queue_id = self._schedule(topic, queue_id, properties)
+        properties = self.properties_for(msg.properties or {}, msg.tags, msg.key_list())
+        topic, queue_id = self.schedule(topic, queue_id, properties)
         uniq_key = properties[PropertyName.UNIQ_KEY]
         wait_store = properties.get(PropertyName.WAIT, "true").lower() != "false"
         props = encode_properties(properties, checked=True).encode("utf-8")
@@ -169,7 +169,7 @@ class MessageEncoder:
         )
         return PendingRecord(data, topic, queue_id, sys_flag, uniq_key, wait_store)
 
-    def _schedule(self, topic: str, queue_id: int, properties: dict[str, str]) -> tuple[str, int]:
+    def schedule(self, topic: str, queue_id: int, properties: dict[str, str]) -> tuple[str, int]:
         """A DELAY message goes to SCHEDULE_TOPIC_XXXX, queue level-1, its real topic and queue kept in
         REAL_TOPIC/REAL_QID (``CommitLog.asyncPutMessage``); a level past the last is the last."""
         raw = properties.get(PropertyName.DELAY)
@@ -187,9 +187,10 @@ class MessageEncoder:
         properties[PropertyName.REAL_QUEUE_ID] = str(queue_id)
         return SCHEDULE_TOPIC, level - 1
 
-    def _properties(self, msg: Message) -> dict[str, str]:
-        """User properties plus TAGS, KEYS and a UNIQ_KEY (generated when the message has none)."""
-        user = msg.properties or {}
+    def properties_for(self, user: dict[str, str], tags: str | None, keys: list[str],
+                       uniq_key: str | None = None) -> dict[str, str]:
+        """User properties plus TAGS, KEYS and a UNIQ_KEY (``uniq_key``, or generated, when the message has
+        none). Shared by the per-message and the batch encoder, so their properties strings agree."""
         if not isinstance(user, dict):
             raise InvalidPropertyError("properties must be a dict of str to str")
         properties: dict[str, str] = {}
@@ -197,12 +198,11 @@ class MessageEncoder:
             check_property(name, value)
             properties[name] = value
         properties.pop(PropertyName.CRC32, None)  # the store owns the record CRC
-        if msg.tags is not None and msg.tags != "":
-            check_property(PropertyName.TAGS, msg.tags)
-            if properties.get(PropertyName.TAGS, msg.tags) != msg.tags:
+        if tags is not None and tags != "":
+            check_property(PropertyName.TAGS, tags)
+            if properties.get(PropertyName.TAGS, tags) != tags:
                 raise InvalidPropertyError("TAGS given both as tags= and in properties, with different values")
-            properties[PropertyName.TAGS] = msg.tags
-        keys = msg.key_list()
+            properties[PropertyName.TAGS] = tags
         if keys:
             for key in keys:
                 if not isinstance(key, str) or not key or KEY_SEPARATOR in key:
@@ -213,5 +213,5 @@ class MessageEncoder:
                 raise InvalidPropertyError("KEYS given both as keys= and in properties, with different values")
             properties[PropertyName.KEYS] = joined
         if PropertyName.UNIQ_KEY not in properties:
-            properties[PropertyName.UNIQ_KEY] = self.uniq_keys.next()
+            properties[PropertyName.UNIQ_KEY] = uniq_key or self.uniq_keys.next()
         return properties

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .codec.hosts import Host
 from .codec.properties import PropertyName, split_keys
@@ -127,3 +128,34 @@ class PutMessageResult:
     @property
     def ok(self) -> bool:
         return self.status is PutMessageStatus.PUT_OK
+
+
+@dataclass(frozen=True, slots=True)
+class PutBatchResult:
+    """The outcome of ``put_batch``: one status for the table, and per row (in row order) where it went.
+
+    Columns are numpy arrays (offsets, sizes) and Arrow string arrays (ids); ``to_arrow`` gives a table.
+    """
+
+    status: PutMessageStatus
+    commit_log_offsets: Any  # np.ndarray[int64]
+    queue_offsets: Any  # np.ndarray[int64]
+    store_sizes: Any  # np.ndarray[int64]
+    store_timestamp: int
+    msg_ids: Any  # pyarrow.StringArray: offset msgIds
+    uniq_keys: Any  # pyarrow.StringArray
+
+    def __len__(self) -> int:
+        return len(self.commit_log_offsets)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is PutMessageStatus.PUT_OK
+
+    def to_arrow(self):
+        import pyarrow as pa
+
+        return pa.table({"msgId": self.msg_ids, "uniqKey": self.uniq_keys,
+                         "commitLogOffset": self.commit_log_offsets, "queueOffset": self.queue_offsets,
+                         "storeSize": self.store_sizes})
+

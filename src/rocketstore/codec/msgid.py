@@ -15,13 +15,14 @@ guess the month: the current one, or the previous one when that would put the id
 from __future__ import annotations
 
 import datetime as dt
-import itertools
 import os
 import random
 import struct
 import threading
 import time
 from typing import NamedTuple
+
+import numpy as np
 
 from ..errors import InvalidMessageIdError
 from .hosts import Host
@@ -86,23 +87,41 @@ class UniqKeyGenerator:
         if class_loader_hash is None:
             class_loader_hash = random.getrandbits(32) - (1 << 31)
         self._loader = class_loader_hash
-        self._counter = itertools.count(random.getrandbits(16))
+        self._counter = random.getrandbits(16)
         self._lock = threading.Lock()
         self._month = (0, 0)
 
-    def next(self, now_ms: int | None = None) -> str:
-        now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    def _take(self, count: int, now: int) -> tuple[int, int]:
+        """(elapsed ms field, first counter) for ``count`` consecutive ids."""
         with self._lock:
             start, nxt = self._month
             if not start <= now < nxt:
                 self._month = start, nxt = _month_start_ms(now)
-            count = next(self._counter) & 0xFFFF
+            first = self._counter
+            self._counter = (first + count) & 0xFFFF
         elapsed = _java_int(now - start)  # Java casts to int: wraps after ~24.86 days of a month
         if -1_000_000 < elapsed < 0:
             elapsed = 0
+        return elapsed, first
+
+    def next(self, now_ms: int | None = None) -> str:
+        now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+        elapsed, count = self._take(1, now)
         counter = count - 0x10000 if count & 0x8000 else count
         tail = _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, counter)
         return (self._prefix + tail).hex().upper()
+
+    def raw_block(self, count: int, now_ms: int | None = None) -> np.ndarray:
+        """``count`` consecutive ids as raw bytes, one row each (the batch encoder hex-encodes them at once)."""
+        now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+        elapsed, first = self._take(count, now)
+        head = self._prefix + _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, 0)[:-2]
+        raw = np.empty((count, len(head) + 2), dtype=np.uint8)
+        raw[:, : len(head)] = np.frombuffer(head, dtype=np.uint8)
+        counters = (np.arange(count, dtype=np.int64) + first) & 0xFFFF
+        raw[:, -2] = counters >> 8
+        raw[:, -1] = counters & 0xFF
+        return raw
 
 
 def decode_uniq_key(uniq_key: str, now_ms: int | None = None) -> UniqKeyInfo:

@@ -1,0 +1,206 @@
+"""The column-wise encoder and ``MessageStore.put_batch``.
+
+The batch encoder must write exactly the bytes the per-message encoder writes (hypothesis, every field
+the table can carry), reject a bad row before anything is written, and put rows where they can be read
+back every way: by queue, by key, by UNIQ_KEY and msgId, across segment boundaries, under SYNC_FLUSH.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from unittest import mock
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rocketstore import FlushDiskType, Message, MessageStore, PutMessageStatus, StoreConfig
+from rocketstore.codec.batch_encode import BatchEncoder
+from rocketstore.encoder import MessageEncoder
+from rocketstore.errors import (
+    InvalidFlagError,
+    InvalidPropertyError,
+    InvalidQueueError,
+    InvalidTopicError,
+    MessageIllegalError,
+    MessageTooLargeError,
+    TopicNotExistError,
+)
+
+NOW = 1_790_000_000_123
+SMALL = StoreConfig(mapped_file_size_commit_log=16 * 1024, mapped_file_size_consume_queue=20 * 64,
+                    max_hash_slot_num=97, max_index_num=2000)
+
+topics = st.sampled_from(["TopicA", "T", "%RETRY%group", "x" * 127, "%RETRY%" + "g" * 200, "Orders_1"])  # V2 too
+texts = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x01\x02 "), min_size=1,
+                max_size=12)
+props = st.dictionaries(st.sampled_from(["a", "b", "ORDER", "TAGS", "DELAY", "WAIT", "zz"]), texts, max_size=4)
+rows = st.lists(st.fixed_dictionaries({
+    "topic": topics,
+    "body": st.binary(max_size=300),
+    "keys": st.lists(texts, max_size=3),
+    "tags": st.one_of(st.none(), texts),
+    "queue_id": st.integers(0, 7),
+    "flag": st.integers(-(1 << 31), (1 << 31) - 1),
+    "born_timestamp": st.integers(0, 1 << 45),
+    "born_host": st.sampled_from([None, "10.0.0.7:4000", "[2001:db8::1]:9876"]),
+    "properties": st.one_of(st.none(), props),
+}), min_size=1, max_size=12)
+
+
+def table_of(items: list[dict]) -> pa.Table:
+    return pa.table({
+        "topic": pa.array([r["topic"] for r in items], pa.string()),
+        "body": pa.array([r["body"] for r in items], pa.binary()),
+        "keys": pa.array([r["keys"] for r in items], pa.list_(pa.string())),
+        "tags": pa.array([r["tags"] for r in items], pa.string()),
+        "queue_id": pa.array([r["queue_id"] for r in items], pa.int32()),
+        "flag": pa.array([r["flag"] for r in items], pa.int32()),
+        "born_timestamp": pa.array([r["born_timestamp"] for r in items], pa.int64()),
+        "born_host": pa.array([r["born_host"] for r in items], pa.string()),
+        "properties": pa.array([list((r["properties"] or {}).items()) for r in items],
+                               pa.map_(pa.string(), pa.string())),
+    })
+
+
+def message_of(r: dict) -> Message:
+    return Message(r["topic"], r["body"], tags=r["tags"], keys=r["keys"], properties=r["properties"],
+                   queue_id=r["queue_id"], flag=r["flag"], born_timestamp=r["born_timestamp"],
+                   born_host=r["born_host"])
+
+
+def usable(r: dict) -> bool:
+    p = r["properties"] or {}
+    if "TAGS" in p and r["tags"] not in (None, "") and p["TAGS"] != r["tags"]:
+        return False  # a conflict both encoders reject; the error test covers it
+    return "DELAY" not in p or p["DELAY"].lstrip("-").isdigit()
+
+
+@pytest.mark.parametrize("store_host", ["127.0.0.1:10911", "[::1]:10911"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=rows, prop_crc=st.booleans())
+def test_batch_and_single_encoders_write_the_same_bytes(items, prop_crc, store_host):
+    items = [r for r in items if usable(r)]
+    if not items:
+        return
+    config = StoreConfig(enabled_append_prop_crc=prop_crc, store_host=store_host)
+    single = MessageEncoder(config)
+    batch = BatchEncoder(MessageEncoder(config))
+    counter = single.uniq_keys._counter
+    batch.encoder.uniq_keys = single.uniq_keys  # the same generator, rewound between the two runs
+    with mock.patch("time.time_ns", return_value=NOW * 1_000_000):
+        encoded = batch.encode(table_of(items))
+        single.uniq_keys._counter = counter
+        records = [single.encode(message_of(r)) for r in items]
+    assert bytes(encoded.data) == b"".join(bytes(rec.data) for rec in records)
+    assert encoded.uniq_keys.to_pylist() == [rec.uniq_key for rec in records]
+    assert [encoded.topics[i] for i in encoded.topic_index] == [rec.topic for rec in records]
+    assert encoded.queue_ids.tolist() == [rec.queue_id for rec in records]
+
+
+def fast_table(n: int, start: int = 0, topics: int = 3) -> pa.Table:
+    return pa.table({
+        "topic": pa.array([f"Topic{i % topics}" for i in range(start, start + n)]),
+        "body": pa.array([hashlib.sha256(str(i).encode()).digest() * (1 + i % 4) for i in range(start, start + n)]),
+        "keys": pa.array([[f"k{i}", f"g{i % 10}"] for i in range(start, start + n)], pa.list_(pa.string())),
+        "tags": pa.array([f"Tag{i % 2}" if i % 3 else None for i in range(start, start + n)], pa.string()),
+        "queue_id": pa.array([i % 4 for i in range(start, start + n)], pa.int32()),
+    })
+
+
+@pytest.mark.parametrize("mode", [FlushDiskType.ASYNC_FLUSH, FlushDiskType.SYNC_FLUSH])
+def test_put_batch_round_trip_across_segments(tmp_path, mode):
+    config = SMALL.replace(flush_disk_type=mode)
+    with MessageStore.open(tmp_path, config) as store:
+        first = store.put_message(Message("Topic0", b"before", queue_id=0))
+        result = store.put_batch(fast_table(300))  # ~20 KiB of records per 16 KiB segment: several appends
+        assert result.status is PutMessageStatus.PUT_OK and len(result) == 300
+        store.wait_for_dispatch()
+        offsets = result.commit_log_offsets.tolist()
+        assert offsets == sorted(offsets) and offsets[0] > first.commit_log_offset
+        assert len({o // config.mapped_file_size_commit_log for o in offsets}) > 3
+        table = fast_table(300).to_pylist()
+        for i in (0, 1, 2, 150, 299):
+            msg = store.look_message_by_offset(offsets[i])
+            assert (msg.topic, msg.body, msg.keys, msg.tags, msg.queue_id) == \
+                (table[i]["topic"], table[i]["body"], table[i]["keys"], table[i]["tags"], table[i]["queue_id"])
+            assert msg.queue_offset == result.queue_offsets[i]
+            assert msg.msg_id == result.msg_ids[i].as_py() and msg.uniq_key == result.uniq_keys[i].as_py()
+            assert msg.store_timestamp == result.store_timestamp
+            assert [m.commit_log_offset for m in store.query_message(msg.topic, f"k{i}")] == [offsets[i]]
+            assert store.query_message_by_uniq_key(msg.topic, msg.uniq_key)[0].commit_log_offset == offsets[i]
+            assert store.view_message_by_id(msg.msg_id).commit_log_offset == offsets[i]
+        got = store.get_message("Topic0", 0, 0, max_msgs=1000).messages
+        assert [m.body for m in got] == [b"before"] + [r["body"] for r in table if (r["topic"], r["queue_id"]) ==
+                                                       ("Topic0", 0)]
+        assert [m.queue_offset for m in got] == list(range(len(got)))
+        assert result.to_arrow().num_rows == 300
+    with MessageStore.open(tmp_path, config) as reopened:  # and after a clean reopen
+        assert sum(1 for _ in reopened.iter_messages()) == 301
+
+
+def store_bytes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("lock", "abort")}
+
+
+@pytest.mark.parametrize(("column", "value", "error", "row"), [
+    ("topic", "bad/topic", InvalidTopicError, 5),
+    ("keys", ["has space"], InvalidPropertyError, 5),
+    ("keys", [""], InvalidPropertyError, 5),
+    ("tags", "a\x01b", InvalidPropertyError, 5),
+    ("body", b"x" * (4 * 1024 * 1024 + 1), MessageTooLargeError, 5),
+    ("queue_id", 100_000, InvalidQueueError, None),
+])
+def test_a_bad_row_is_named_and_nothing_is_written(tmp_path, column, value, error, row):
+    with MessageStore.open(tmp_path, SMALL) as store:
+        store.create_topic("Topic0", 4)
+        store.put_batch(fast_table(10))
+        store.wait_for_dispatch()
+        before = store_bytes(tmp_path)
+        end = store.max_phy_offset
+        data = fast_table(10, start=10).to_pylist()
+        data[5][column] = value
+        schema = fast_table(1).schema
+        with pytest.raises(error) as caught:
+            store.put_batch(pa.Table.from_pylist(data, schema=schema))
+        if row is not None:
+            assert f"row {row}" in str(caught.value)
+        assert store.max_phy_offset == end
+    after = store_bytes(tmp_path)
+    changed = {k for k in before if before[k] != after.get(k)} - {"checkpoint"}
+    assert not {k for k in changed if k.startswith(("commitlog", "consumequeue", "index"))}
+
+
+def test_bad_columns_and_properties(tmp_path):
+    with MessageStore.open(tmp_path, SMALL.replace(auto_create_topic_enable=False)) as store:
+        with pytest.raises(MessageIllegalError, match="column"):
+            store.put_batch(pa.table({"topic": ["T"]}))
+        with pytest.raises(MessageIllegalError, match="does not know"):
+            store.put_batch(pa.table({"topic": ["T"], "body": [b"x"], "colour": ["red"]}))
+        with pytest.raises(TopicNotExistError):
+            store.put_batch(pa.table({"topic": ["T"], "body": [b"x"]}))
+        store.create_topic("T", 2)
+        with pytest.raises(InvalidFlagError, match="row 1"):
+            store.put_batch(pa.table({"topic": ["T", "T"], "body": [b"x", b"y"], "flag": pa.array([1, 1 << 40])}))
+        bad_props = pa.array([[("a", "1")], [("b", "x\x02y")]], pa.map_(pa.string(), pa.string()))
+        with pytest.raises(InvalidPropertyError, match="row 1"):
+            store.put_batch(pa.table({"topic": ["T", "T"], "body": [b"x", b"y"], "properties": bad_props}))
+        assert store.max_phy_offset == 0
+        result = store.put_batch(pa.table({"topic": ["T"], "body": [b"x"], "keys": ["a b  c"]}))
+        store.wait_for_dispatch()
+        assert store.look_message_by_offset(int(result.commit_log_offsets[0])).keys == ["a", "b", "c"]
+
+
+def test_delayed_rows_go_to_the_schedule_topic_and_are_findable_by_key(tmp_path):
+    props = pa.array([[("DELAY", "2")], []], pa.map_(pa.string(), pa.string()))
+    with MessageStore.open(tmp_path, SMALL) as store:
+        result = store.put_batch(pa.table({"topic": ["Late", "Now"], "body": [b"later", b"now"],
+                                           "keys": [["late-1"], ["now-1"]], "properties": props}))
+        store.wait_for_dispatch()
+        late = store.look_message_by_offset(int(result.commit_log_offsets[0]))
+        assert late.topic == "SCHEDULE_TOPIC_XXXX" and late.queue_id == 1
+        assert late.properties["REAL_TOPIC"] == "Late"
+        assert [m.body for m in store.query_message("Late", "late-1")] == [b"later"]
