@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
 from rocketstore import Message, MessageStore, StoreConfig
-from rocketstore.brokerconfig import parse_fastjson
+from rocketstore.brokerconfig import (
+    ConsumerOffsetManager,
+    DelayOffsetManager,
+    OffsetTable,
+    SubscriptionGroupManager,
+    TopicConfigManager,
+    parse_fastjson,
+    to_fastjson,
+)
+from rocketstore.errors import ConfigError, ConfigFileError
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
                      max_hash_slot_num=97, max_index_num=388, flush_consumer_offset_interval=10)
@@ -91,3 +106,234 @@ def test_concurrent_consumers_never_tear_or_lose_config_files(tmp_path, caplog):
     assert set(parse_fastjson((config_dir / "subscriptionGroup.json").read_text())["subscriptionGroupTable"]) == \
         groups
     assert not [p.name for p in config_dir.iterdir() if ".tmp" in p.name], "no temporary files left behind"
+
+
+# --- item 5: hostile content ------------------------------------------------------------------------------------
+
+MANAGERS = {"topics.json": TopicConfigManager, "consumerOffset.json": ConsumerOffsetManager,
+            "delayOffset.json": DelayOffsetManager, "subscriptionGroup.json": SubscriptionGroupManager}
+GOOD = {"topics.json": '{"topicConfigTable":{"T":{"readQueueNums":4,"writeQueueNums":4,"perm":6}}}',
+        "consumerOffset.json": '{"offsetTable":{"T@g":{0:7,1:8}}}',
+        "delayOffset.json": '{"offsetTable":{1:3,2:4}}',
+        "subscriptionGroup.json": '{"subscriptionGroupTable":{"g":{"groupName":"g","retryMaxTimes":16}}}'}
+# (file, content, what the error must name)
+HOSTILE = [
+    ("topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": \xff}}}', "not UTF-8"),
+    ("topics.json", b"[" * 100_000, "nests too deeply"),
+    ("topics.json", b'{"a":' * 100_000, "nests too deeply"),
+    ("topics.json", b'{"topicConfigTable": []}', "topicConfigTable must be an object, not a list"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": "x"}}}',
+     "topicConfigTable.T.writeQueueNums must be an integer 1..1024, not 'x'"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"readQueueNums": -1}}}', "topicConfigTable.T.readQueueNums"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"readQueueNums": 100000000000}}}', "T.readQueueNums"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": true}}}', "not true"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"perm": "6"}}}', "topicConfigTable.T.perm"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"perm": 6.0}}}', "topicConfigTable.T.perm"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"order": 1}}}', "topicConfigTable.T.order must be true or false"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"attributes": {"a": 1}}}}', "T.attributes.a must be a string"),
+    ("topics.json", b'{"topicConfigTable": {"T": "x"}}', "topicConfigTable.T must be an object"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"perm": NaN}}}', "NaN"),
+    ("topics.json", b'{"topicConfigTable": {"T": {"perm": -Infinity}}}', "Infinity"),
+    ("topics.json", b'{"x": 1e400}', "out of range"),
+    ("topics.json", b'{"topicConfigTable": {"T": {}, "T": {}}}', "duplicate key 'T'"),
+    ("topics.json", b'{"topicConfigTable": {"\\ud800": {}}}', "surrogate"),
+    ("topics.json", b'{"topicConfigTable": {"": {}}}', "empty name"),
+    ("topics.json", b'{"x": ' + b"[" * 70 + b"]" * 70 + b"}", "nests deeper than 64"),
+    ("topics.json", b"[]", "must be an object, not a list"),
+    ("topics.json", b"null", "must be an object, not null"),
+    ("topics.json", b'{"topicConfigTable": {"T": {', "not valid JSON"),
+    ("topics.json", b'{"dataVersion": {"counter": "x"}}', "dataVersion.counter must be an integer"),
+    ("topics.json", b'{"dataVersion": []}', "dataVersion must be an object"),
+    ("consumerOffset.json", b'{"offsetTable": {"T@g": {"0": "abc"}}}', "offsetTable.T@g.0 must be an integer"),
+    ("consumerOffset.json", b'{"offsetTable": {"T@g": {"x": 1}}}', "offsetTable.T@g.x key must be an integer"),
+    ("consumerOffset.json", b'{"offsetTable": {"T@g": {0: 1, "0": 2}}}', "offsetTable.T@g.0 appears twice"),
+    ("consumerOffset.json", b'{"offsetTable": {"T@g": {0: -5}}}', "offsetTable.T@g.0 must be"),
+    ("consumerOffset.json", b'{"offsetTable": {"T@g": [1, 2]}}', "offsetTable.T@g must be an object"),
+    ("consumerOffset.json", b'{"offsetTable": {"T@g": {0: 99999999999999999999}}}', "offsetTable.T@g.0"),
+    ("consumerOffset.json", b'{"offsetTable": 5}', "offsetTable must be an object, not 5"),
+    ("delayOffset.json", b'{"offsetTable": {1: "x"}}', "offsetTable.1 must be an integer"),
+    ("delayOffset.json", b'{"offsetTable": {0: 1}}', "offsetTable.0 key must be an integer 1.."),
+    ("subscriptionGroup.json", b'{"subscriptionGroupTable": {"g": {"consumeEnable": "yes"}}}',
+     "subscriptionGroupTable.g.consumeEnable must be true or false"),
+    ("subscriptionGroup.json", b'{"subscriptionGroupTable": {"g": 1}}', "subscriptionGroupTable.g must be an object"),
+    ("subscriptionGroup.json", b'{"subscriptionGroupTable": {"g": {"retryMaxTimes": 1.5}}}', "g.retryMaxTimes"),
+]
+
+
+def _write(root: Path, name: str, main: bytes | str | None, bak: bytes | str | None = None) -> None:
+    (root / "config").mkdir(parents=True, exist_ok=True)
+    for suffix, content in (("", main), (".bak", bak)):
+        path = root / "config" / f"{name}{suffix}"
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(content.encode() if isinstance(content, str) else content)
+
+
+@pytest.mark.parametrize(("name", "content", "names"), HOSTILE,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(HOSTILE)])
+def test_a_hostile_file_is_a_config_error_naming_file_and_field_and_its_backup_is_used(tmp_path, caplog, name,
+                                                                                        content, names):
+    _write(tmp_path, name, content)
+    manager = MANAGERS[name](tmp_path)
+    with pytest.raises(ConfigFileError) as caught:
+        manager.load()
+    assert names in str(caught.value) and str(caught.value).startswith(str(tmp_path / "config" / name))
+    assert manager.load_error is caught.value
+    _write(tmp_path, name, content, bak=content)  # both copies bad
+    with pytest.raises(ConfigFileError, match=r"its backup .* is bad too"):
+        MANAGERS[name](tmp_path).load()
+    _write(tmp_path, name, content, bak=GOOD[name])
+    with caplog.at_level(logging.WARNING, logger="rocketstore.brokerconfig"):
+        from_bak = MANAGERS[name](tmp_path)
+        from_bak.load()
+    assert names in caplog.text and "loaded from its backup" in caplog.text
+    _write(tmp_path / "good", name, GOOD[name])
+    good = MANAGERS[name](tmp_path / "good")
+    good.load()
+    assert vars(from_bak).keys() == vars(good).keys()
+    assert _state(from_bak) == _state(good)
+
+
+def _state(manager) -> object:
+    """What a manager loaded, comparable across instances."""
+    if isinstance(manager, TopicConfigManager):
+        return {k: (v.read_queue_nums, v.write_queue_nums, v.perm, v.order, v.attributes, v.extra)
+                for k, v in manager.topics.items()}, manager.extra
+    if isinstance(manager, SubscriptionGroupManager):
+        return manager.groups, manager.extra
+    return manager.table, manager.extra
+
+
+def test_fastjson_keys_are_only_rewritten_outside_strings(tmp_path):
+    text = '{"topicConfigTable":{"T":{"attributes":{"a":"x,1:y","{2:":"z"},"perm":6}},"n":{3:{"s":",4: "}}}'
+    assert parse_fastjson(text)["topicConfigTable"]["T"]["attributes"] == {"a": "x,1:y", "{2:": "z"}
+    assert parse_fastjson(text)["n"] == {3: {"s": ",4: "}}
+    _write(tmp_path, "topics.json", text)
+    topics = TopicConfigManager(tmp_path)
+    topics.load()
+    topics.persist()
+    again = TopicConfigManager(tmp_path)
+    again.load()
+    assert again.get("T").attributes == {"a": "x,1:y", "{2:": "z"} and again.extra == {"n": {3: {"s": ",4: "}}}
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _store_with_messages(root: Path) -> None:
+    with MessageStore.open(root, CONFIG) as store:
+        store.put_messages([Message("T", f"m{i}".encode(), keys=[f"k{i}"], queue_id=i % 2) for i in range(6)])
+        store.wait_for_dispatch()
+        with store.consumer("g", "T") as consumer:
+            consumer.poll(timeout=1.0)
+
+
+def test_a_writer_refuses_a_store_whose_file_and_backup_are_both_bad_and_changes_nothing(tmp_path):
+    _store_with_messages(tmp_path)
+    _write(tmp_path, "topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": "x"}}}', bak=b"\xff")
+    before = _tree(tmp_path)
+    with pytest.raises(ConfigFileError, match=r"topics\.json: topicConfigTable\.T\.writeQueueNums must be"):
+        MessageStore.open(tmp_path, CONFIG)
+    assert _tree(tmp_path) == before, "nothing written, nothing removed"
+    _write(tmp_path, "topics.json", GOOD["topics.json"], bak=b"\xff")  # repaired: the lock was released
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.topic_config.get("T").write_queue_nums == 4
+        store.create_topic("U", 2)
+    for suffix in ("", ".bak"):  # the bad backup was not kept, and the bad main never became one
+        TopicConfigManager.SCHEMA(parse_fastjson((tmp_path / "config" / f"topics.json{suffix}").read_text()), "")
+
+
+def test_a_bad_main_file_never_becomes_the_backup(tmp_path):
+    """The main file is bad, the backup good: the next write must not copy the bad file into the backup."""
+    offsets = ConsumerOffsetManager(tmp_path)
+    offsets.commit("g", "T", 0, 5)
+    offsets.persist()
+    _write(tmp_path, "consumerOffset.json", b'{"offsetTable": {"T@g": {"0": "abc"}}}',
+           bak=GOOD["consumerOffset.json"])
+    offsets = ConsumerOffsetManager(tmp_path)
+    offsets.load()
+    assert offsets.query("g", "T", 0) == 7
+    offsets.commit("g", "T", 0, 9)
+    offsets.persist()
+    for suffix in ("", ".bak"):
+        again = parse_fastjson((tmp_path / "config" / f"consumerOffset.json{suffix}").read_text())
+        assert again["offsetTable"]["T@g"][0] == 9
+
+
+def test_read_only_opens_serve_the_messages_with_hostile_config_files(tmp_path, caplog):
+    _store_with_messages(tmp_path)
+    for name in MANAGERS:
+        _write(tmp_path, name, b'{"x": ' + b"[" * 100_000, bak=b"\xfe\xff")
+    before = _tree(tmp_path)
+    with caplog.at_level(logging.WARNING), MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
+        assert sorted(m.body for m in store.iter_messages()) == [f"m{i}".encode() for i in range(6)]
+        assert [m.body for m in store.query_message("T", "k3")] == [b"m3"]
+        assert store.topic_config.topics == {} and isinstance(store.topic_config.load_error, ConfigFileError)
+        assert store.query_offset("g", "T", 0) == -1
+    assert "using an empty topics.json" in caplog.text
+    assert _tree(tmp_path) == before
+
+
+ROCKETSTORE = Path(sys.executable).with_name("rocketstore")
+
+
+@pytest.mark.parametrize("args", [["print-msg", "-t", "T"], ["query-by-key", "-t", "T", "-k", "k3"], ["inspect"],
+                                  ["topic", "list"]])
+def test_read_only_cli_commands_work_with_a_hostile_topics_json(tmp_path, args):
+    _store_with_messages(tmp_path)
+    _write(tmp_path, "topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": "x"}}}', bak=b"\xff")
+    done = subprocess.run([str(ROCKETSTORE), *args, "--store", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert "Traceback" not in done.stderr
+    if args[0] == "topic":  # may list from the queues, or report the error in one line
+        listed = done.returncode == 0 and "T" in done.stdout
+        assert listed or (done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+                          and "topics.json" in done.stderr)
+        return
+    assert done.returncode == 0, done.stderr
+    assert "topics.json" in done.stderr  # the warning
+    if args[0] == "print-msg":
+        assert all(f"m{i}" in done.stdout or f"k{i}" in done.stdout for i in range(6)), done.stdout
+    elif args[0] == "query-by-key":  # m3: queue 1, offset 1
+        assert [line.split()[1:] for line in done.stdout.splitlines()[1:]] == [["1", "1"]], done.stdout
+
+
+# --- any content: ConfigError or success, and what loads writes back the same ---------------------------------------
+
+FIELD_NAMES = ["dataVersion", "counter", "stateVersion", "timestamp", "topicConfigTable", "topicName", "readQueueNums",
+               "writeQueueNums", "perm", "topicFilterType", "topicSysFlag", "order", "attributes", "offsetTable",
+               "subscriptionGroupTable", "groupName", "consumeEnable", "retryMaxTimes", "brokerId", "T", "T@g", "0",
+               "1"]
+LEAVES = (st.none() | st.booleans() | st.integers(-2, 1100) | st.integers() | st.floats() | st.text(max_size=8)
+          | st.sampled_from(["SINGLE_TAG", "MULTI_TAG", "x", ""]))
+JSONISH = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.sampled_from(FIELD_NAMES) | st.text(max_size=6) | st.integers(-1, 5), inner, max_size=5), max_leaves=30)
+DOCUMENTS = st.one_of(
+    JSONISH.map(to_fastjson).map(str.encode),
+    st.binary(max_size=200),
+    st.tuples(st.sampled_from(sorted(GOOD.values())), st.integers(0, 120), st.binary(max_size=3)).map(
+        lambda t: t[0].encode()[:t[1]] + t[2] + t[0].encode()[t[1] + len(t[2]):]),  # a good file, a few bytes changed
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(MANAGERS)), main=DOCUMENTS, bak=st.none() | DOCUMENTS)
+def test_any_content_loads_or_is_a_config_error_and_round_trips(tmp_path, name, main, bak):
+    _write(tmp_path, name, main, bak)
+    manager = MANAGERS[name](tmp_path)
+    try:
+        manager.load()
+    except ConfigError:
+        event("ConfigError")
+        assert _state(manager) == _state(MANAGERS[name](tmp_path)), "a failed load changes nothing"
+        return
+    event("loaded")
+    if isinstance(manager, OffsetTable):
+        manager.persist(force=True)
+    else:
+        manager.persist()
+    again = MANAGERS[name](tmp_path)
+    again.load()
+    assert _state(again) == _state(manager)

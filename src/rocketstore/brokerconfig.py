@@ -300,20 +300,19 @@ def load_config(path: Path, schema: Check = free) -> dict | None:
         try:
             data = _read_config(candidate, schema)
         except ConfigFileError as exc:
-            log.warning("%s%s", exc, "; trying its backup" if candidate == path else "")
             problems.append(exc)
             continue
         if data is not None:
             if problems:
-                log.warning("%s: loaded from its backup %s", path, bak.name)
+                log.warning("%s; loaded from its backup %s", problems[0], bak.name)
             return data
     if not problems:
         return None
-    first = problems[0]
-    if len(problems) == 2:
-        raise ConfigFileError(f"{first.reason}; and its backup {bak.name} is bad too: {problems[1]}", first.path,
-                              first.field)
-    raise first
+    if len(problems) == 1:
+        raise problems[0]
+    first, second = problems
+    raise ConfigFileError(f"{first.reason}; and its backup {bak.name} is bad too: {second.field} {second.reason}"
+                          .replace(":  ", ": "), first.path, first.field)
 
 
 @dataclass
