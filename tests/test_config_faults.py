@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -337,3 +340,81 @@ def test_any_content_loads_or_is_a_config_error_and_round_trips(tmp_path, name, 
     again = MANAGERS[name](tmp_path)
     again.load()
     assert _state(again) == _state(manager)
+
+
+# --- killed and failing writers -------------------------------------------------------------------------------------
+
+WRITER = """
+import sys
+from pathlib import Path
+from rocketstore.brokerconfig import ConsumerOffsetManager
+offsets = ConsumerOffsetManager(Path(sys.argv[1]))
+offsets.load()
+n = 0
+while True:
+    for g in range(50):
+        offsets.commit(f"g{g}", "T", n % 8, n)
+    offsets.persist()
+    n += 1
+    if n == 1:
+        print("writing", flush=True)
+"""
+
+
+def test_a_killed_writer_leaves_whole_files_and_its_temporaries_go_at_the_next_writer_open(tmp_path):
+    config_dir = tmp_path / "config"
+    for _ in range(5):
+        child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "writing\n"
+        time.sleep(random.uniform(0, 0.05))  # kill at a random point of the write loop
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        for suffix in ("", ".bak"):
+            ConsumerOffsetManager.SCHEMA(parse_fastjson((config_dir / f"consumerOffset.json{suffix}").read_text()), "")
+    stale = config_dir / "consumerOffset.json.tmp.99999.0"
+    stale.write_text('{"offsetTable":{"T@g"')
+    (config_dir / "consumerOffset.json.bak.tmp").write_text("")  # the name older versions used
+    ConsumerOffsetManager(tmp_path, read_only=True).load()
+    assert stale.exists(), "a reader removes nothing"
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.consumer_offsets.groups("T")
+        assert not [p.name for p in config_dir.iterdir() if ".tmp" in p.name]
+
+
+FAILING_WRITER = """
+import json, sys
+from pathlib import Path
+from rocketstore.brokerconfig import ConsumerOffsetManager
+from rocketstore.errors import StoreIOError
+offsets = ConsumerOffsetManager(Path(sys.argv[1]))
+offsets.commit("g", "T", 0, 1)
+offsets.persist()  # fsyncs 1 (the file's temporary) and 2 (the directory)
+offsets.commit("g", "T", 0, 2)
+try:
+    offsets.persist()  # fsyncs 3 (the backup's temporary), 4 (the file's), 5 (the directory)
+    error = None
+except StoreIOError as exc:
+    error = type(exc).__name__
+print(json.dumps({"error": error, "dirty": offsets.dirty}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("failing_fsync", [3, 4, 5])
+def test_a_failed_write_keeps_a_good_file_and_is_retried(tmp_path, failing_fsync):
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    done = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=fsync",
+                           "-e", f"inject=fsync:error=EIO:when={failing_fsync}",
+                           sys.executable, "-c", FAILING_WRITER, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(done.stdout) == {"error": "FlushError" if failing_fsync == 5 else "StoreIOError", "dirty": True}
+    config_dir = tmp_path / "config"
+    assert not [p.name for p in config_dir.iterdir() if ".tmp" in p.name], "temporaries removed"
+    offsets = ConsumerOffsetManager(tmp_path)
+    offsets.load()
+    assert offsets.query("g", "T", 0) == (2 if failing_fsync == 5 else 1)  # renamed before the directory fsync
+    offsets.commit("g", "T", 0, 3)
+    offsets.persist()
+    for suffix in ("", ".bak"):
+        ConsumerOffsetManager.SCHEMA(parse_fastjson((config_dir / f"consumerOffset.json{suffix}").read_text()), "")
