@@ -111,6 +111,37 @@ def test_concurrent_consumers_never_tear_or_lose_config_files(tmp_path, caplog):
     assert not [p.name for p in config_dir.iterdir() if ".tmp" in p.name], "no temporary files left behind"
 
 
+
+def test_two_managers_of_one_file_write_it_from_many_threads(tmp_path):
+    """persist_text is safe by itself: writers of one path share its lock, whichever manager they use."""
+    managers = [ConsumerOffsetManager(tmp_path), ConsumerOffsetManager(tmp_path)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    problems: list[str] = []
+    reads = [0]
+
+    def write(worker: int) -> None:
+        offsets = managers[worker % 2]
+        try:
+            for n in range(40):
+                offsets.commit(f"g{worker}", "T", 0, n)
+                offsets.persist(force=True)
+        except BaseException as exc:  # every failure of a writer fails the test
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write, args=(i,)) for i in range(6)]
+    reader = threading.Thread(target=_read_while_writing, args=(tmp_path / "config", stop, problems, reads))
+    for thread in [reader, *writers]:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    stop.set()
+    reader.join()
+    assert not errors, f"{len(errors)} writer errors, first: {errors[0]!r}"
+    assert not problems, problems[:3]
+    assert not [p.name for p in (tmp_path / "config").iterdir() if ".tmp" in p.name]
+
+
 # --- item 5: hostile content ------------------------------------------------------------------------------------
 
 MANAGERS = {"topics.json": TopicConfigManager, "consumerOffset.json": ConsumerOffsetManager,
