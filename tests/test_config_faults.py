@@ -26,7 +26,7 @@ from rocketstore.brokerconfig import (
     parse_fastjson,
     to_fastjson,
 )
-from rocketstore.errors import ConfigError, ConfigFileError
+from rocketstore.errors import ConfigError, ConfigFileError, RocketStoreError
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
                      max_hash_slot_num=97, max_index_num=388, flush_consumer_offset_interval=10)
@@ -449,3 +449,31 @@ def test_a_failed_write_keeps_a_good_file_and_is_retried(tmp_path, failing_fsync
     offsets.persist()
     for suffix in ("", ".bak"):
         ConsumerOffsetManager.SCHEMA(parse_fastjson((config_dir / f"consumerOffset.json{suffix}").read_text()), "")
+
+
+# --- bad input through the API never reaches the files ------------------------------------------------------------
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.commit_offset("g", "T", 0, "x"),
+    lambda s: s.commit_offset("g", "T", 0, -1),
+    lambda s: s.commit_offset("g", "T", True, 1),
+    lambda s: s.commit_offset("a b", "T", 0, 1),
+    lambda s: s.commit_offset("g\ud800", "T", 0, 1),
+    lambda s: s.consumer("", "T"),
+    lambda s: s.consumer("x" * 256, "T"),
+    lambda s: s.create_topic("U", True),
+    lambda s: s.create_topic("U", 4, read_queues=2000),
+    lambda s: s.topic_config.create_or_update("U", perm="6"),
+], ids=["offset-str", "offset-negative", "queue-bool", "group-space", "group-surrogate", "group-empty", "group-long",
+        "queues-bool", "read-queues-2000", "perm-str"])
+def test_bad_arguments_raise_typed_errors_and_never_make_the_store_unopenable(tmp_path, call):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.commit_offset("g", "T", 0, 1)
+        with pytest.raises(RocketStoreError):
+            call(store)
+        store.consumer_offsets.persist(force=True)
+        store.subscription_groups.persist()
+        store.topic_config.persist()
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.consumer_offsets.table == {"T@g": {0: 1}}
+        assert store.topic_config.get("U") is None and not store.subscription_groups.groups

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from .encoder import _TOPIC_CHARS, validate_topic
 from .errors import ConfigError, ConfigFileError, StoreIOError
 from .mapped.file import fsync_dir
 
@@ -48,6 +49,7 @@ CONFIG_DIR = "config"
 TOPIC_GROUP_SEPARATOR = "@"
 PERM_READ, PERM_WRITE = 0x4, 0x2
 MAX_QUEUE_NUMS = 1024
+GROUP_MAX_LENGTH = 255  # Validators.CHARACTER_MAX_LENGTH
 MAX_DEPTH = 64  # nesting allowed below a field of free content (RocketMQ's own files nest 4 levels)
 _I32_MAX, _I64_MAX = (1 << 31) - 1, (1 << 63) - 1
 # A JSON string (also an unterminated one, so that a torn file costs linear time) or a bare integer map key.
@@ -230,15 +232,34 @@ def record(fields: dict[str, Check]) -> Check:
     return check
 
 
+def group_name(value: object, where: str) -> str:
+    """RocketMQ's ``Validators.checkGroup``: the topic characters, at most 255 of them."""
+    if not isinstance(value, str) or not _TOPIC_CHARS.fullmatch(value) or len(value) > GROUP_MAX_LENGTH:
+        raise _Invalid(where, f"must be 1..{GROUP_MAX_LENGTH} letters, digits or %|_- characters, not {_show(value)}")
+    return value
+
+
+def checked(check: Check, value: object, what: str) -> object:
+    """``check`` applied to API input: a bad value raises ConfigError before anything is changed or written
+    (once written, it would make the file, and the store, fail to load)."""
+    try:
+        return check(value, what)
+    except _Invalid as exc:
+        raise ConfigError(f"{exc.where} {exc.reason}") from None
+
+
 _DATA_VERSION = record({"counter": integer(0, _I64_MAX), "stateVersion": integer(-_I64_MAX - 1, _I64_MAX),
                         "timestamp": integer(-_I64_MAX - 1, _I64_MAX)})
 _OFFSET = integer(0, _I64_MAX)
+_QUEUE_ID = integer(0, _I32_MAX)
+_QUEUE_NUMS = integer(1, MAX_QUEUE_NUMS)
+_PERM = integer(0, 15)
 _I32 = integer(-_I32_MAX - 1, _I32_MAX)
 TOPICS_SCHEMA = record({
     "dataVersion": _DATA_VERSION,
     "topicConfigTable": mapping(name_key, record({
-        "topicName": string(nonempty=True), "readQueueNums": integer(1, MAX_QUEUE_NUMS),
-        "writeQueueNums": integer(1, MAX_QUEUE_NUMS), "perm": integer(0, 15),
+        "topicName": string(nonempty=True), "readQueueNums": _QUEUE_NUMS, "writeQueueNums": _QUEUE_NUMS,
+        "perm": _PERM,
         "topicFilterType": string("SINGLE_TAG", "MULTI_TAG"), "topicSysFlag": _I32, "order": boolean,
         "attributes": mapping(name_key, string())})),
 })
@@ -311,8 +332,8 @@ def load_config(path: Path, schema: Check = free) -> dict | None:
     if len(problems) == 1:
         raise problems[0]
     first, second = problems
-    raise ConfigFileError(f"{first.reason}; and its backup {bak.name} is bad too: {second.field} {second.reason}"
-                          .replace(":  ", ": "), first.path, first.field)
+    why = f"{second.field} {second.reason}" if second.field else second.reason
+    raise ConfigFileError(f"{first.reason}; and its backup {bak.name} is bad too: {why}", first.path, first.field)
 
 
 @dataclass
@@ -513,12 +534,12 @@ class TopicConfigManager(ConfigFile):
 
     def create_or_update(self, topic: str, *, write_queue_nums: int = 8, read_queue_nums: int | None = None,
                          perm: int = PERM_READ | PERM_WRITE, order: bool = False) -> TopicConfig:
-        from .encoder import validate_topic
-
         validate_topic(topic)
-        if not 1 <= write_queue_nums <= MAX_QUEUE_NUMS or not 1 <= (read_queue_nums or write_queue_nums) <= \
-                MAX_QUEUE_NUMS:
-            raise ConfigError(f"a topic has 1 to {MAX_QUEUE_NUMS} queues")
+        checked(_QUEUE_NUMS, write_queue_nums, "writeQueueNums")
+        if read_queue_nums is not None:
+            checked(_QUEUE_NUMS, read_queue_nums, "readQueueNums")
+        checked(_PERM, perm, "perm")
+        checked(boolean, order, "order")
         with self._lock:
             cfg = self.topics.get(topic) or TopicConfig(topic)
             cfg.write_queue_nums = write_queue_nums
@@ -581,8 +602,15 @@ class ConsumerOffsetManager(OffsetTable):
     SCHEMA = staticmethod(CONSUMER_OFFSETS_SCHEMA)
 
     def commit(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        """Record ``offset`` as the group's next offset in the queue; bad arguments raise and change nothing."""
+        checked(_QUEUE_ID, queue_id, "queue id")
+        checked(_OFFSET, offset, "offset")
+        key = f"{topic}{TOPIC_GROUP_SEPARATOR}{group}"
+        if key not in self.table:  # names are checked once per group and topic: commits are frequent
+            checked(group_name, group, "group")
+            validate_topic(topic)
         with self._lock:
-            self.table.setdefault(f"{topic}{TOPIC_GROUP_SEPARATOR}{group}", {})[queue_id] = offset
+            self.table.setdefault(key, {})[queue_id] = offset
             self.dirty = True
 
     def query(self, group: str, topic: str, queue_id: int) -> int:
@@ -641,6 +669,7 @@ class SubscriptionGroupManager(ConfigFile):
         """Add ``group`` (RocketMQ's defaults) and write the file, unless it is there; a failed write adds nothing."""
         if self.read_only or group in self.groups:
             return
+        checked(group_name, group, "group")
         with self._lock:
             if group in self.groups:
                 return
