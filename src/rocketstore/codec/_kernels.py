@@ -1,0 +1,443 @@
+"""numba kernels of the batch decoder (``codec/batch.py``): the loops that are sequential by nature.
+
+Every kernel takes the segment as one read-only ``uint8`` array and plain int64 position arrays,
+so each compiles once (``cache=True`` keeps the machine code in ``__pycache__`` across processes)
+and releases the GIL (``nogil=True``), letting Spark's Python workers or a caller's threads decode
+ranges side by side. The layout constants come from ``record.py``: numba freezes module globals
+at compile time, so this file holds no second copy of the format.
+
+CRC-32 is table-driven slicing-by-8 in compiled code, measured against calling zlib's ``crc32``
+from the loop (``numba.types.ExternalFunction``): 1.2 GB/s against 0.68 GB/s for 100-byte bodies
+(the per-call overhead dominates), 1.4 against 3.4 GB/s for 16 KiB bodies. The table needs no
+shared library at run time, so cached machine code never depends on where libz is mapped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .record import FIXED_PART_LEN, MAGIC_V1, MAGIC_V2, MIN_RECORD_LEN, PHY_OFFSET_POS, SYSFLAG_POS, V6_EXTRA_LEN
+
+# rows of the field matrix ``walk`` fills: one int64 per record and field
+F_POS, F_SIZE, F_MAGIC, F_CRC, F_QUEUE_ID, F_FLAG, F_QUEUE_OFFSET, F_PHY_OFFSET, F_SYS_FLAG, F_BORN_TS = range(10)
+F_BORN_HOST, F_STORE_TS, F_STORE_HOST, F_RECONSUME, F_PREPARED, F_BODY_POS, F_BODY_LEN = range(10, 17)
+F_TOPIC_POS, F_TOPIC_LEN, F_PROPS_POS, F_PROPS_LEN = range(17, 21)
+N_FIELDS = 21
+
+_BORN_V6 = 0x10
+_STORE_V6 = 0x20
+_BODY_LEN_POS = FIXED_PART_LEN - 4
+
+
+def _crc_table() -> np.ndarray:
+    """Slicing-by-8 tables of the reflected IEEE polynomial (what zlib.crc32 computes)."""
+    table = np.zeros((8, 256), dtype=np.uint32)
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+        table[0, i] = c
+    for i in range(256):
+        c = int(table[0, i])
+        for k in range(1, 8):
+            c = int(table[0, c & 0xFF]) ^ (c >> 8)
+            table[k, i] = c
+    return table
+
+
+CRC_TABLE = _crc_table()
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _be16(buf, p):
+    v = (np.int64(buf[p]) << 8) | np.int64(buf[p + 1])
+    return v - 65536 if v >= 32768 else v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _be32(buf, p):
+    v = (np.int64(buf[p]) << 24) | (np.int64(buf[p + 1]) << 16) | (np.int64(buf[p + 2]) << 8) | np.int64(buf[p + 3])
+    return v - 4294967296 if v >= 2147483648 else v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _be64(buf, p):
+    v = np.uint64(0)
+    for k in range(8):
+        v = (v << np.uint64(8)) | np.uint64(buf[p + k])
+    return np.int64(v)
+
+
+@njit(cache=True, nogil=True)
+def crc32(buf, p, n):
+    """zlib.crc32 of ``buf[p:p+n]`` (unmasked, as an int64)."""
+    t = CRC_TABLE
+    c = np.uint32(0xFFFFFFFF)
+    e = p + n
+    i = p
+    while i + 8 <= e:
+        lo = c ^ (np.uint32(buf[i]) | (np.uint32(buf[i + 1]) << 8) | (np.uint32(buf[i + 2]) << 16)
+                  | (np.uint32(buf[i + 3]) << 24))
+        hi = np.uint32(buf[i + 4]) | (np.uint32(buf[i + 5]) << 8) | (np.uint32(buf[i + 6]) << 16) \
+            | (np.uint32(buf[i + 7]) << 24)
+        c = (t[7, lo & 0xFF] ^ t[6, (lo >> 8) & 0xFF] ^ t[5, (lo >> 16) & 0xFF] ^ t[4, lo >> 24]
+             ^ t[3, hi & 0xFF] ^ t[2, (hi >> 8) & 0xFF] ^ t[1, (hi >> 16) & 0xFF] ^ t[0, hi >> 24])
+        i += 8
+    while i < e:
+        c = t[0, (c ^ buf[i]) & 0xFF] ^ (c >> 8)
+        i += 1
+    return np.int64(c ^ np.uint32(0xFFFFFFFF))
+
+
+@njit(cache=True, nogil=True)
+def walk(buf, pos, end, limit, check_crc, max_rows, max_bytes):
+    """Validate records from ``pos`` while they start before ``end`` and fit before ``limit``.
+
+    Checks exactly what ``record.read_layout`` checks, in the same order, and stops at the first
+    record it would not accept (the caller asks ``read_layout`` why), after ``max_rows`` records
+    or once ``max_bytes`` were consumed. Returns (field matrix [N_FIELDS, rows], rows, stop position).
+    """
+    cap = min(max_rows, (end - pos) // MIN_RECORD_LEN + 1)
+    f = np.empty((N_FIELDS, max(cap, 0)), dtype=np.int64)
+    first = pos
+    n = 0
+    while pos < end and n < max_rows and pos - first < max_bytes:
+        if limit - pos < 8:
+            break
+        size = _be32(buf, pos)
+        magic = _be32(buf, pos + 4)
+        if magic != MAGIC_V1 and magic != MAGIC_V2:  # noqa: PLR1714 - plain compares compile best
+            break
+        if size < MIN_RECORD_LEN or size > limit - pos:
+            break
+        stop = pos + size
+        sys_flag = _be32(buf, pos + SYSFLAG_POS)
+        born_extra = V6_EXTRA_LEN if sys_flag & _BORN_V6 else 0
+        store_extra = V6_EXTRA_LEN if sys_flag & _STORE_V6 else 0
+        body_len_pos = pos + _BODY_LEN_POS + born_extra + store_extra
+        if body_len_pos + 4 > stop:
+            break
+        body_len = _be32(buf, body_len_pos)
+        body_pos = body_len_pos + 4
+        if body_len < 0 or body_pos + body_len > stop:
+            break
+        topic_len_pos = body_pos + body_len
+        if magic == MAGIC_V2:
+            if topic_len_pos + 2 > stop:
+                break
+            topic_len = _be16(buf, topic_len_pos)
+            topic_pos = topic_len_pos + 2
+        else:
+            if topic_len_pos + 1 > stop:
+                break
+            topic_len = np.int64(buf[topic_len_pos])
+            if topic_len > 127:
+                topic_len -= 256
+            topic_pos = topic_len_pos + 1
+        if topic_len < 0 or topic_pos + topic_len + 2 > stop:
+            break
+        props_len = _be16(buf, topic_pos + topic_len)
+        props_pos = topic_pos + topic_len + 2
+        if props_len < 0 or props_pos + props_len != stop:
+            break
+        crc = _be32(buf, pos + 8)
+        if check_crc and body_len > 0 and (crc32(buf, body_pos, body_len) & 0x7FFFFFFF) != crc:
+            break
+        store_ts_pos = pos + 48 + 8 + born_extra
+        f[F_POS, n] = pos
+        f[F_SIZE, n] = size
+        f[F_MAGIC, n] = magic
+        f[F_CRC, n] = crc
+        f[F_QUEUE_ID, n] = _be32(buf, pos + 12)
+        f[F_FLAG, n] = _be32(buf, pos + 16)
+        f[F_QUEUE_OFFSET, n] = _be64(buf, pos + 20)
+        f[F_PHY_OFFSET, n] = _be64(buf, pos + PHY_OFFSET_POS)
+        f[F_SYS_FLAG, n] = sys_flag
+        f[F_BORN_TS, n] = _be64(buf, pos + 40)
+        f[F_BORN_HOST, n] = pos + 48
+        f[F_STORE_TS, n] = _be64(buf, store_ts_pos)
+        f[F_STORE_HOST, n] = store_ts_pos + 8
+        f[F_RECONSUME, n] = _be32(buf, body_len_pos - 12)
+        f[F_PREPARED, n] = _be64(buf, body_len_pos - 8)
+        f[F_BODY_POS, n] = body_pos
+        f[F_BODY_LEN, n] = body_len
+        f[F_TOPIC_POS, n] = topic_pos
+        f[F_TOPIC_LEN, n] = topic_len
+        f[F_PROPS_POS, n] = props_pos
+        f[F_PROPS_LEN, n] = props_len
+        n += 1
+        pos = stop
+    return f, n, pos
+
+
+@njit(cache=True, nogil=True)
+def _utf8_ok(buf, p, n):
+    """Whether ``buf[p:p+n]`` is well-formed UTF-8 (exactly what Python's strict decoder accepts)."""
+    e = p + n
+    high = 0
+    for i in range(p, e):  # the common case, all ASCII: one branch-free (vectorised) pass
+        high |= buf[i]
+    if high < 0x80:
+        return True
+    i = p
+    while i < e:
+        c = buf[i]
+        if c < 0x80:
+            i += 1
+            continue
+        if 0xC2 <= c <= 0xDF:
+            need, lo, hi = 1, 0x80, 0xBF
+        elif c == 0xE0:
+            need, lo, hi = 2, 0xA0, 0xBF
+        elif 0xE1 <= c <= 0xEC or c == 0xEE or c == 0xEF:  # noqa: PLR1714
+            need, lo, hi = 2, 0x80, 0xBF
+        elif c == 0xED:
+            need, lo, hi = 2, 0x80, 0x9F
+        elif c == 0xF0:
+            need, lo, hi = 3, 0x90, 0xBF
+        elif 0xF1 <= c <= 0xF3:
+            need, lo, hi = 3, 0x80, 0xBF
+        elif c == 0xF4:
+            need, lo, hi = 3, 0x80, 0x8F
+        else:
+            return False
+        if i + need >= e:
+            return False
+        if not lo <= buf[i + 1] <= hi:
+            return False
+        for k in range(2, need + 1):
+            if not 0x80 <= buf[i + k] <= 0xBF:
+                return False
+        i += need + 1
+    return True
+
+
+@njit(cache=True, nogil=True)
+def text_ok(buf, f, n):
+    """Per record: topic and properties are valid UTF-8 (otherwise the record codec's 'replace' decode applies)."""
+    ok = np.empty(n, dtype=np.bool_)
+    for r in range(n):
+        ok[r] = _utf8_ok(buf, f[F_TOPIC_POS, r], f[F_TOPIC_LEN, r]) and \
+            _utf8_ok(buf, f[F_PROPS_POS, r], f[F_PROPS_LEN, r])
+    return ok
+
+
+@njit(cache=True, nogil=True)
+def gather(buf, starts, lengths):
+    """Copy ``buf[starts[i]:starts[i]+lengths[i]]`` end to end: Arrow offsets (int32) and data.
+
+    A negative start is a null row (zero bytes).
+    """
+    n = starts.size
+    offsets = np.empty(n + 1, dtype=np.int32)
+    total = 0
+    offsets[0] = 0
+    for i in range(n):
+        if starts[i] >= 0:
+            total += lengths[i]
+        offsets[i + 1] = total
+    data = np.empty(total, dtype=np.uint8)
+    o = 0
+    for i in range(n):
+        s = starts[i]
+        if s >= 0:
+            m = lengths[i]
+            if m <= 32:  # short strings: a byte loop beats a slice copy's setup
+                for j in range(m):
+                    data[o + j] = buf[s + j]
+            else:
+                data[o : o + m] = buf[s : s + m]
+            o += m
+    return offsets, data
+
+
+@njit(cache=True, nogil=True)
+def _same(buf, a, b, n):
+    for k in range(n):  # noqa: SIM110 - numba compiles no generators
+        if buf[a + k] != buf[b + k]:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _is_name(buf, p, n, name):
+    if n != name.size:
+        return False
+    for k in range(n):  # noqa: SIM110 - numba compiles no generators
+        if buf[p + k] != name[k]:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def parse_properties(buf, props_pos, props_len, uniq_name, tags_name, keys_name):
+    """``decode_properties`` over bytes, every record at once.
+
+    Pieces end at ``\\x02``; a piece is a pair when its first ``\\x01`` lies strictly after its start
+    and before its last byte; a repeated name keeps its first place and its last value (a Python
+    dict's behaviour). The separators are ASCII, so byte and character positions split alike.
+    Returns pair offsets per record, the pairs' key/value positions, and the UNIQ_KEY, TAGS and
+    KEYS values per record (position -1 when absent).
+    """
+    n = props_pos.size
+    cap = 0
+    for r in range(n):
+        cap += props_len[r] // 3 + 1
+    key_pos = np.empty(cap, dtype=np.int64)
+    key_len = np.empty(cap, dtype=np.int64)
+    val_pos = np.empty(cap, dtype=np.int64)
+    val_len = np.empty(cap, dtype=np.int64)
+    offsets = np.empty(n + 1, dtype=np.int32)
+    found = np.full((3, n), -1, dtype=np.int64)
+    found_len = np.zeros((3, n), dtype=np.int64)
+    total = 0
+    offsets[0] = 0
+    for r in range(n):
+        first = total
+        piece = props_pos[r]
+        e = piece + props_len[r]
+        sep = -1
+        for i in range(piece, e + 1):
+            c = buf[i] if i < e else 2
+            if c == 1:
+                if sep < 0:
+                    sep = i
+                continue
+            if c != 2:
+                continue
+            if piece < sep < i - 1:
+                klen = sep - piece
+                dup = -1
+                for q in range(first, total):
+                    if key_len[q] == klen and _same(buf, key_pos[q], piece, klen):
+                        dup = q
+                        break
+                q = total if dup < 0 else dup
+                if dup < 0:
+                    key_pos[q] = piece
+                    key_len[q] = klen
+                    total += 1
+                val_pos[q] = sep + 1
+                val_len[q] = i - sep - 1
+                if _is_name(buf, piece, klen, uniq_name):
+                    found[0, r], found_len[0, r] = sep + 1, i - sep - 1
+                elif _is_name(buf, piece, klen, tags_name):
+                    found[1, r], found_len[1, r] = sep + 1, i - sep - 1
+                elif _is_name(buf, piece, klen, keys_name):
+                    found[2, r], found_len[2, r] = sep + 1, i - sep - 1
+            piece = i + 1
+            sep = -1
+        offsets[r + 1] = total
+    return offsets, key_pos[:total], key_len[:total], val_pos[:total], val_len[:total], found, found_len
+
+
+@njit(cache=True, nogil=True)
+def split_keys(buf, keys_pos, keys_len):
+    """``split_keys`` of each KEYS value: the non-empty space-separated tokens (an absent value: none)."""
+    n = keys_pos.size
+    cap = 0
+    for r in range(n):
+        if keys_pos[r] >= 0:
+            cap += keys_len[r] // 2 + 1
+    tok_pos = np.empty(cap, dtype=np.int64)
+    tok_len = np.empty(cap, dtype=np.int64)
+    offsets = np.empty(n + 1, dtype=np.int32)
+    offsets[0] = 0
+    total = 0
+    for r in range(n):
+        p = keys_pos[r]
+        if p >= 0:
+            e = p + keys_len[r]
+            i = p
+            while i < e:
+                j = i
+                while j < e and buf[j] != 0x20:
+                    j += 1
+                if j > i:
+                    tok_pos[total] = i
+                    tok_len[total] = j - i
+                    total += 1
+                i = j + 1
+        offsets[r + 1] = total
+    return offsets, tok_pos[:total], tok_len[:total]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_int(out, o, value):
+    """Write ``value`` in decimal at ``out[o]``; returns the new end."""
+    if value < 0:
+        out[o] = 45  # '-'
+        o += 1
+        value = -value
+    digits = 1
+    v = value
+    while v >= 10:
+        v //= 10
+        digits += 1
+    for k in range(digits - 1, -1, -1):
+        out[o + k] = 48 + value % 10
+        value //= 10
+    return o + digits
+
+
+@njit(cache=True, nogil=True)
+def render_hosts(buf, host_pos, v6):
+    """``str(Host)`` of each host: ``a.b.c.d:port`` or Java's eight lowercase hex groups and the port."""
+    n = host_pos.size
+    data = np.empty(n * 52, dtype=np.uint8)
+    offsets = np.empty(n + 1, dtype=np.int32)
+    offsets[0] = 0
+    o = 0
+    for r in range(n):
+        p = host_pos[r]
+        if v6[r]:
+            for g in range(8):
+                if g:
+                    data[o] = 58  # ':'
+                    o += 1
+                group = (np.int64(buf[p + 2 * g]) << 8) | np.int64(buf[p + 2 * g + 1])
+                started = False
+                for shift in range(12, -1, -4):
+                    d = (group >> shift) & 0xF
+                    if d or started or shift == 0:
+                        data[o] = 48 + d if d < 10 else 87 + d
+                        o += 1
+                        started = True
+            port_at = p + 16
+        else:
+            for k in range(4):
+                if k:
+                    data[o] = 46  # '.'
+                    o += 1
+                o = _put_int(data, o, np.int64(buf[p + k]))
+            port_at = p + 4
+        data[o] = 58
+        o += 1
+        o = _put_int(data, o, _be32(buf, port_at))
+        offsets[r + 1] = o
+    return offsets, data[:o]
+
+
+@njit(cache=True, nogil=True)
+def render_msg_ids(buf, store_host_pos, v6, record_pos):
+    """The offset msgId of each record: uppercase hex of the raw store host and the PHYSICALOFFSET bytes."""
+    n = store_host_pos.size
+    data = np.empty(n * 56, dtype=np.uint8)
+    offsets = np.empty(n + 1, dtype=np.int32)
+    offsets[0] = 0
+    o = 0
+    for r in range(n):
+        host_len = 20 if v6[r] else 8
+        for part in range(2):
+            p = store_host_pos[r] if part == 0 else record_pos[r] + PHY_OFFSET_POS
+            m = host_len if part == 0 else 8
+            for k in range(m):
+                b = buf[p + k]
+                hi = b >> 4
+                lo = b & 0xF
+                data[o] = 48 + hi if hi < 10 else 55 + hi
+                data[o + 1] = 48 + lo if lo < 10 else 55 + lo
+                o += 2
+        offsets[r + 1] = o
+    return offsets, data[:o]

@@ -1,0 +1,270 @@
+"""The batch decoder: a byte range of a commit-log segment -> one ``pyarrow.RecordBatch``.
+
+The same codec as ``record.py``, whole ranges at a time: the layout constants, the validation
+rules, the properties grammar and the host and msgId spellings are ``record.py``'s, and the
+hypothesis test ``tests/test_batch_codec.py`` holds every column equal to what
+``message_from_layout`` gives record by record. The work is split so that no Python runs per
+record on the common path:
+
+1. ``_kernels.walk`` (numba) validates records in order, with body CRCs, and reads every fixed
+   field into one int64 matrix;
+2. the other kernels parse properties, split KEYS, render hosts and msgIds and copy
+   variable-length bytes end to end; Arrow arrays are made from those numpy buffers.
+
+Records the fast path cannot render byte for byte go through the record codec one at a time and
+are merged back in log order: a topic or properties string that is not valid UTF-8 (the record
+codec decodes it with ``errors="replace"``), a time that does not fit Arrow's microseconds, and,
+with ``decompress``, a compressed body.
+
+Columns are RocketMQ's ``MessageExt`` as the Spark source names them (``MESSAGE_FIELDS``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import CorruptDataError
+from ..message import MessageExt, SysFlag
+from . import _kernels as k
+from .properties import PropertyName
+from .record import message_from_layout, read_layout
+
+if TYPE_CHECKING:
+    from ..commitlog import CommitLog
+
+_TS = pa.timestamp("us", tz="UTC")
+_STRING = pa.string()
+MESSAGE_FIELDS: list[tuple[str, pa.DataType]] = [
+    ("topic", pa.string()), ("queueId", pa.int32()), ("queueOffset", pa.int64()), ("commitLogOffset", pa.int64()),
+    ("msgId", pa.string()), ("uniqKey", pa.string()), ("keys", pa.list_(pa.string())), ("tags", pa.string()),
+    ("body", pa.binary()), ("properties", pa.map_(pa.string(), pa.string())), ("bornTimestamp", _TS),
+    ("storeTimestamp", _TS), ("bornHost", pa.string()), ("storeHost", pa.string()), ("sysFlag", pa.int32()),
+    ("flag", pa.int32()), ("reconsumeTimes", pa.int32()), ("preparedTransactionOffset", pa.int64()),
+    ("storeSize", pa.int32()), ("bodyCRC", pa.int32()), ("brokerName", pa.string()),
+]
+MESSAGE_SCHEMA = pa.schema(MESSAGE_FIELDS)
+DEFAULT_MAX_ROWS = 65536
+DEFAULT_MAX_BYTES = 64 << 20  # keeps every binary column far below Arrow's 2 GiB int32 offsets
+
+_NAMES = {name: np.frombuffer(name.encode(), dtype=np.uint8)
+          for name in (PropertyName.UNIQ_KEY, PropertyName.TAGS, PropertyName.KEYS)}
+_MAX_MS = (2**63 - 1) // 1000  # larger times overflow Arrow's microseconds
+
+
+class StopKind(enum.Enum):
+    """Why ``decode_range`` stopped."""
+
+    END = "end"  # the next record would start at or after ``end``
+    LIMIT = "limit"  # ``max_rows`` or ``max_bytes`` reached: call again from ``Stop.pos``
+    BLANK = "blank"  # the end-of-segment BLANK record is at ``Stop.pos``
+    DAMAGE = "damage"  # ``Stop.error`` is what ``read_layout`` raises at ``Stop.pos``
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Where decoding stopped: ``pos`` in the buffer, ``offset`` in the commit log."""
+
+    kind: StopKind
+    pos: int
+    offset: int
+    error: CorruptDataError | None = None
+
+
+def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True, include_body: bool = True,
+                 topics: Collection[str] | None = None, limit: int | None = None, decompress: bool = False,
+                 broker_name: str | None = None, path: str | None = None, max_rows: int = DEFAULT_MAX_ROWS,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[pa.RecordBatch, Stop]:
+    """Decode the records starting in ``buf[start:end]`` into one batch (``MESSAGE_SCHEMA``).
+
+    ``buf`` is a segment (mmap, bytes, ...) whose byte 0 is commit-log offset ``base``; a record
+    may run past ``end`` up to ``limit`` (default: the buffer's end), as ``read_layout``'s limit.
+    ``topics`` keeps only those topics. The returned ``Stop`` says where and why decoding ended,
+    so a caller can fail on damage, skip it, or continue after a BLANK or a full batch; the batch
+    holds every valid record before that point, never one that failed validation.
+    """
+    arr = _as_array(buf)
+    try:
+        limit = len(arr) if limit is None else min(limit, len(arr))
+        f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max(max_rows, 1), max(max_bytes, 1))
+        stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, max_bytes)
+        f = np.ascontiguousarray(f[:, :n])  # C-contiguous rows: one compiled (and cached) kernel signature
+        batch = _batch(buf, arr, f, include_body=include_body, topics=topics, limit=limit,
+                       decompress=decompress, broker_name=broker_name, path=path, base=base)
+    finally:
+        del arr  # no view may outlive the call: an mmap cannot close while one is exported
+    return batch, stop
+
+
+def _as_array(buf) -> np.ndarray:
+    """One read-only uint8 view, so every kernel compiles (and is cached) for a single array type."""
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    if arr.flags.writeable:
+        arr = arr.view()
+        arr.flags.writeable = False
+    return arr
+
+
+def _classify(buf, pos: int, start: int, end: int, n: int, limit: int, base: int, check_crc: bool,
+              path: str | None, max_rows: int, max_bytes: int) -> Stop:
+    if pos >= min(end, limit):  # as iter_layouts and the Spark reader: nothing readable starts here
+        return Stop(StopKind.END, pos, base + pos)
+    if n >= max_rows or pos - start >= max_bytes:
+        return Stop(StopKind.LIMIT, pos, base + pos)
+    try:
+        layout = read_layout(buf, pos, limit, check_crc=check_crc, path=path, base=base)
+    except CorruptDataError as exc:
+        return Stop(StopKind.DAMAGE, pos, base + pos, exc)
+    if layout is not None:  # pragma: no cover - the kernel and read_layout disagree: a bug, not data
+        raise RuntimeError(f"batch decoder stopped at {base + pos} where read_layout accepts a record")
+    return Stop(StopKind.BLANK, pos, base + pos)
+
+
+def _batch(buf, arr: np.ndarray, f: np.ndarray, *, include_body: bool, topics: Collection[str] | None,
+           limit: int, decompress: bool, broker_name: str | None, path: str | None, base: int) -> pa.RecordBatch:
+    sys_flag = f[k.F_SYS_FLAG]
+    slow = ~k.text_ok(arr, f, f.shape[1])
+    slow |= (np.abs(f[k.F_BORN_TS]) > _MAX_MS) | (np.abs(f[k.F_STORE_TS]) > _MAX_MS)
+    if decompress:
+        slow |= (sys_flag & SysFlag.COMPRESSED) != 0
+    fast = f[:, ~slow] if slow.any() else f
+    topic = _strings(*k.gather(arr, fast[k.F_TOPIC_POS], fast[k.F_TOPIC_LEN]))
+    if topics is not None:
+        keep = pc.is_in(topic, value_set=pa.array(sorted(topics), pa.string())).to_numpy(zero_copy_only=False)
+        fast, topic = fast[:, keep], topic.filter(pa.array(keep))
+    batch = _fast_batch(arr, fast, topic, include_body, broker_name)
+    if not slow.any():
+        return batch
+    rows = [_message_of(buf, int(p), limit, include_body, decompress, path, base) for p in f[k.F_POS, slow]]
+    kept = [(p, msg) for p, msg in zip(f[k.F_POS, slow], rows, strict=True) if topics is None or msg.topic in topics]
+    slow_batch = rows_batch([message_row(msg, include_body, broker_name) for _p, msg in kept])
+    order = np.argsort(np.concatenate([fast[k.F_POS], np.array([p for p, _m in kept], dtype=np.int64)]),
+                       kind="stable")
+    return pa.concat_batches([batch, slow_batch]).take(pa.array(order))
+
+
+def _message_of(buf, pos: int, limit: int, include_body: bool, decompress: bool, path: str | None,
+                base: int) -> MessageExt:
+    layout = read_layout(buf, pos, limit, path=path, base=base)  # validated (and CRC-checked) by the walk
+    assert layout is not None
+    return message_from_layout(buf, pos, layout, read_body=include_body, decompress=decompress, path=path,
+                               base=base)
+
+
+def _strings(offsets: np.ndarray, data: np.ndarray, kind: pa.DataType = _STRING,
+             absent: np.ndarray | None = None) -> pa.Array:
+    """An Arrow string/binary array on the kernels' buffers; ``absent`` marks null rows."""
+    n = len(offsets) - 1
+    validity, nulls = None, 0
+    if absent is not None and absent.any():
+        validity = pa.py_buffer(np.packbits(~absent, bitorder="little"))
+        nulls = int(absent.sum())
+    return pa.Array.from_buffers(kind, n, [validity, pa.py_buffer(offsets), pa.py_buffer(data)], null_count=nulls)
+
+
+def _timestamps(ms: np.ndarray) -> pa.Array:
+    return pa.Array.from_buffers(_TS, len(ms), [None, pa.py_buffer(ms * 1000)])
+
+
+def _fast_batch(arr: np.ndarray, f: np.ndarray, topic: pa.Array, include_body: bool,
+                broker_name: str | None) -> pa.RecordBatch:
+    n = f.shape[1]
+    sys_flag = f[k.F_SYS_FLAG]
+    born_v6 = (sys_flag & SysFlag.BORNHOST_V6) != 0
+    store_v6 = (sys_flag & SysFlag.STOREHOST_V6) != 0
+    pair_offsets, key_pos, key_len, val_pos, val_len, found, found_len = k.parse_properties(
+        arr, f[k.F_PROPS_POS], f[k.F_PROPS_LEN], _NAMES[PropertyName.UNIQ_KEY], _NAMES[PropertyName.TAGS],
+        _NAMES[PropertyName.KEYS])
+    properties = pa.MapArray.from_arrays(pa.array(pair_offsets), _strings(*k.gather(arr, key_pos, key_len)),
+                                         _strings(*k.gather(arr, val_pos, val_len)))
+    key_offsets, token_pos, token_len = k.split_keys(arr, found[2], found_len[2])
+    keys = pa.ListArray.from_arrays(pa.array(key_offsets), _strings(*k.gather(arr, token_pos, token_len)))
+    if include_body:
+        body = _strings(*k.gather(arr, f[k.F_BODY_POS], f[k.F_BODY_LEN]), pa.binary())
+    else:
+        body = pa.nulls(n, pa.binary())
+    columns = [
+        topic, pa.array(f[k.F_QUEUE_ID].astype(np.int32)), pa.array(f[k.F_QUEUE_OFFSET]),
+        pa.array(f[k.F_PHY_OFFSET]), _strings(*k.render_msg_ids(arr, f[k.F_STORE_HOST], store_v6, f[k.F_POS])),
+        _strings(*k.gather(arr, found[0], found_len[0]), absent=found[0] < 0), keys,
+        _strings(*k.gather(arr, found[1], found_len[1]), absent=found[1] < 0), body, properties,
+        _timestamps(f[k.F_BORN_TS]), _timestamps(f[k.F_STORE_TS]),
+        _strings(*k.render_hosts(arr, f[k.F_BORN_HOST], born_v6)),
+        _strings(*k.render_hosts(arr, f[k.F_STORE_HOST], store_v6)), pa.array(sys_flag.astype(np.int32)),
+        pa.array(f[k.F_FLAG].astype(np.int32)), pa.array(f[k.F_RECONSUME].astype(np.int32)),
+        pa.array(f[k.F_PREPARED]), pa.array(f[k.F_SIZE].astype(np.int32)), pa.array(f[k.F_CRC].astype(np.int32)),
+        _constant(broker_name, n),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
+
+
+def _constant(text: str | None, n: int) -> pa.Array:
+    if text is None:
+        return pa.nulls(n, pa.string())
+    raw = text.encode()
+    return _strings((np.arange(n + 1, dtype=np.int32) * len(raw)), np.frombuffer(raw * n, dtype=np.uint8))
+
+
+def message_row(msg: MessageExt, include_body: bool, broker_name: str | None) -> list:
+    """One ``MessageExt`` as the values of ``MESSAGE_FIELDS``: the record-at-a-time reference.
+
+    Raises ``CorruptDataError`` for a time Arrow's microseconds cannot hold (no CRC covers times).
+    """
+    for stamp in (msg.born_timestamp, msg.store_timestamp):
+        if abs(stamp) > _MAX_MS:
+            raise CorruptDataError(f"timestamp {stamp} ms is out of range", None, msg.commit_log_offset)
+    props = msg.properties
+    return [
+        msg.topic, msg.queue_id, msg.queue_offset, msg.commit_log_offset, msg.msg_id, props.get(PropertyName.UNIQ_KEY),
+        msg.keys, props.get(PropertyName.TAGS), msg.body if include_body else None, list(props.items()),
+        msg.born_timestamp * 1000, msg.store_timestamp * 1000, str(msg.born_host), str(msg.store_host), msg.sys_flag,
+        msg.flag, msg.reconsume_times, msg.prepared_transaction_offset, msg.store_size, msg.body_crc, broker_name,
+    ]
+
+
+def rows_batch(rows: list[list]) -> pa.RecordBatch:
+    """A batch from ``message_row`` values (the slow path, and the reference in tests)."""
+    columns = [pa.array([row[i] for row in rows], type=t) for i, (_name, t) in enumerate(MESSAGE_FIELDS)]
+    return pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
+
+
+def scan_arrow(commit_log: CommitLog, topics: Collection[str] | None = None, begin: int | None = None,
+               end: int | None = None, check_crc: bool = True, include_body: bool = True, *,
+               broker_name: str | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> Iterator[pa.RecordBatch]:
+    """Every record of ``commit_log`` from ``begin`` (a record start) to ``end``, as batches in log order.
+
+    ``MessageStore.scan_arrow``: the same walk as ``CommitLog.iter_layouts`` (segments up to their
+    write position, a BLANK ends a segment), one batch per ``max_rows`` records. Raises the
+    ``CorruptDataError`` that ``read_layout`` raises for the first record that does not validate,
+    after yielding everything before it. At most one batch is held at a time.
+    """
+    wanted = None if topics is None else frozenset([topics] if isinstance(topics, str) else topics)
+    stop_at = commit_log.max_offset if end is None else min(end, commit_log.max_offset)
+    offset = commit_log.min_offset if begin is None else max(begin, commit_log.min_offset)
+    while offset < stop_at:
+        mapped = commit_log.mapped_files.find(offset)
+        if mapped is None:
+            return
+        pos = offset - mapped.file_from_offset
+        written = mapped.wrote_position
+        limit = written if written < mapped.file_size else mapped.file_size
+        seg_end = min(written, stop_at - mapped.file_from_offset)
+        while pos < seg_end:
+            batch, stop = decode_range(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, limit=limit,
+                                       check_crc=check_crc, include_body=include_body, topics=wanted,
+                                       broker_name=broker_name, path=str(mapped.path), max_rows=max_rows)
+            if batch.num_rows:
+                yield batch
+            if stop.kind is StopKind.DAMAGE:
+                assert stop.error is not None
+                raise stop.error
+            if stop.kind is not StopKind.LIMIT:
+                break
+            pos = stop.pos
+        offset = mapped.file_end_offset

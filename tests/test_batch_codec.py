@@ -1,0 +1,331 @@
+"""The batch decoder (``codec/batch.py``) against the record codec and RocketMQ's golden vectors.
+
+The record codec is the reference: for any bytes, ``decode_range`` must give the rows that
+``read_layout`` + ``message_from_layout`` give record by record (every column), and stop where
+and why that walk stops (END, BLANK, or DAMAGE with the same error class, offset and reason).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import mmap
+import zlib
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.codec.batch import MESSAGE_SCHEMA, StopKind, decode_range, message_row, rows_batch, scan_arrow
+from rocketstore.codec.hosts import Host
+from rocketstore.codec.record import (
+    CRC32_RESERVED_LEN,
+    MAGIC_V1,
+    MAGIC_V2,
+    blank_record,
+    encode_record,
+    message_from_layout,
+    read_layout,
+    seal_property_crc,
+)
+from rocketstore.errors import ChecksumError, CorruptDataError
+from rocketstore.message import SysFlag
+
+VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+SEGMENT_NAME = "00000000000000000000"
+
+
+# --- the reference: the record codec, one record at a time ------------------------------------------
+
+def reference(buf, start: int, end: int, *, check_crc: bool = True, include_body: bool = True,
+              decompress: bool = False, topics=None, limit: int | None = None, broker: str | None = None):
+    """(rows, stop kind, stop position, error) exactly as the record codec walks ``buf[start:end]``."""
+    limit = len(buf) if limit is None else limit
+    pos, rows = start, []
+    while pos < min(end, limit):
+        try:
+            layout = read_layout(buf, pos, limit, check_crc=check_crc)
+        except CorruptDataError as exc:
+            return rows, StopKind.DAMAGE, pos, exc
+        if layout is None:
+            return rows, StopKind.BLANK, pos, None
+        msg = message_from_layout(buf, pos, layout, read_body=include_body, decompress=decompress)
+        if topics is None or msg.topic in topics:
+            rows.append(message_row(msg, include_body, broker))
+        pos += layout.size
+    return rows, StopKind.END, pos, None
+
+
+def plain(batch: pa.RecordBatch | pa.Table) -> list[dict]:
+    """Rows with times as epoch microseconds (datetime cannot hold every int64 a record may carry)."""
+    columns = [c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c for c in batch.columns]
+    return pa.table(columns, names=batch.schema.names).to_pylist()
+
+
+def assert_same_as_reference(buf, start: int, end: int, **kwargs) -> None:
+    broker = kwargs.get("broker")
+    try:
+        rows, kind, pos, error = reference(buf, start, end, **kwargs)
+    except CorruptDataError as exc:  # a compressed body that does not inflate: both raise
+        kwargs.pop("broker", None)
+        with pytest.raises(type(exc)) as raised:
+            decode_range(buf, start, end, base=0, broker_name=broker, **kwargs)
+        assert raised.value.reason == exc.reason
+        return
+    kwargs.pop("broker", None)
+    batch, stop = decode_range(buf, start, end, base=1 << 30, broker_name=broker, **kwargs)
+    assert batch.schema == MESSAGE_SCHEMA
+    assert plain(batch) == plain(rows_batch(rows))
+    assert (stop.kind, stop.pos, stop.offset) == (kind, pos, (1 << 30) + pos)
+    if error is None:
+        assert stop.error is None
+    else:
+        assert type(stop.error) is type(error) and stop.error.reason == error.reason
+        assert stop.error.offset == (1 << 30) + pos
+
+
+# --- generated records ----------------------------------------------------------------------------
+
+V4_HOSTS = [Host("10.0.0.1", 10911), Host("192.168.0.10", 0), Host("255.255.255.255", 65535)]
+V6_HOSTS = [Host("2001:db8::1", 10911), Host("::", 1), Host("::ffff:1.2.3.4", 40000), Host("fe80::abcd:0:12", 9)]
+TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x01\x02"), max_size=12)
+NAMES = st.one_of(st.sampled_from(["KEYS", "TAGS", "UNIQ_KEY", "DELAY", "a"]), TEXT)
+
+
+@st.composite
+def property_bytes(draw) -> bytes:
+    """Well-formed strings, and the oddities real stores hold: empty pieces, repeats, bad UTF-8."""
+    pieces = []
+    for _ in range(draw(st.integers(0, 6))):
+        name, value = draw(NAMES), draw(st.one_of(TEXT, st.sampled_from([" a  b ", "k1 k2", " ", "x"])))
+        pieces.append(f"{name}\x01{value}\x02".encode())
+    if draw(st.booleans()):
+        pieces.append(draw(st.sampled_from([b"\x02", b"\x01\x02", b"x\x01\x02", b"\x01y\x02", b"ab", b"a\x01b",
+                                            b"KEYS\x01dup\x02", b"\xff\x01\xfe\x02", b"T\x01\xe2\x82\x02",
+                                            b"a\x01b\x01c\x02", b"\xed\xa0\x80\x01s\x02"])))
+    draw(st.randoms()).shuffle(pieces)
+    return b"".join(pieces)
+
+
+@st.composite
+def records(draw, phy_offset: int) -> bytes:
+    born = draw(st.sampled_from(V4_HOSTS + V6_HOSTS))
+    store = draw(st.sampled_from(V4_HOSTS + V6_HOSTS))
+    topic = draw(st.one_of(st.sampled_from([b"T", b"TopicTest", "主题".encode(), b"X" * 200, b"\xff\xfe"]),
+                           TEXT.map(str.encode)))
+    version = MAGIC_V2 if len(topic) > 127 or draw(st.booleans()) else MAGIC_V1
+    sys_flag = (0x10 if born.is_ipv6 else 0) | (0x20 if store.is_ipv6 else 0) | draw(st.sampled_from([0, 4, 8, 0xC]))
+    body = draw(st.binary(max_size=200))
+    if draw(st.integers(0, 4)) == 0:
+        body = zlib.compress(body)
+        sys_flag |= SysFlag.COMPRESSED | draw(st.sampled_from([0, SysFlag.COMPRESSION_ZLIB]))
+    props = draw(property_bytes())
+    sealed = draw(st.integers(0, 5)) == 0
+    if sealed:
+        props += bytes(CRC32_RESERVED_LEN)
+    rec = encode_record(
+        topic=topic, body=body, properties=props, queue_id=draw(st.integers(-(1 << 31), (1 << 31) - 1)),
+        flag=draw(st.integers(-(1 << 31), (1 << 31) - 1)), sys_flag=sys_flag,
+        born_timestamp=draw(st.integers(-(1 << 50), 1 << 50)), born_host=born.to_bytes(),
+        store_host=store.to_bytes(), reconsume_times=draw(st.integers(0, 16)),
+        prepared_transaction_offset=draw(st.integers(-(1 << 63), (1 << 63) - 1)),
+        queue_offset=draw(st.integers(0, 1 << 40)), phy_offset=phy_offset,
+        store_timestamp=draw(st.sampled_from([1_700_000_000_000, 0, -1, 1 << 50])), version=version)
+    if sealed:
+        seal_property_crc(rec, 0, len(rec))
+    return bytes(rec)
+
+
+@st.composite
+def segments(draw) -> bytes:
+    data = bytearray()
+    for _ in range(draw(st.integers(0, 8))):
+        data += draw(records(len(data)))
+    tail = draw(st.sampled_from(["none", "blank", "zeros"]))
+    if tail == "blank":
+        extra = draw(st.integers(0, 24))
+        data += blank_record(8 + extra) + bytes(extra)  # a BLANK claims exactly the bytes left in the segment
+    elif tail == "zeros":
+        data += bytes(draw(st.integers(1, 64)))
+    if data and draw(st.booleans()):  # damage at a random offset
+        i = draw(st.integers(0, len(data) - 1))
+        data[i] ^= draw(st.integers(1, 255))
+    if data and draw(st.integers(0, 5)) == 0:
+        data = data[: draw(st.integers(0, len(data)))]
+    return bytes(data)
+
+
+SETTINGS = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(data=segments(), check_crc=st.booleans(), include_body=st.booleans(), decompress=st.booleans())
+def test_batch_equals_record_codec_on_every_field(data, check_crc, include_body, decompress):
+    assert_same_as_reference(data, 0, len(data), check_crc=check_crc, include_body=include_body,
+                             decompress=decompress and include_body)
+
+
+@SETTINGS
+@given(data=segments(), cut=st.integers(0, 2000), topics=st.sets(st.sampled_from(["T", "TopicTest", "主题", "x"])))
+def test_ranges_topics_and_limits_agree(data, cut, topics):
+    """A range end inside the data, a read limit before the buffer end, and a topic filter."""
+    end = min(cut, len(data))
+    assert_same_as_reference(data, 0, end, topics=topics, broker="broker-a")
+    assert_same_as_reference(data, 0, len(data), limit=end)
+
+
+@SETTINGS
+@given(data=segments(), rows=st.integers(1, 3))
+def test_limit_stops_resume_where_they_stopped(data, rows):
+    """Decoding in batches of ``rows`` records, resuming at each LIMIT stop, gives the whole range."""
+    try:
+        whole, final = decode_range(data, 0, len(data), base=0)
+    except CorruptDataError as exc:  # a damaged time: a typed error either way
+        with pytest.raises(type(exc)):
+            _decode_in_steps(data, rows)
+        return
+    batches, stop = _decode_in_steps(data, rows)
+    assert plain(pa.Table.from_batches(batches, MESSAGE_SCHEMA)) == plain(whole)
+    assert (stop.kind, stop.pos) == (final.kind, final.pos)
+
+
+def _decode_in_steps(data: bytes, rows: int):
+    pos, batches = 0, []
+    while True:
+        batch, stop = decode_range(data, pos, len(data), base=0, max_rows=rows)
+        assert batch.num_rows <= rows
+        batches.append(batch)
+        if stop.kind is not StopKind.LIMIT:
+            break
+        assert batch.num_rows == rows
+        pos = stop.pos
+    return batches, stop
+
+
+def test_blank_damage_and_end_are_reported_with_the_record_codecs_reasons():
+    host = Host("10.0.0.1", 10911).to_bytes()
+    one = bytes(encode_record(topic=b"T", body=b"payload", properties=b"KEYS\x01k\x02", queue_id=0, flag=0,
+                              sys_flag=0, born_timestamp=1, born_host=host, store_host=host))
+    seg = one + one + blank_record(8)
+    batch, stop = decode_range(seg, 0, len(seg), base=4096)
+    assert batch.num_rows == 2 and stop.kind is StopKind.BLANK and stop.offset == 4096 + 2 * len(one)
+    bad = bytearray(seg)
+    bad[len(one) + 88 + 3] ^= 0x01  # inside the second body (it starts at byte 88 of the record)
+    batch, stop = decode_range(bytes(bad), 0, len(bad), base=0)
+    assert batch.num_rows == 1 and stop.kind is StopKind.DAMAGE and stop.pos == len(one)
+    assert isinstance(stop.error, ChecksumError) and "CRC" in stop.error.reason
+    batch, stop = decode_range(bytes(bad), 0, len(bad), base=0, check_crc=False)
+    assert batch.num_rows == 2 and stop.kind is StopKind.BLANK
+    batch, stop = decode_range(seg, 0, len(one), base=0)
+    assert batch.num_rows == 1 and stop.kind is StopKind.END and stop.pos == len(one)
+
+
+def test_an_mmap_can_be_closed_after_decoding_even_on_damage(tmp_path):
+    """No numpy view of the mapping survives a call (mmap.close() refuses while one is exported)."""
+    path = tmp_path / "seg"
+    path.write_bytes(b"\x00\x00\x01\x00\x12\x34\x56\x78" + bytes(1016))
+    with open(path, "rb") as file:
+        buf = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    batch, stop = decode_range(buf, 0, 1024, base=0)
+    assert batch.num_rows == 0 and stop.kind is StopKind.DAMAGE
+    buf.close()
+
+
+# --- golden vectors made by RocketMQ --------------------------------------------------------------
+
+def _vector(name: str) -> tuple[bytes, list[dict]]:
+    folder = VECTORS / name
+    if not (folder / SEGMENT_NAME).is_file():
+        pytest.skip(f"golden vectors not found at {folder}")
+    lines = (folder / ("decode.jsonl")).read_text(encoding="utf-8").splitlines()
+    return (folder / SEGMENT_NAME).read_bytes(), [json.loads(line) for line in lines if line.strip()]
+
+
+def _as_java(row: dict) -> dict:
+    return {
+        "msgId": row["msgId"], "topic": row["topic"], "queueId": row["queueId"], "flag": row["flag"],
+        "queueOffset": row["queueOffset"], "commitLogOffset": row["commitLogOffset"], "sysFlag": row["sysFlag"],
+        "bornTimestamp": int(row["bornTimestamp"].timestamp() * 1000), "bornHost": row["bornHost"],
+        "storeTimestamp": int(row["storeTimestamp"].timestamp() * 1000), "storeHost": row["storeHost"],
+        "reconsumeTimes": row["reconsumeTimes"], "preparedTransactionOffset": row["preparedTransactionOffset"],
+        "bodyCRC": row["bodyCRC"], "body": row["body"], "properties": dict(row["properties"]),
+        "storeSize": row["storeSize"],
+    }
+
+
+@pytest.mark.parametrize("name", ["v4_commitlog", "v6_commitlog_corrupt"])
+def test_golden_vectors_decode_as_rocketmq_and_as_the_record_codec(name):
+    data, expected = _vector(name)
+    assert_same_as_reference(data, 0, len(data))
+    batch, stop = decode_range(data, 0, len(data), base=0)
+    records = [e for e in expected if "end" not in e]
+    assert len(records) == batch.num_rows
+    for row, entry in zip(batch.to_pylist(), records, strict=True):
+        want = {key: entry[key] for key in _as_java(row)}
+        want["body"] = b"" if entry["body"] is None else base64.b64decode(entry["body"])
+        assert _as_java(row) == want
+        assert row["uniqKey"] == entry["properties"].get("UNIQ_KEY")
+        assert row["tags"] == entry["properties"].get("TAGS")
+    last = expected[-1]
+    assert stop.pos == last["pos"]
+    assert stop.kind is (StopKind.BLANK if last["end"] == "blank" else StopKind.DAMAGE)
+
+
+def test_golden_v4_decompressed_bodies_fall_back_to_the_record_codec():
+    data, _ = _vector("v4_commitlog")
+    folder = VECTORS / "v4_commitlog"
+    expected = [json.loads(line) for line in (folder / "decode_decompress.jsonl").read_text().splitlines() if line]
+    batch, _stop = decode_range(data, 0, len(data), base=0, decompress=True)
+    records = [e for e in expected if "end" not in e]
+    assert [(r["body"], r["sysFlag"]) for r in batch.to_pylist()] == [
+        (b"" if e["body"] is None else base64.b64decode(e["body"]), e["sysFlag"]) for e in records]
+    assert any(e["sysFlag"] & SysFlag.COMPRESSED for e in _vector("v4_commitlog")[1] if "end" not in e)
+
+
+# --- the store: scan_arrow over a real commit log -------------------------------------------------
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=16 << 10)
+
+
+def _store_rows(store: MessageStore, **kwargs) -> list[dict]:
+    batches = list(scan_arrow(store.commit_log, **kwargs))
+    return pa.Table.from_batches(batches, MESSAGE_SCHEMA).to_pylist()
+
+
+def test_scan_arrow_reads_a_store_as_iter_messages_does(tmp_path):
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        for i in range(0, 300, 10):
+            store.put_messages([Message(f"Topic{j % 3}", b"x" * (j % 97), tags=f"T{j % 2}", keys=[f"k{j}", "g"],
+                                        properties={"n": str(j)}, queue_id=j % 4) for j in range(i, i + 10)])
+        assert len(store.commit_log.mapped_files.files) > 3  # BLANK records between segments
+        expected = rows_batch([message_row(m, True, None) for m in store.iter_messages()]).to_pylist()
+        assert _store_rows(store, max_rows=7) == expected
+        assert _store_rows(store, topics=["Topic1"]) == [r for r in expected if r["topic"] == "Topic1"]
+        middle = expected[100]["commitLogOffset"]
+        assert _store_rows(store, begin=middle, end=expected[200]["commitLogOffset"]) == expected[100:200]
+        assert [r["body"] for r in _store_rows(store, include_body=False)] == [None] * 300
+
+
+def test_scan_arrow_raises_the_record_codecs_error_after_the_good_records(tmp_path):
+    """Damage in an old segment (recovery re-checks only the newest) is met by the scan itself."""
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        results = [store.put_message(Message("T", b"body %d" % i * 20)) for i in range(400)]
+    assert len(list((tmp_path / "s" / "commitlog").iterdir())) > 4
+    victim = results[5]
+    segment = tmp_path / "s" / "commitlog" / SEGMENT_NAME
+    data = bytearray(segment.read_bytes())
+    layout = read_layout(data, victim.commit_log_offset)
+    data[layout.body_pos + 3] ^= 0x40
+    segment.write_bytes(bytes(data))
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
+        seen = []
+        with pytest.raises(ChecksumError) as raised:
+            for batch in scan_arrow(store.commit_log, max_rows=2):
+                seen += batch.column("commitLogOffset").to_pylist()
+        with pytest.raises(ChecksumError) as reference_error:
+            list(store.commit_log.iter_layouts(check_crc=True))
+    assert seen == [r.commit_log_offset for r in results[:5]]
+    assert (raised.value.offset, raised.value.reason) == (reference_error.value.offset, reference_error.value.reason)
