@@ -329,3 +329,49 @@ def test_scan_arrow_raises_the_record_codecs_error_after_the_good_records(tmp_pa
             list(store.commit_log.iter_layouts(check_crc=True))
     assert seen == [r.commit_log_offset for r in results[:5]]
     assert (raised.value.offset, raised.value.reason) == (reference_error.value.offset, reference_error.value.reason)
+
+
+# --- the Spark partition reader on the batch decoder ------------------------------------------------
+
+def test_partition_reader_equals_the_per_record_reader_with_filters_skips_and_dispatch_info(tmp_path):
+    """read_range (batch decoder) gives what the record codec + MessageColumns gave: same rows, same
+    tagsCode and index-key hashes, same skipped damage, on one range with a time window and topics."""
+    from rocketstore.codec.record import find_record_start
+    from rocketstore.spark.partitions import LogRange, MessageColumns, ScanOptions, append_message, read_range
+
+    with MessageStore.open(tmp_path / "s", StoreConfig(mapped_file_size_commit_log=1 << 20)) as store:
+        results = [store.put_message(Message(f"T{i % 3}", b"b%d" % i * 9, tags=f"tag{i % 4}", keys=[f"k{i}", "g"],
+                                             properties={"DELAY": "2"} if i % 7 == 0 else None,
+                                             sys_flag=0xC if i % 11 == 0 else 0)) for i in range(300)]
+    segment = tmp_path / "s" / "commitlog" / SEGMENT_NAME
+    data = bytearray(segment.read_bytes())
+    for victim in (results[40], results[41], results[200]):
+        data[read_layout(data, victim.commit_log_offset).body_pos] ^= 0x10
+    segment.write_bytes(bytes(data))
+    end = results[-1].commit_log_offset + results[-1].store_size
+    options = ScanOptions(topics=frozenset({"T0", "T2", "SCHEDULE_TOPIC_XXXX"}), on_corrupt="skip",
+                          dispatch_info=True, starting_timestamp=results[10].store_timestamp,
+                          ending_timestamp=results[290].store_timestamp, corrupt_log=str(tmp_path / "bad"))
+    got = pa.Table.from_batches(read_range(LogRange(str(tmp_path / "s"), "b", str(segment), 0, 1 << 20, 0, end, end),
+                                           options))
+
+    expected, pos, skipped = MessageColumns(True), 0, []
+    while pos < end:
+        try:
+            layout = read_layout(data, pos, end, check_crc=True)
+        except CorruptDataError:
+            resume = find_record_start(data, pos + 1, end, 0, 1 << 20)
+            skipped.append((pos, resume - pos))
+            pos = resume
+            continue
+        msg = message_from_layout(data, pos, layout)
+        pos += layout.size
+        if msg.topic in options.topics and results[10].store_timestamp <= msg.store_timestamp \
+                < results[290].store_timestamp:
+            append_message(expected, msg, "b", options)
+    assert plain(got) == plain(expected.batch())
+    assert got.num_rows > 100 and {r["topic"] for r in got.to_pylist()} >= {"T0", "T2"}
+    from rocketstore.spark.partitions import corrupt_report
+
+    assert [(item["offset"], item["bytes"]) for item in corrupt_report(tmp_path / "bad")] == skipped
+    assert len(skipped) == 3

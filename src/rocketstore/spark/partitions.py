@@ -8,7 +8,8 @@ broker writes every record's position into it), then reads every record that *st
 order by any number of tasks. The end of each log is fixed at planning time by a read-only
 recovery, so a store that is still being written is read as a consistent prefix.
 
-Records are decoded with the store's own codec (``rocketstore.codec.record``).
+Records are decoded by the store's batch codec (``rocketstore.codec.batch``): one numba walk per
+batch of up to ``BATCH_ROWS`` records, straight into Arrow buffers.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import numpy as np
 import pyarrow as pa
 
 from ..checkpoint import StoreCheckpoint
+from ..codec.batch import MESSAGE_FIELDS, StopKind, decode_range, message_row
 from ..codec.properties import PropertyName
-from ..codec.record import find_record_start, message_from_layout, read_layout
+from ..codec.record import find_record_start
 from ..commitlog import COMMITLOG_DIR, CommitLog
 from ..config import StoreConfig, detect_segment_size
 from ..dispatch import index_topic_of, tags_code_of
-from ..errors import ConfigError, CorruptDataError, StoreIOError
+from ..errors import ConfigError, StoreIOError
 from ..index.bulk import index_key_hashes
 from ..index.service import build_key, index_keys
 from ..lifecycle import ABORT_FILE
@@ -48,15 +50,7 @@ MESSAGE_DDL = (
 )
 DISPATCH_DDL = ", tagsCode bigint, indexKeyHashes array<bigint>"
 
-_TS = pa.timestamp("us", tz="UTC")
-ARROW_FIELDS = [
-    ("topic", pa.string()), ("queueId", pa.int32()), ("queueOffset", pa.int64()), ("commitLogOffset", pa.int64()),
-    ("msgId", pa.string()), ("uniqKey", pa.string()), ("keys", pa.list_(pa.string())), ("tags", pa.string()),
-    ("body", pa.binary()), ("properties", pa.map_(pa.string(), pa.string())), ("bornTimestamp", _TS),
-    ("storeTimestamp", _TS), ("bornHost", pa.string()), ("storeHost", pa.string()), ("sysFlag", pa.int32()),
-    ("flag", pa.int32()), ("reconsumeTimes", pa.int32()), ("preparedTransactionOffset", pa.int64()),
-    ("storeSize", pa.int32()), ("bodyCRC", pa.int32()), ("brokerName", pa.string()),
-]
+ARROW_FIELDS = MESSAGE_FIELDS  # the MessageExt columns, defined by the codec
 DISPATCH_FIELDS = [("tagsCode", pa.int64()), ("indexKeyHashes", pa.list_(pa.int64()))]
 BATCH_ROWS = 8192
 DEFAULT_MAX_BYTES_PER_PARTITION = 64 << 20
@@ -250,37 +244,69 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
     if pos > 0:
         found = find_record_start(buf, pos, min(limit, stop + 4), r.segment_start, r.segment_size)
         pos = found if found is not None else limit
-    columns = MessageColumns(options.dispatch_info)
+    end = min(limit, stop)
     skipped: list[dict] = []
-    while pos < limit and pos < stop:
-        try:
-            layout = read_layout(buf, pos, limit if limit < r.segment_size else r.segment_size,
-                                 check_crc=options.check_crc, path=r.segment, base=r.segment_start)
-        except CorruptDataError as exc:
-            if options.on_corrupt == "fail":
-                raise
-            found = find_record_start(buf, pos + 1, min(limit, stop + 4), r.segment_start, r.segment_size)
-            resume = limit if found is None else found
-            log.warning("skipping %d bytes of corrupt data: %s", resume - pos, exc)
-            skipped.append({"segment": r.segment, "offset": r.segment_start + pos, "bytes": resume - pos,
-                            "reason": exc.reason})
-            if found is None:
-                break
-            pos = found
+    while pos < end:
+        batch, halt = decode_range(buf, pos, end, base=r.segment_start, limit=min(limit, r.segment_size),
+                                   check_crc=options.check_crc, include_body=options.include_body,
+                                   topics=options.topics, broker_name=r.broker_name, path=r.segment,
+                                   max_rows=BATCH_ROWS)
+        batch = _in_time_window(batch, options)
+        if batch.num_rows:
+            yield with_dispatch_info(batch, options) if options.dispatch_info else batch
+        if halt.kind is StopKind.LIMIT:
+            pos = halt.pos
             continue
-        if layout is None:
+        if halt.kind is not StopKind.DAMAGE:
+            break  # the range's end, or the segment's BLANK record
+        assert halt.error is not None
+        if options.on_corrupt == "fail":
+            raise halt.error
+        found = find_record_start(buf, halt.pos + 1, min(limit, stop + 4), r.segment_start, r.segment_size)
+        resume = limit if found is None else found
+        log.warning("skipping %d bytes of corrupt data: %s", resume - halt.pos, halt.error)
+        skipped.append({"segment": r.segment, "offset": halt.offset, "bytes": resume - halt.pos,
+                        "reason": halt.error.reason})
+        if found is None:
             break
-        msg = message_from_layout(buf, pos, layout, read_body=options.include_body, path=r.segment,
-                                  base=r.segment_start)
-        pos += layout.size
-        if _keep(msg, options):
-            append_message(columns, msg, r.broker_name, options)
-            if len(columns) >= BATCH_ROWS:
-                yield columns.batch()
-    if len(columns):
-        yield columns.batch()
+        pos = found
     if skipped and options.corrupt_log:
         _write_corrupt_log(options.corrupt_log, r, skipped)
+
+
+def _in_time_window(batch: pa.RecordBatch, options: ScanOptions) -> pa.RecordBatch:
+    """The rows whose store time lies in ``[starting_timestamp, ending_timestamp)`` (ms)."""
+    if options.starting_timestamp is None and options.ending_timestamp is None:
+        return batch
+    micros = batch.column("storeTimestamp").cast(pa.int64()).to_numpy()
+    keep = np.ones(len(micros), dtype=bool)
+    if options.starting_timestamp is not None:
+        keep &= micros >= options.starting_timestamp * 1000
+    if options.ending_timestamp is not None:
+        keep &= micros < options.ending_timestamp * 1000
+    return batch if keep.all() else batch.filter(pa.array(keep))
+
+
+def with_dispatch_info(batch: pa.RecordBatch, options: ScanOptions) -> pa.RecordBatch:
+    """Add tagsCode and indexKeyHashes: what the dispatcher derives from each record (for rebuilds)."""
+    topics = batch.column("topic").to_pylist()
+    properties = batch.column("properties").to_pylist()
+    stamps = (batch.column("storeTimestamp").cast(pa.int64()).to_numpy() // 1000).tolist()
+    sys_flags = batch.column("sysFlag").to_pylist()
+    tags_codes, keys = [], []
+    for topic, pairs, stamp, sys_flag in zip(topics, properties, stamps, sys_flags, strict=True):
+        props = dict(pairs)
+        tags_codes.append(tags_code_of(topic, props, stamp, options.delay_levels_ms))
+        rollback = SysFlag.transaction_type(sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE
+        row_keys = [] if rollback else index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))
+        index_topic = index_topic_of(topic, props)
+        keys.append([build_key(index_topic, k) for k in row_keys])
+    offsets = np.zeros(len(keys) + 1, dtype=np.int32)
+    np.cumsum([len(row) for row in keys], out=offsets[1:])
+    hashes = index_key_hashes([k for row in keys for k in row])
+    columns = [*batch.columns, pa.array(tags_codes, pa.int64()),
+               pa.ListArray.from_arrays(pa.array(offsets), pa.array(hashes, type=pa.int64()))]
+    return pa.RecordBatch.from_arrays(columns, names=[*batch.schema.names, *(n for n, _ in DISPATCH_FIELDS)])
 
 
 def _write_corrupt_log(directory: str, r: LogRange, skipped: list[dict]) -> None:
@@ -301,28 +327,15 @@ def corrupt_report(directory: str | Path) -> list[dict]:
     return sorted(items, key=lambda item: (item["segment"], item["offset"]))
 
 
-def _keep(msg, options: ScanOptions) -> bool:
-    if options.topics is not None and msg.topic not in options.topics:
-        return False
-    if options.starting_timestamp is not None and msg.store_timestamp < options.starting_timestamp:
-        return False
-    return options.ending_timestamp is None or msg.store_timestamp < options.ending_timestamp
-
-
 def append_message(columns: MessageColumns, msg, broker: str, options: ScanOptions) -> None:
-    props = msg.properties
-    values = [
-        msg.topic, msg.queue_id, msg.queue_offset, msg.commit_log_offset, msg.msg_id, props.get(PropertyName.UNIQ_KEY),
-        msg.keys, props.get(PropertyName.TAGS), msg.body if options.include_body else None, list(props.items()),
-        msg.born_timestamp * 1000, msg.store_timestamp * 1000, str(msg.born_host), str(msg.store_host), msg.sys_flag,
-        msg.flag, msg.reconsume_times, msg.prepared_transaction_offset, msg.store_size, msg.body_crc, broker,
-    ]
+    """Add one decoded message to ``columns`` (record-at-a-time callers such as ``find_keys``)."""
+    values = message_row(msg, options.include_body, broker)
     if options.dispatch_info:
-        values.append(tags_code_of(msg.topic, props, msg.store_timestamp, options.delay_levels_ms))
+        values.append(tags_code_of(msg.topic, msg.properties, msg.store_timestamp, options.delay_levels_ms))
         rollback = SysFlag.transaction_type(msg.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE
+        props = msg.properties
         keys = [] if rollback else index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))
         topic = index_topic_of(msg.topic, props)
         values.append([build_key(topic, k) for k in keys])  # hashed per batch in MessageColumns.batch
     for column, value in zip(columns.data, values, strict=True):
         column.append(value)
-
