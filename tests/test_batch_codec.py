@@ -223,6 +223,22 @@ def test_blank_damage_and_end_are_reported_with_the_record_codecs_reasons():
     assert batch.num_rows == 1 and stop.kind is StopKind.END and stop.pos == len(one)
 
 
+def test_records_the_fast_path_cannot_render_are_merged_back_in_log_order():
+    """Bad UTF-8 (the record codec's 'replace' decode) and compressed bodies (decompress) between plain records."""
+    host = Host("10.0.0.1", 10911).to_bytes()
+    data = b""
+    for topic, props, body, sys_flag in [(b"A", b"KEYS\x01a\x02", b"x", 0), (b"\xffB", b"", b"y", 0),
+                                         (b"A", b"K\x01\xfe\x02", b"z", 0), (b"A", b"", zlib.compress(b"big"), 1),
+                                         (b"A", b"TAGS\x01t\x02", b"w", 0)]:
+        data += bytes(encode_record(topic=topic, body=body, properties=props, queue_id=0, flag=0, sys_flag=sys_flag,
+                                    born_timestamp=1, born_host=host, store_host=host, phy_offset=len(data)))
+    for kwargs in ({}, {"decompress": True}, {"topics": {"A"}}, {"topics": {"\ufffdB"}}):
+        assert_same_as_reference(data, 0, len(data), **kwargs)
+    batch, _stop = decode_range(data, 0, len(data), base=0, decompress=True)
+    assert batch.column("topic").to_pylist() == ["A", "\ufffdB", "A", "A", "A"]
+    assert batch.column("body").to_pylist()[3] == b"big"
+
+
 def test_an_mmap_can_be_closed_after_decoding_even_on_damage(tmp_path):
     """No numpy view of the mapping survives a call (mmap.close() refuses while one is exported)."""
     path = tmp_path / "seg"

@@ -146,7 +146,8 @@ def _batch(buf, arr: np.ndarray, f: np.ndarray, *, include_body: bool, topics: C
     slow_batch = rows_batch([message_row(msg, include_body, broker_name) for _p, msg in kept])
     order = np.argsort(np.concatenate([fast[k.F_POS], np.array([p for p, _m in kept], dtype=np.int64)]),
                        kind="stable")
-    return pa.concat_batches([batch, slow_batch]).take(pa.array(order))
+    merged = pa.Table.from_batches([batch, slow_batch]).take(pa.array(order)).combine_chunks()
+    return pa.RecordBatch.from_arrays([column.combine_chunks() for column in merged.columns], schema=MESSAGE_SCHEMA)
 
 
 def _message_of(buf, pos: int, limit: int, include_body: bool, decompress: bool, path: str | None,
