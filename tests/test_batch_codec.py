@@ -31,7 +31,7 @@ from rocketstore.codec.record import (
     read_layout,
     seal_property_crc,
 )
-from rocketstore.errors import ChecksumError, CorruptDataError
+from rocketstore.errors import ChecksumError, CorruptDataError, OffsetOutOfRangeError
 from rocketstore.message import SysFlag
 
 VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
@@ -237,6 +237,17 @@ def test_records_the_fast_path_cannot_render_are_merged_back_in_log_order():
     batch, _stop = decode_range(data, 0, len(data), base=0, decompress=True)
     assert batch.column("topic").to_pylist() == ["A", "\ufffdB", "A", "A", "A"]
     assert batch.column("body").to_pylist()[3] == b"big"
+
+
+def test_a_range_outside_the_buffer_is_a_typed_error():
+    host = Host("10.0.0.1", 10911).to_bytes()
+    data = bytes(encode_record(topic=b"T", body=b"x", properties=b"", queue_id=0, flag=0, sys_flag=0,
+                               born_timestamp=1, born_host=host, store_host=host))
+    for start, end, rows in ((-8, len(data), 10), (50, 10, 10), (0, len(data), 0)):
+        with pytest.raises(OffsetOutOfRangeError):
+            decode_range(data, start, end, base=0, max_rows=rows)
+    batch, stop = decode_range(data, 0, 1 << 40, base=0)  # an end past the buffer is clamped to it
+    assert batch.num_rows == 1 and stop.kind is StopKind.END
 
 
 def test_an_mmap_can_be_closed_after_decoding_even_on_damage(tmp_path):

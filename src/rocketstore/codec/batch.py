@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, OffsetOutOfRangeError
 from ..message import MessageExt, SysFlag
 from . import _kernels as k
 from .properties import PropertyName
@@ -88,11 +88,16 @@ def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True
     ``topics`` keeps only those topics. The returned ``Stop`` says where and why decoding ended,
     so a caller can fail on damage, skip it, or continue after a BLANK or a full batch; the batch
     holds every valid record before that point, never one that failed validation.
+    Raises ``OffsetOutOfRangeError`` for a negative ``start`` or an ``end`` before it (the compiled
+    walk does no bounds checks of its own, so nothing outside the buffer may reach it).
     """
+    if not 0 <= start <= end or max_rows < 1 or max_bytes < 1:
+        raise OffsetOutOfRangeError(f"cannot decode the range [{start}, {end}) with max_rows={max_rows}, "
+                                    f"max_bytes={max_bytes}")
     arr = _as_array(buf)
     try:
         limit = len(arr) if limit is None else min(limit, len(arr))
-        f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max(max_rows, 1), max(max_bytes, 1))
+        f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max_rows, max_bytes)
         stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, max_bytes)
         f = np.ascontiguousarray(f[:, :n])  # C-contiguous rows: one compiled (and cached) kernel signature
         batch = _batch(buf, arr, f, include_body=include_body, topics=topics, limit=limit,
