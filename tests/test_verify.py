@@ -1,0 +1,152 @@
+"""``verify_store``: linear in dangling queue units and index entries, and exact on a store a writer is using."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
+from rocketstore.errors import ConfigError
+from rocketstore.verify import verify_store
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=256 << 10, mapped_file_size_consume_queue=20 * 2000,
+                     max_hash_slot_num=1999, max_index_num=8000)
+
+
+def write(root: Path, count: int, config: StoreConfig = CONFIG) -> list:
+    """``count`` messages in batches over 3 topics x 2 queues, each with a key (2 index entries each)."""
+    results = []
+    with MessageStore.open(root, config) as store:
+        for start in range(0, count, 500):
+            results += store.put_messages([Message(f"T{i % 3}", b"x" * (i % 40), keys=[f"k{i}"], tags=f"Tag{i % 2}",
+                                                   queue_id=i % 2) for i in range(start, min(count, start + 500))])
+        assert store.wait_for_dispatch(timeout=30)
+    return results
+
+
+def zero_log_from(root: Path, cut: int) -> None:
+    """Zero every commit-log byte from ``cut`` on, files kept at their size (as an ASYNC power loss leaves them)."""
+    for segment in sorted((root / "commitlog").iterdir()):
+        start = int(segment.name)
+        size = segment.stat().st_size
+        if start + size > cut:
+            with open(segment, "r+b") as f:
+                f.seek(max(0, cut - start))
+                f.write(bytes(size - max(0, cut - start)))
+
+
+# --- item 7: dangling units and entries cost no per-item Python work ------------------------------------
+
+class CallCounter:
+    """Counts Python and C function calls once the commit-log scan is over (its last progress report):
+    what is left is checking queue units and index entries, which must not loop over them in Python."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.counting = False
+
+    def progress(self, phase: str, done: int, total: int) -> None:
+        if phase == "commit log" and done == total:
+            self.counting = True
+            sys.setprofile(self.profile)
+
+    def profile(self, frame, event: str, arg) -> None:
+        if event in ("call", "c_call"):
+            self.calls += 1
+
+    def run(self, root: Path, **kwargs):
+        try:
+            return verify_store(root, CONFIG, progress=self.progress, **kwargs)
+        finally:
+            sys.setprofile(None)
+
+
+def test_dangling_queue_units_and_index_entries_are_counted_without_per_entry_work(tmp_path):
+    root = tmp_path / "s"
+    results = write(root, 20_000)
+    verify_store(root, CONFIG)  # warm-up: first calls of some numpy functions compile regular expressions
+    clean = CallCounter()
+    report = clean.run(root)
+    assert report.clean and (report.records, report.queue_units, report.index_entries) == (20_000, 20_000, 40_000)
+
+    cut_at = 15_000  # the last quarter of the log is lost: its queue units and index entries dangle
+    cut = results[cut_at].commit_log_offset
+    zero_log_from(root, cut)
+    damaged = CallCounter()
+    report = damaged.run(root, max_problems=100)
+
+    lost = len(results) - cut_at
+    assert report.records == cut_at and report.queue_units == 20_000 and report.index_entries == 40_000
+    full = verify_store(root, CONFIG, max_problems=10**6)
+    assert report.problems == full.problems[:100] and report.problem_count == len(full.problems) > 100
+    kinds = Counter((p.kind, p.detail.split(" ")[0]) for p in full.problems)
+    # every segment from the cut on but the last lacks its BLANK; each lost record leaves one dangling
+    # unit and two dangling index entries (UNIQ_KEY and k<i>); and nothing else is reported
+    segments = sum(1 for s in (root / "commitlog").iterdir() if int(s.name) + s.stat().st_size > cut)
+    assert kinds == {("commitlog", "segment"): segments - 1, ("consumequeue", "points"): lost,
+                     ("index", "entry"): 2 * lost}
+    print(f"calls after the log scan: clean {clean.calls}, damaged {damaged.calls}")
+    # after the log scan, work is per file and per problem listed: not per unit or entry checked
+    assert clean.calls < (20_000 + 40_000) / 4, clean.calls
+    assert damaged.calls < clean.calls + 100 * 40, (damaged.calls, clean.calls)
+
+
+def test_max_problems_below_zero_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="max_problems"):
+        verify_store(tmp_path, CONFIG, max_problems=-1)
+
+
+# --- item 8: a store a writer is using ----------------------------------------------------------------
+
+WRITER = textwrap.dedent("""
+    import sys, threading
+    from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
+    config = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 200,
+                         max_hash_slot_num=97, max_index_num=388, flush_disk_type=FlushDiskType[sys.argv[2]])
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()  # stdin closed: stop
+    with MessageStore.open(sys.argv[1], config) as store:
+        i = 0
+        while not stop.wait(0.002):  # paced, so that the store stays small enough for a quick test
+            store.put_messages([Message(f"T{j % 4}", b"y" * (j % 60), keys=[f"k{j}", f"g{j % 7}"], tags=f"Tag{j % 3}",
+                                        queue_id=j % 3) for j in range(i, i + 50)])
+            i += 50
+            if i == 2000:
+                print("ready", flush=True)
+    print(i, flush=True)
+""")
+
+
+@pytest.mark.parametrize("flush", ["ASYNC_FLUSH", "SYNC_FLUSH"])
+def test_verify_while_a_writer_runs_checks_a_snapshot_without_false_problems(tmp_path, flush):
+    root = tmp_path / "live"
+    config = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 200,
+                         max_hash_slot_num=97, max_index_num=388, flush_disk_type=FlushDiskType[flush])
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(root), flush], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "ready\n"
+        reports = []
+        for _ in range(4):
+            reports.append(verify_store(root, config))
+            assert reports[-1].live and reports[-1].clean, reports[-1].problems[:5]
+        assert max(r.queue_units for r in reports) > 0 and max(r.index_entries for r in reports) > 0
+        ends = [r.snapshot_end for r in reports]
+        done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "verify", "--store", str(root)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr
+        assert "store is live (locked by a writer): checked the snapshot up to commit-log offset" in done.stdout
+        assert ends == sorted(ends) and ends[0] < ends[-1], "the writer wrote while verify ran"
+        writer.stdin.close()
+        written = int(writer.stdout.readline())
+        assert writer.wait(timeout=60) == 0
+    finally:
+        writer.kill()
+        writer.wait()
+    report = verify_store(root, config)
+    assert not report.live and report.clean and report.records == written, report.problems[:5]
