@@ -454,7 +454,9 @@ def inspect(as_json, **kwargs) -> None:
 
 
 @main.command(epilog="""\b
-Exit code 0 only when nothing is wrong. Examples:
+Exit code 0 only when nothing is wrong. A store locked by a running writer is
+checked as a snapshot: up to the end of its log when verify starts.
+Examples:
   rocketstore verify --store /data/broker-a/store
   rocketstore verify --json | jq .
 """)
@@ -473,8 +475,12 @@ def verify(as_json, **kwargs) -> None:
             emit_json(problem.as_dict())
         else:
             click.echo(str(problem))
+    if report.live:
+        click.echo(f"store is live (locked by a writer): checked the snapshot up to commit-log offset "
+                   f"{report.snapshot_end}", err=as_json)
+    shown = "" if len(report.problems) == report.problem_count else f" (the first {len(report.problems)} listed)"
     summary = (f"checked {report.records} records, {report.queue_units} queue units, {report.index_entries} index "
-               f"entries: {len(report.problems)} problem(s)")
+               f"entries: {report.problem_count} problem(s){shown}")
     click.echo(summary, err=as_json)
     if not report.clean:
         sys.exit(1)
