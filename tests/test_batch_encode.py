@@ -204,3 +204,23 @@ def test_delayed_rows_go_to_the_schedule_topic_and_are_findable_by_key(tmp_path)
         assert late.topic == "SCHEDULE_TOPIC_XXXX" and late.queue_id == 1
         assert late.properties["REAL_TOPIC"] == "Late"
         assert [m.body for m in store.query_message("Late", "late-1")] == [b"later"]
+
+
+def test_put_batch_columns_come_back_through_scan_arrow(tmp_path):
+    table = fast_table(500)
+    with MessageStore.open(tmp_path, SMALL) as store:
+        result = store.put_batch(table)
+        scanned = pa.Table.from_batches(list(store.scan_arrow(max_rows=64)))
+    assert scanned.num_rows == 500
+    assert scanned.column("topic").to_pylist() == table.column("topic").to_pylist()
+    assert scanned.column("body").to_pylist() == table.column("body").to_pylist()
+    assert scanned.column("tags").to_pylist() == table.column("tags").to_pylist()
+    assert scanned.column("keys").to_pylist() == table.column("keys").to_pylist()
+    assert scanned.column("queueId").to_pylist() == table.column("queue_id").to_pylist()
+    assert scanned.column("queueOffset").to_pylist() == result.queue_offsets.tolist()
+    assert scanned.column("commitLogOffset").to_pylist() == result.commit_log_offsets.tolist()
+    assert scanned.column("msgId").to_pylist() == result.msg_ids.to_pylist()
+    assert scanned.column("uniqKey").to_pylist() == result.uniq_keys.to_pylist()
+    with MessageStore.open(tmp_path, SMALL, read_only=True) as store:  # read-only opens scan too
+        assert sum(b.num_rows for b in store.scan_arrow(topics=["Topic1"], include_body=False)) == \
+            sum(1 for t in table.column("topic").to_pylist() if t == "Topic1")

@@ -11,7 +11,7 @@ b'hello'
 
 from .codec.hosts import Host
 from .config import FlushDiskType, StoreConfig
-from .message import Message, MessageExt, PutMessageResult, PutMessageStatus, SysFlag
+from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, SysFlag
 from .recovery import RecoveryReport
 from .store import MessageStore, StoreNotFoundError
 
@@ -21,6 +21,7 @@ __all__ = [
     "Message",
     "MessageExt",
     "MessageStore",
+    "PutBatchResult",
     "PutMessageResult",
     "PutMessageStatus",
     "RecoveryReport",

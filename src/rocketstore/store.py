@@ -638,6 +638,16 @@ class MessageStore:
         self._check_open()
         return self.commit_log.iter_messages(from_offset, to_offset)
 
+    def scan_arrow(self, topics=None, begin: int | None = None, end: int | None = None, check_crc: bool = True,
+                   include_body: bool = True, *, max_rows: int = 8192):
+        """Every message in log order as ``pyarrow.RecordBatch``es (the Spark source's columns), decoded by
+        the compiled batch codec; read-only opens too. Raises the first ``CorruptDataError`` after yielding
+        everything before it. The store must stay open while the iterator is used."""
+        self._check_open()
+        from .codec.batch import scan_arrow
+
+        return scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body, max_rows=max_rows)
+
     @property
     def min_phy_offset(self) -> int:
         return self.commit_log.min_offset
