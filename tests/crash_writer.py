@@ -2,7 +2,8 @@
 
 Opens the store at ROOT with small commit-log segments and runs ``THREADS`` producer threads that
 write until the process is killed. Each thread follows a plan fixed by (SEED, thread): a run of
-single puts and all-or-nothing batches (``put_messages`` of 2..``MAX_BATCH`` messages). Every
+single puts and all-or-nothing batches (``put_messages`` of 2..``MAX_BATCH`` messages, or the same rows as a
+``put_batch`` table). Every
 message carries its sequence id ``SEED-thread-n`` in the ``CRASH_SEQ`` property, and its topic,
 queue id, tags, keys and body are derived from that id alone (``message_spec``), so a checker can
 recompute any message it finds in the log, acknowledged or not.
@@ -117,12 +118,32 @@ def ack_line(spec: MessageSpec, result: PutMessageResult) -> str:
 _out_lock = threading.Lock()
 
 
+def put_table(store: MessageStore, specs: list[MessageSpec]) -> list[PutMessageResult]:
+    """The batch as a pyarrow table through ``put_batch``, its columnar result as one result per row."""
+    import pyarrow as pa
+
+    table = pa.table({
+        "topic": pa.array([s.topic for s in specs], pa.string()),
+        "body": pa.array([s.body for s in specs], pa.binary()),
+        "keys": pa.array([list(s.keys) for s in specs], pa.list_(pa.string())),
+        "tags": pa.array([s.tags for s in specs], pa.string()),
+        "queue_id": pa.array([s.queue_id for s in specs], pa.int32()),
+        "properties": pa.array([[(SEQ_PROPERTY, s.seq)] for s in specs], pa.map_(pa.string(), pa.string())),
+    })
+    got = store.put_batch(table)
+    return [PutMessageResult(got.status, got.msg_ids[i].as_py(), got.uniq_keys[i].as_py(),
+                             int(got.commit_log_offsets[i]), int(got.queue_offsets[i]), got.store_timestamp,
+                             int(got.store_sizes[i])) for i in range(len(specs))]
+
+
 def produce(store: MessageStore, seed: int, thread: int) -> None:
     try:
         for numbers in thread_plan(seed, thread):
             specs = [message_spec(seq_id(seed, thread, n)) for n in numbers]
             if len(specs) == 1:
                 results = [store.put_message(specs[0].message())]
+            elif numbers.start % 3 == 0:
+                results = put_table(store, specs)
             else:
                 results = store.put_messages([s.message() for s in specs])
             for spec, result in zip(specs, results, strict=True):
