@@ -25,6 +25,7 @@ from rocketstore.codec import decode_offset_msg_id, decode_properties, decode_un
 from rocketstore.consumequeue import ConsumeQueue
 from rocketstore.errors import ChecksumError, RocketStoreError, StoreIOError
 from rocketstore.index import IndexFile
+from rocketstore.lifecycle import is_locked
 from rocketstore.verify import verify_store
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=8192, mapped_file_size_consume_queue=20 * 50,
@@ -332,16 +333,19 @@ FULL_CONFIG = StoreConfig(mapped_file_size_commit_log=65536, mapped_file_size_co
 
 def fill_until_full(root: Path) -> tuple[list, BaseException]:
     results: list = []
-    with MessageStore.open(root, FULL_CONFIG) as store:
-        try:
-            for i in range(100_000):
-                result = store.put_message(Message("Full", body_of(i), keys=[f"f{i}"], queue_id=i % 2))
-                results.append(result)
-        except StoreIOError as exc:
-            return results, exc
-        finally:
-            with contextlib.suppress(RocketStoreError):
-                store.wait_for_dispatch(2)
+    store = MessageStore.open(root, FULL_CONFIG)
+    try:
+        for i in range(100_000):
+            result = store.put_message(Message("Full", body_of(i), keys=[f"f{i}"], queue_id=i % 2))
+            results.append(result)
+    except StoreIOError as exc:
+        return results, exc
+    finally:
+        with contextlib.suppress(RocketStoreError):
+            store.wait_for_dispatch(2)
+        with contextlib.suppress(StoreIOError):  # on a full disk close() reports what it could not write
+            store.close()
+        assert not is_locked(root)  # ... and released the lock all the same
     raise AssertionError("the disk never filled up")
 
 

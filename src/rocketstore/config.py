@@ -40,6 +40,7 @@ class StoreConfig:
     max_index_num: int = 5_000_000 * 4  # maxIndexNum
     preallocate: bool = True  # rocketstore: reserve segment blocks up front, so a full disk fails
     #                           the roll, not a later write into the mapping (SIGBUS)
+    max_open_consume_queue_files: int = 256  # rocketstore: mapped consume-queue files kept open (LRU)
 
     # --- messages
     max_message_size: int = 4 * MIB  # maxMessageSize (body; the record may add 64 KiB)
@@ -91,6 +92,7 @@ class StoreConfig:
                 ) from None
         _check_range("mapped_file_size_commit_log", self.mapped_file_size_commit_log, 1024, (1 << 31) - 1)
         _check_range("mapped_file_size_consume_queue", self.mapped_file_size_consume_queue, 20, (1 << 31) - 1)
+        _check_range("max_open_consume_queue_files", self.max_open_consume_queue_files, 4, 1 << 20)
         if self.mapped_file_size_consume_queue % 20:
             raise ConfigError("mapped_file_size_consume_queue must be a multiple of 20 (the unit size)")
         _check_range("max_hash_slot_num", self.max_hash_slot_num, 1, 100_000_000)

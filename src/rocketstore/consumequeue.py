@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .config import StoreConfig
 from .errors import CorruptDataError
-from .mapped.file import STAGING_DIR, MappedFile
+from .mapped.file import STAGING_DIR, FileBudget, MappedFile, retry_evicted
 from .mapped.file_queue import MappedFileQueue
 
 CQ_UNIT_SIZE = 20
@@ -45,14 +45,16 @@ StoreTimeLookup = Callable[[int, int], int]
 class ConsumeQueue:
     """One topic-queue's units (RocketMQ's ``ConsumeQueue``)."""
 
-    def __init__(self, root: Path, topic: str, queue_id: int, config: StoreConfig, *, read_only: bool = False):
+    def __init__(self, root: Path, topic: str, queue_id: int, config: StoreConfig, *, read_only: bool = False,
+                 budget: FileBudget | None = None):
         self.topic = topic
         self.queue_id = queue_id
         self.directory = root / CONSUMEQUEUE_DIR / topic / str(queue_id)
         self.file_size = config.mapped_file_size_consume_queue
         # preallocated like segments: a write into a sparse mapped page on a full disk is a SIGBUS
         self.mapped_files = MappedFileQueue(self.directory, self.file_size, read_only=read_only,
-                                            preallocate=config.preallocate, staging=root / STAGING_DIR)
+                                            preallocate=config.preallocate, staging=root / STAGING_DIR,
+                                            budget=budget)
         self.max_physic_offset = -1  # end (offset + size) of the last unit's record
         self.min_logic_offset = 0  # bytes
         self.lock = threading.Lock()
@@ -62,6 +64,7 @@ class ConsumeQueue:
     def load(self) -> None:
         self.mapped_files.load()
 
+    @retry_evicted
     def recover(self) -> None:
         """``recover()``: trust all but the last three files; end the queue at the first invalid unit."""
         files = self.mapped_files.files
@@ -96,6 +99,7 @@ class ConsumeQueue:
                     return offset + size
         return -1
 
+    @retry_evicted
     def truncate_dirty(self, phy_offset: int) -> None:
         """``truncateDirtyLogicFiles``: drop units whose record starts at or after ``phy_offset``."""
         files = self.mapped_files.files
@@ -123,6 +127,7 @@ class ConsumeQueue:
             end = mapped.wrote_position
             mapped.buffer[pos:end] = bytes(end - pos)
 
+    @retry_evicted
     def correct_min_offset(self, log_min_offset: int) -> None:
         """``correctMinOffset``: the first unit whose record still exists in the commit log."""
         first = self.mapped_files.first
@@ -145,6 +150,7 @@ class ConsumeQueue:
 
     # --- append ------------------------------------------------------------------------------
 
+    @retry_evicted
     def put_position(self, phy_offset: int, size: int, tags_code: int, queue_offset: int) -> bool:
         """``putMessagePositionInfo``: append a unit; False if it was already there (a re-dispatch)."""
         if phy_offset + size <= self.max_physic_offset:
@@ -215,6 +221,7 @@ class ConsumeQueue:
     def min_offset_in_queue(self) -> int:
         return self.min_logic_offset // CQ_UNIT_SIZE
 
+    @retry_evicted
     def get_unit(self, queue_offset: int) -> tuple[int, int, int] | None:
         """(commit-log offset, size, tags code) at a queue offset, or None."""
         logical = queue_offset * CQ_UNIT_SIZE
@@ -225,6 +232,7 @@ class ConsumeQueue:
             return None
         return _UNIT.unpack_from(mapped.buffer, logical - mapped.file_from_offset)
 
+    @retry_evicted
     def units_from(self, queue_offset: int, max_units: int) -> tuple[list[tuple[int, int, int]], int | None]:
         """Up to ``max_units`` units from ``queue_offset`` within one file, plus the next file's start
         offset when ``queue_offset``'s file is missing (``OFFSET_FOUND_NULL``)."""
@@ -238,6 +246,7 @@ class ConsumeQueue:
         buf = mapped.buffer
         return [_UNIT.unpack_from(buf, p) for p in range(pos, end, CQ_UNIT_SIZE)], None
 
+    @retry_evicted
     def offset_by_time(self, timestamp: int, upper: bool, store_time: StoreTimeLookup, log_min: int) -> int:
         """``getOffsetInQueueByTime`` (spec 4.5); the caller clamps to [min, max]."""
         files = self.mapped_files.files
@@ -315,6 +324,7 @@ class ConsumeQueue:
 
     # --- repair -------------------------------------------------------------------------------
 
+    @retry_evicted
     def rewrite_unit(self, queue_offset: int, phy_offset: int, size: int, tags_code: int) -> bool:
         """Put the right unit back at ``queue_offset`` (one found pointing at another queue's record)."""
         logical = queue_offset * CQ_UNIT_SIZE
@@ -328,6 +338,7 @@ class ConsumeQueue:
         _SIZE.pack_into(buf, pos + 8, size)
         return True
 
+    @retry_evicted
     def truncate_to(self, queue_offset: int) -> None:
         """Drop the units from ``queue_offset`` on; re-dispatch writes them again from the commit log."""
         logical = max(queue_offset * CQ_UNIT_SIZE, self.min_logic_offset)
@@ -339,9 +350,11 @@ class ConsumeQueue:
 
     # --- durability and retention ------------------------------------------------------------
 
+    @retry_evicted
     def flush(self, least_pages: int = 0) -> None:
         self.mapped_files.flush(least_pages)
 
+    @retry_evicted
     def delete_files_before(self, log_min_offset: int) -> int:
         """Delete leading files whose units all point below ``log_min_offset``; returns how many."""
         doomed = 0
@@ -378,6 +391,7 @@ class ConsumeQueueTable:
         self.read_only = read_only
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._lock = threading.Lock()
+        self.budget = FileBudget(config.max_open_consume_queue_files)  # descriptors stay bounded
         self.set_aside: list[str] = []  # damaged queues moved to recovery/ (rebuilt by re-dispatch)
 
     def load(self) -> None:
@@ -392,7 +406,7 @@ class ConsumeQueueTable:
                 if not queue_entry.is_dir() or not queue_entry.name.isdigit():
                     continue
                 queue = ConsumeQueue(self.root, topic_entry.name, int(queue_entry.name), self.config,
-                                     read_only=self.read_only)
+                                     read_only=self.read_only, budget=self.budget)
                 try:
                     queue.load()
                 except CorruptDataError as exc:  # derived data: rebuilt from the commit log
@@ -418,7 +432,8 @@ class ConsumeQueueTable:
             with self._lock:
                 queue = self.queues.get((topic, queue_id))
                 if queue is None:
-                    queue = ConsumeQueue(self.root, topic, queue_id, self.config, read_only=self.read_only)
+                    queue = ConsumeQueue(self.root, topic, queue_id, self.config, read_only=self.read_only,
+                                         budget=self.budget)
                     self.queues[(topic, queue_id)] = queue
         return queue
 

@@ -105,6 +105,7 @@ class Dispatcher:
         self.config = config
         self.reput_from_offset = 0
         self.rounds = 0  # dispatch rounds that delivered records (consumers wait on it)
+        self.attempts = 0  # dispatch rounds started (a waiter judges a failure by a round after it came)
         self._on_logic_timestamp = on_logic_timestamp
         self._cond = threading.Condition()
         self._work = threading.Event()
@@ -123,6 +124,7 @@ class Dispatcher:
         """Dispatch everything up to the confirm offset now; returns the number of records."""
         done = 0
         with self._round_lock:
+            self.attempts += 1
             end = self.confirm_offset()
             offset = self.reput_from_offset
             files = self.commit_log.mapped_files
@@ -149,9 +151,19 @@ class Dispatcher:
                         self._to_index(pending)
             except CorruptDataError as exc:  # recovery validated the log, so this is new damage
                 self.last_error = exc
+                self.health.fail_dispatch(exc)
                 log.error("dispatch stopped at %d: %s", offset, exc)
+                self._to_index(pending)
+                self.reput_from_offset = offset
+                raise
+            except BaseException as exc:  # a write failed (full disk, EMFILE): keep what was done, say so
+                self.last_error = exc
+                self.health.fail_dispatch(exc)
+                self.reput_from_offset = offset
+                raise
             self._to_index(pending)
             self.reput_from_offset = offset
+            self.health.clear_dispatch()
         if done:
             with self._cond:
                 self.rounds += 1
@@ -202,16 +214,20 @@ class Dispatcher:
             self._work.clear()
             try:
                 self.dispatch_available()
-            except Exception as exc:  # keep the thread alive; readers see last_error
+            except Exception as exc:  # keep the thread alive and retrying; puts are refused meanwhile
                 self.last_error = exc
-                log.exception("dispatch failed")
-                time.sleep(0.05)
+                self.health.fail_dispatch(exc)
+                log.error("dispatch failed (puts are refused until it succeeds): %s", exc)
+                self._stop.wait(0.05)
 
     def wait_dispatched(self, offset: int, timeout: float = 5.0) -> bool:
         """Block until everything below commit-log ``offset`` is dispatched (or it cannot be)."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            seen_attempts = self.attempts
             while self.reput_from_offset < offset:
+                if self.health.dispatch_error is not None and self.attempts > seen_attempts:
+                    self.health.check_writable()  # a round since we started failed too: DispatchFailedError
                 self._work.set()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -232,6 +248,6 @@ class Dispatcher:
             self._thread = None
         try:
             self.dispatch_available()
-        except StoreIOError as exc:
+        except (StoreIOError, CorruptDataError, OSError) as exc:
             self.last_error = exc
             log.error("dispatch could not catch up before closing (%s); the next open re-dispatches", exc)

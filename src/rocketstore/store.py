@@ -308,6 +308,8 @@ class MessageStore:
         except StoreIOError:
             self._derived_flush_failed = True
             raise
+        if self.queues.budget.flush_error is not None:  # a queue file given back after a failed flush
+            self._derived_flush_failed = True
         if not self._derived_flush_failed:
             self.checkpoint.index_msg_timestamp = max(self.checkpoint.index_msg_timestamp, durable)
             if logics:

@@ -37,12 +37,18 @@ def parse_segment_name(name: str) -> int | None:
 
 
 class MappedFile:
-    """A fixed-size file mapped into memory, with RocketMQ's write/flush positions."""
+    """A fixed-size file mapped into memory, with RocketMQ's write/flush positions.
 
-    __slots__ = ("_fd", "_mm", "file_from_offset", "file_size", "flushed_position", "path", "read_only",
-                 "wrote_position")
+    With a ``FileBudget`` the mapping may be closed when the file has not been used for a while (a
+    store with thousands of consume queues would otherwise hold thousands of descriptors) and is
+    mapped again on the next access; the positions stay in memory, and dirty pages are msynced first.
+    """
 
-    def __init__(self, path: Path, file_size: int, *, read_only: bool = False) -> None:
+    __slots__ = ("_budget", "_evicted", "_mm", "file_from_offset", "file_size", "flushed_position", "path",
+                 "read_only", "wrote_position")
+
+    def __init__(self, path: Path, file_size: int, *, read_only: bool = False,
+                 budget: FileBudget | None = None) -> None:
         start = parse_segment_name(path.name)
         if start is None:
             raise CorruptDataError("not a segment file name (20 digits expected)", str(path))
@@ -52,24 +58,45 @@ class MappedFile:
         self.read_only = read_only
         self.wrote_position = 0
         self.flushed_position = 0
-        flags = os.O_RDONLY if read_only else os.O_RDWR
+        self._budget = budget
+        self._evicted = False
+        self._mm: mmap.mmap | None = None
+        self._map()
+
+    def _map(self) -> None:
+        """Map the file. Only the mapping is kept: CPython's mmap holds its own duplicate of the descriptor."""
+        flags = os.O_RDONLY if self.read_only else os.O_RDWR
         try:
-            self._fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
-            raise StoreIOError(exc.errno, f"cannot open segment {path}: {exc.strerror}") from exc
+            raise StoreIOError(exc.errno, f"cannot open segment {self.path}: {exc.strerror}") from exc
         try:
-            actual = os.fstat(self._fd).st_size
-            if actual != file_size:
-                raise CorruptDataError(f"segment is {actual} bytes, expected {file_size}", str(path))
-            access = mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE
-            self._mm: mmap.mmap | None = mmap.mmap(self._fd, file_size, access=access)
-        except BaseException:
-            os.close(self._fd)
-            raise
+            actual = os.fstat(fd).st_size
+            if actual != self.file_size:
+                raise CorruptDataError(f"segment is {actual} bytes, expected {self.file_size}", str(self.path))
+            access = mmap.ACCESS_READ if self.read_only else mmap.ACCESS_WRITE
+            try:
+                self._mm = mmap.mmap(fd, self.file_size, access=access)
+            except OSError as exc:
+                raise StoreIOError(exc.errno, f"cannot map segment {self.path}: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+        self._evicted = False
+        if self._budget is not None:
+            self._budget.opened(self)
+
+    def evict(self) -> None:
+        """Give the mapping back (``FileBudget``): flush what was written, unmap; the next access maps again."""
+        if self._mm is None:
+            return
+        self.flush()
+        close_mapping(self._mm, -1)
+        self._mm = None
+        self._evicted = True
 
     @classmethod
-    def create(cls, path: Path, file_size: int, *, preallocate: bool = True, staging: Path | None = None
-               ) -> MappedFile:
+    def create(cls, path: Path, file_size: int, *, preallocate: bool = True, staging: Path | None = None,
+               budget: FileBudget | None = None) -> MappedFile:
         """Create a zero-filled segment of ``file_size`` bytes that appears under its name only when complete."""
         try:
             create_file_atomically(path, file_size, preallocate=preallocate, staging=staging)
@@ -77,16 +104,23 @@ class MappedFile:
             raise
         except OSError as exc:
             raise StoreIOError(exc.errno, f"cannot create segment {path}: {exc.strerror}") from exc
-        return cls(path, file_size)
+        return cls(path, file_size, budget=budget)
 
     # --- access -----------------------------------------------------------------------------
 
     @property
     def buffer(self) -> mmap.mmap:
         """The mapping itself, for struct.unpack_from and slicing without copies of the whole file."""
-        if self._mm is None:
-            raise StoreIOError(errno.EBADF, f"segment {self.path} is closed")
-        return self._mm
+        mm = self._mm
+        if mm is None:
+            if not self._evicted:
+                raise StoreIOError(errno.EBADF, f"segment {self.path} is closed")
+            self._map()
+            mm = self._mm
+            assert mm is not None
+        elif self._budget is not None:
+            self._budget.used(self)
+        return mm
 
     @property
     def file_end_offset(self) -> int:
@@ -117,7 +151,7 @@ class MappedFile:
         Returns the new flushed position.
         """
         written = self.wrote_position
-        if written <= self.flushed_position or self._mm is None or self.read_only:
+        if written <= self.flushed_position or self._mm is None or self.read_only:  # evicted files are flushed
             return self.flushed_position
         if least_pages > 0 and (written // PAGE_SIZE - self.flushed_position // PAGE_SIZE) < least_pages:
             return self.flushed_position
@@ -130,8 +164,11 @@ class MappedFile:
         return written
 
     def close(self) -> None:
-        close_mapping(self._mm, self._fd)
-        self._mm, self._fd = None, -1
+        close_mapping(self._mm, -1)
+        self._mm = None
+        self._evicted = False
+        if self._budget is not None:
+            self._budget.forget(self)
 
     def destroy(self) -> None:
         self.close()
@@ -143,6 +180,74 @@ class MappedFile:
 
 
 _MS_SYNC = 4
+
+
+class FileBudget:
+    """At most ``limit`` mapped files of one kind open at once, least recently used given back first.
+
+    Mapping a file past the limit gives back the least recently used one. A thread that was inside the
+    evicted mapping at that moment sees ``ValueError`` from the closed mapping and retries
+    (``retry_evicted``); the file is mapped again by its next use.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._open: dict[int, MappedFile] = {}  # insertion order = least recently used first
+        self._lock = threading.Lock()
+        self.flush_error: StoreIOError | None = None  # an eviction whose flush failed (the store stops vouching)
+
+    def opened(self, mapped: MappedFile) -> None:
+        with self._lock:
+            self._open[id(mapped)] = mapped
+            over = len(self._open) > self.limit
+        if over:
+            self.trim()
+
+    def used(self, mapped: MappedFile) -> None:
+        key = id(mapped)
+        open_files = self._open
+        if next(reversed(open_files), None) != key:  # already the newest: nothing to do (the common case)
+            with self._lock:
+                if key in open_files:
+                    open_files[key] = open_files.pop(key)
+
+    def forget(self, mapped: MappedFile) -> None:
+        with self._lock:
+            self._open.pop(id(mapped), None)
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def trim(self, keep: int | None = None) -> int:
+        """Evict the least recently used files beyond ``keep`` (default: the limit); returns how many."""
+        target = self.limit if keep is None else keep
+        with self._lock:
+            excess = len(self._open) - target
+            victims = [self._open.pop(k) for k in list(self._open)[:max(0, excess)]]
+        for victim in victims:
+            try:
+                victim.evict()
+            except StoreIOError as exc:  # unmapped all the same; the store learns it through flush_error
+                self.flush_error = exc
+                close_mapping(victim._mm, -1)
+                victim._mm, victim._evicted = None, True
+        return len(victims)
+
+
+def retry_evicted(method):
+    """Run a consume-queue method again once if a mapping it used was evicted under it by another thread."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except ValueError as exc:
+            if "closed" not in str(exc):
+                raise
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 def msync(mm: mmap.mmap, start: int, length: int) -> None:

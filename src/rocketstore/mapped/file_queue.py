@@ -12,16 +12,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CorruptDataError, StoreIOError
-from .file import MappedFile, fsync_dir, parse_segment_name, segment_name
+from .file import FileBudget, MappedFile, fsync_dir, parse_segment_name, segment_name
 
 
 class MappedFileQueue:
     """The segments of one log directory, sorted by start offset."""
 
     def __init__(self, directory: Path, mapped_file_size: int, *, read_only: bool = False,
-                 preallocate: bool = True, staging: Path | None = None) -> None:
+                 preallocate: bool = True, staging: Path | None = None, budget: FileBudget | None = None) -> None:
         self.directory = directory
         self.staging = staging  # where new segments are prepared if the file system lacks O_TMPFILE
+        self.budget = budget  # bounds how many of these files (with others) stay mapped
         self.mapped_file_size = mapped_file_size
         self.read_only = read_only
         self.preallocate = preallocate
@@ -55,7 +56,7 @@ class MappedFileQueue:
             if size != self.mapped_file_size:
                 raise CorruptDataError(
                     f"segment is {size} bytes but the configured size is {self.mapped_file_size}", str(path))
-            mapped = MappedFile(path, self.mapped_file_size, read_only=self.read_only)
+            mapped = MappedFile(path, self.mapped_file_size, read_only=self.read_only, budget=self.budget)
             if self.files and mapped.file_from_offset != self.files[-1].file_end_offset:
                 mapped.close()
                 raise CorruptDataError(
@@ -106,7 +107,7 @@ class MappedFileQueue:
             raise CorruptDataError(f"segment start {start_offset} does not continue the log", str(self.directory))
         self.directory.mkdir(parents=True, exist_ok=True)
         mapped = MappedFile.create(self.directory / segment_name(start_offset), self.mapped_file_size,
-                                   preallocate=self.preallocate, staging=self.staging)
+                                   preallocate=self.preallocate, staging=self.staging, budget=self.budget)
         self.files.append(mapped)
         self._starts.append(start_offset)
         return mapped

@@ -1,0 +1,110 @@
+"""Many consume queues under a small descriptor limit, and dispatch failures that are loud.
+
+2,000 queues under ``ulimit -n 1024`` used to dispatch only a quarter of the acknowledged messages, leave
+``wait_for_dispatch`` False, fail ``close()`` with EMFILE and keep the abort file, with the only trace in
+``dispatcher.last_error``. Mapped consume-queue files are now bounded (least recently used given back,
+mapped again on use), and a failing dispatch refuses puts and makes ``wait_for_dispatch`` raise.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.errors import DispatchFailedError, StoreIOError
+
+MANY_QUEUES = textwrap.dedent("""
+    import json, resource, sys
+    from rocketstore import Message, MessageStore, StoreConfig
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    root, queues = sys.argv[1], int(sys.argv[2])
+    cfg = StoreConfig(mapped_file_size_commit_log=1 << 20, mapped_file_size_consume_queue=20 * 16,
+                      max_open_consume_queue_files=64, max_hash_slot_num=997, max_index_num=4000,
+                      default_topic_queue_nums=16)
+    out = {}
+    with MessageStore.open(root, cfg) as store:
+        for q in range(queues):
+            for i in range(3):   # 3 messages per queue: some queues roll to a second file later
+                store.put_message(Message(f"T{q % 50}", f"{q}-{i}".encode(), keys=[f"k{q}-{i}"], queue_id=q // 50))
+        out["dispatched"] = store.wait_for_dispatch(60)
+        out["open_queue_files"] = store.queues.budget.open_count
+        out["read"] = sum(len(store.get_message(f"T{q % 50}", q // 50, 0).messages) for q in range(queues))
+        out["by_key"] = sum(len(store.query_message(f"T{q % 50}", f"k{q}-2")) for q in range(0, queues, 7))
+    with MessageStore.open(root, cfg) as store:  # a clean reopen maps lazily too
+        out["reopened_clean"] = not store.recovery.abnormal
+        out["read_again"] = sum(len(store.get_message(f"T{q % 50}", q // 50, 0).messages) for q in range(queues))
+        with store.consumer("g", "T7") as consumer:
+            out["consumed"] = len(consumer.poll(timeout=5, max_msgs=1000))
+    print(json.dumps(out))
+""")
+
+
+def test_many_queues_under_a_small_descriptor_limit(tmp_path):
+    script = tmp_path / "many.py"
+    script.write_text(MANY_QUEUES)
+    queues = 600  # 600 queue files alone are more than the 256 descriptors the process may hold
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store"), str(queues)], check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["dispatched"] is True
+    assert out["open_queue_files"] <= 64
+    assert out["read"] == out["read_again"] == 3 * queues
+    assert out["by_key"] == len(range(0, queues, 7))
+    assert out["reopened_clean"] is True
+    assert out["consumed"] == 3 * (queues // 50)  # T7 has queues 0..11, three messages each
+    assert not (tmp_path / "store" / "abort").exists()
+
+
+def test_evicted_queue_files_keep_what_was_written(tmp_path):
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, mapped_file_size_consume_queue=20 * 4,
+                         max_open_consume_queue_files=4)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(40):
+            store.put_message(Message(f"T{i % 10}", f"m{i}".encode(), queue_id=0))
+        store.wait_for_dispatch()
+        assert store.queues.budget.open_count <= 4
+        for t in range(10):
+            assert [m.body for m in store.get_message(f"T{t}", 0, 0).messages] == \
+                [f"m{i}".encode() for i in range(t, 40, 10)]
+        assert store.queues.budget.open_count <= 4
+    with MessageStore.open(tmp_path, config, read_only=True) as store:  # on disk, not only in memory
+        assert sum(len(store.get_message(f"T{t}", 0, 0).messages) for t in range(10)) == 40
+
+
+def test_a_failing_dispatch_refuses_puts_and_clears_when_the_fault_goes(tmp_path, monkeypatch):
+    from rocketstore import consumequeue
+
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20)
+    store = MessageStore.open(tmp_path, config)
+    store.put_message(Message("Fine", b"first"))
+    assert store.wait_for_dispatch()
+    failing = {"on": True}
+    real = consumequeue.ConsumeQueue.put_position
+
+    def put_position(self, *args):
+        if failing["on"] and self.topic == "Broken":
+            raise StoreIOError(errno.ENOSPC, "no space left for a consume-queue file")
+        return real(self, *args)
+
+    monkeypatch.setattr(consumequeue.ConsumeQueue, "put_position", put_position)
+    store.put_message(Message("Broken", b"x"))
+    with pytest.raises(DispatchFailedError):
+        store.wait_for_dispatch(5)
+    assert not store.health.healthy and "dispatch" in store.health.describe()
+    with pytest.raises(DispatchFailedError):
+        store.put_message(Message("Fine", b"refused"))
+    failing["on"] = False
+    assert store.wait_for_dispatch(5)  # the dispatcher retries on its own; the fault is gone
+    assert store.health.healthy
+    assert store.put_message(Message("Fine", b"second")).ok
+    store.wait_for_dispatch()
+    assert [m.body for m in store.get_message("Broken", 0, 0).messages] == [b"x"]
+    store.close()
+    assert not (tmp_path / "abort").exists()
