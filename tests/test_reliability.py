@@ -448,11 +448,24 @@ def test_hostile_keys_and_properties_never_leave_the_store_root(tmp_path):
     assert (outside / "keep").read_text() == "untouched"
 
 
-def test_coverage_guided_fuzzing_of_the_decoders():
+def test_message_ids_with_inner_whitespace_are_rejected():
+    """Found by atheris: bytes.fromhex skips whitespace, so a 32-character id with a space decoded to 15 bytes
+    and raised an untyped ValueError."""
+    from rocketstore.errors import InvalidMessageIdError
+
+    for decode in (decode_offset_msg_id, decode_uniq_key):
+        with pytest.raises(InvalidMessageIdError):
+            decode("1\xe50000000000000161\x0b\x0b\xe5206567576553")
+        with pytest.raises(InvalidMessageIdError):
+            decode("7F000001 0002A9F00000000000000000"[:32])
+
+
+def test_coverage_guided_fuzzing_of_the_decoders(tmp_path):
     """atheris (libFuzzer) for a bounded time; `python tests/fuzz/fuzz_decoders.py` runs it for longer."""
     pytest.importorskip("atheris")
     harness = Path(__file__).parent / "fuzz" / "fuzz_decoders.py"
-    done = subprocess.run([sys.executable, str(harness), "-max_total_time=10", "-rss_limit_mb=1024"],
+    done = subprocess.run([sys.executable, str(harness), "-max_total_time=10", "-rss_limit_mb=1024",
+                           f"-artifact_prefix={tmp_path}/"],  # a crash input lands here, not in the checkout
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Done" in done.stderr

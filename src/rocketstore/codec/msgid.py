@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import random
+import re
 import struct
 import threading
 import time
@@ -28,6 +29,7 @@ from ..errors import InvalidMessageIdError
 from .hosts import Host
 
 _OFFSET = struct.Struct(">q")
+_HEX_ID = re.compile(r"[0-9A-Fa-f]+")
 _UNIQ_TAIL = struct.Struct(">Hiih")  # pid, loader hash, time, counter (written as short)
 
 
@@ -47,10 +49,9 @@ def decode_offset_msg_id(msg_id: str) -> tuple[Host, int]:
     text = msg_id.strip() if isinstance(msg_id, str) else ""
     if len(text) not in (32, 56):
         raise InvalidMessageIdError(f"a message id has 32 or 56 hex characters, not {len(text)}: {msg_id!r}")
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raise InvalidMessageIdError(f"a message id is hexadecimal: {msg_id!r}") from None
+    if not _HEX_ID.fullmatch(text):  # bytes.fromhex would skip inner whitespace and leave too few bytes
+        raise InvalidMessageIdError(f"a message id is hexadecimal: {msg_id!r}")
+    raw = bytes.fromhex(text)
     host = Host.from_bytes(raw[:-8])
     offset = _OFFSET.unpack_from(raw, len(raw) - 8)[0]
     if offset < 0:
@@ -129,10 +130,9 @@ def decode_uniq_key(uniq_key: str, now_ms: int | None = None) -> UniqKeyInfo:
     text = uniq_key.strip() if isinstance(uniq_key, str) else ""
     if len(text) not in (32, 56):
         raise InvalidMessageIdError(f"a UNIQ_KEY has 32 or 56 hex characters, not {len(text)}: {uniq_key!r}")
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raise InvalidMessageIdError(f"a UNIQ_KEY is hexadecimal: {uniq_key!r}") from None
+    if not _HEX_ID.fullmatch(text):
+        raise InvalidMessageIdError(f"a UNIQ_KEY is hexadecimal: {uniq_key!r}")
+    raw = bytes.fromhex(text)
     ip = Host.from_bytes(raw[:-12] + b"\0\0\0\0").ip
     pid, loader, elapsed, counter = _UNIQ_TAIL.unpack_from(raw, len(raw) - 12)
     now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
