@@ -371,3 +371,24 @@ def test_checkpoint_with_impossible_values_is_still_ignored(tmp_path):
     assert not StoreCheckpoint.load(tmp_path / "checkpoint").trusted
     rocketmq_rewrites_checkpoint(tmp_path / "checkpoint", 5, -1, 1, 0)
     assert not StoreCheckpoint.load(tmp_path / "checkpoint").trusted
+
+
+# --- one store, two writers through different paths ----------------------------------------------------------
+
+def test_a_second_writer_is_refused_whatever_path_it_uses(tmp_path, monkeypatch):
+    from rocketstore.errors import StoreLockedError
+
+    root = tmp_path / "store"
+    root.mkdir()
+    (tmp_path / "link").symlink_to(root, target_is_directory=True)
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    with MessageStore.open(root, SYNC):
+        for other in (tmp_path / "link", Path("../store"), tmp_path / "sub" / ".." / "store", Path("../link/")):
+            with pytest.raises(StoreLockedError):
+                MessageStore.open(other, SYNC)
+        script = "import sys; from rocketstore import MessageStore; MessageStore.open(sys.argv[1])"
+        for other in (str(tmp_path / "link"), "../store"):
+            done = subprocess.run([sys.executable, "-c", script, other], check=False, capture_output=True,
+                                  text=True, timeout=60)
+            assert done.returncode != 0 and "StoreLockedError" in done.stderr

@@ -87,3 +87,40 @@ def test_a_damaged_tail_is_cut_and_re_dispatched_on_a_writer_open(tmp_path):
     with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
         assert bodies(store, "B") == [f"B-{i}".encode() for i in range(11)]
         assert not store.reader.damaged_units
+
+
+# --- an index whose chain forms a cycle ------------------------------------------------------------------
+
+def test_an_index_chain_that_cycles_is_set_aside_and_rebuilt(tmp_path):
+    import hashlib
+
+    from rocketstore.index import IndexFile
+    from rocketstore.index.service import chain_problem
+
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=400)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(50):
+            store.put_message(Message("T", f"m{i}".encode(), keys=["shared", f"own{i}"]))
+        store.wait_for_dispatch()
+        assert len(store.query_message("T", "shared")) == 50
+    path = next((tmp_path / "index").iterdir())
+    index = IndexFile.open(path, 97, 400)
+    slot = index.slot_of("T#shared")[1]
+    head = struct.unpack_from(">i", index.buffer, 40 + slot * 4)[0]
+    entries_at = 40 + 97 * 4
+    prev_pos = entries_at + head * 20 + 16
+    older = struct.unpack_from(">i", index.buffer, prev_pos)[0]
+    # the head's predecessor now links back to the head: shared -> older -> head -> older ... (a cycle)
+    struct.pack_into(">i", index.buffer, entries_at + older * 20 + 16, head)
+    index.flush()
+    assert chain_problem(index) is not None
+    index.close()
+    digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file()}
+    with MessageStore.open(tmp_path, config, read_only=True) as store:  # bounded walk: no hang, no write
+        assert len(store.query_message("T", "shared")) < 50
+    assert digest == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file()}
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.index.set_aside is not None
+        store.wait_for_dispatch()
+        assert len(store.query_message("T", "shared")) == 50
+        assert all(len(store.query_message("T", f"own{i}")) == 1 for i in range(50))

@@ -146,6 +146,7 @@ class MessageStore:
             self.queues.truncate_dirty(end)
             self._queue_restart = self._check_queue_tails()
         self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
+        self.index.check_chains()  # a damaged newest file is set aside; _reput_start then re-indexes the log
         self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics,
                                      self.health)
         self.dispatcher.reput_from_offset = self._reput_start(abnormal, dispatch_from)

@@ -145,6 +145,22 @@ class IndexService:
                 break
         return removed
 
+    def check_chains(self, newest: int = 2) -> bool:
+        """Every chain of the newest files must run strictly backwards (each entry's predecessor has a smaller
+        number, every slot points at a counted entry), which is what every valid file satisfies and what rules
+        out a cycle. A damaged file would silently cut a key's chain short (a key with 50 messages found
+        once), so a writer sets the index aside and the store re-indexes the log. Returns True if all is well."""
+        if self.read_only:
+            return True
+        for index in self.files[-newest:]:
+            problem = chain_problem(index)
+            if problem is not None:
+                log.error("index file %s is damaged: %s", index.path.name, problem)
+                with self.lock:
+                    self._set_aside()
+                return False
+        return True
+
     # --- build -------------------------------------------------------------------------------
 
     def _last_file_for_write(self) -> IndexFile:
@@ -367,4 +383,23 @@ def _repair_file(index: IndexFile, log_end: int, store_time: StoreTimeLookup) ->
         log.warning("repaired index file %s: %d entries past the log end unlinked, %d torn slots re-linked",
                     index.path.name, removed, len(torn))
     return removed
+
+
+def chain_problem(index: IndexFile) -> str | None:
+    """Why ``index``'s chains are not well formed, or None; whole arrays at once, no walk."""
+    count = index.index_count
+    slots = np.frombuffer(index.buffer, dtype=">i4", count=index.hash_slot_num, offset=INDEX_HEADER_SIZE)
+    bad_slots = np.flatnonzero((slots < 0) | (slots >= max(count, 1)))
+    if len(bad_slots):
+        return f"slot {int(bad_slots[0])} points at entry {int(slots[bad_slots[0]])} of {count}"
+    if count <= 1:
+        return None
+    entries_at = INDEX_HEADER_SIZE + index.hash_slot_num * 4
+    prev = np.frombuffer(index.buffer, dtype=">i4", count=(count - 1) * 5, offset=entries_at + 20)[4::5]
+    own = np.arange(1, count, dtype=np.int64)
+    bad = np.flatnonzero((prev < 0) | (prev >= own))
+    if len(bad):
+        n = int(own[bad[0]])
+        return f"entry {n} links to entry {int(prev[bad[0]])}, not to an earlier one (a cycle or a wild link)"
+    return None
 
