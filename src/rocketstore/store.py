@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -684,6 +685,8 @@ def _clear_staging(staging: Path) -> None:
         if entry.is_file(follow_symlinks=False) and entry.name.endswith(".tmp"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
+        elif entry.is_dir(follow_symlinks=False) and entry.name.startswith("rebuild-"):
+            shutil.rmtree(entry.path, ignore_errors=True)  # a rebuild killed before it was complete
 
 
 def _result(status: PutMessageStatus, rec: PendingRecord, res, store_host_raw: bytes) -> PutMessageResult:

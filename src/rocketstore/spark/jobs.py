@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -30,6 +31,7 @@ from ..consumequeue import CONSUMEQUEUE_DIR, ConsumeQueueTable
 from ..errors import ConfigError, RocketStoreError
 from ..index.service import INDEX_DIR, IndexService
 from ..lifecycle import ABORT_FILE, StoreLock
+from ..mapped.file import STAGING_DIR, fsync_dir
 from ..message import Message, SysFlag
 from ..recovery import RECOVERY_DIR, recover_commit_log
 from ..store import MessageStore
@@ -147,13 +149,23 @@ def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: 
         report.partitions = df.rdd.getNumPartitions() if hasattr(df, "rdd") else 0
         table = table.sort_by("commitLogOffset")
         report.records = table.num_rows
+        # Built aside and renamed into place when complete: a kill mid-build leaves the directories missing,
+        # and a store open rebuilds missing ones from the whole log (a half-written one would be trusted).
+        build = root / STAGING_DIR / f"rebuild-{stamp}"
+        shutil.rmtree(build, ignore_errors=True)
+        build.mkdir(parents=True)
         if consume_queues:
-            report.queues, report.queue_units, logics = _write_queues(root, config, table)
+            report.queues, report.queue_units, logics = _write_queues(build, config, table)
             if logics:
                 checkpoint.logics_msg_timestamp = logics
         if index and config.message_index_enable:
-            report.index_keys, report.index_files, durable = _write_index(root, config, checkpoint, table, clock)
+            report.index_keys, report.index_files, durable = _write_index(build, config, checkpoint, table, clock)
             checkpoint.index_msg_timestamp = max(checkpoint.index_msg_timestamp, durable)
+        for name in (CONSUMEQUEUE_DIR, INDEX_DIR):
+            if (build / name).exists():
+                os.replace(build / name, root / name)
+        fsync_dir(root)
+        shutil.rmtree(build, ignore_errors=True)
         checkpoint.flush()
     finally:
         lock.release()
