@@ -95,6 +95,7 @@ class IndexService:
         self._clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.dirty = False
         self.set_aside: str | None = None  # where a damaged index was moved
+        self.damaged: list[str] = []  # files a read-only open found damaged and skips
 
     # --- load and repair ---------------------------------------------------------------------
 
@@ -149,17 +150,27 @@ class IndexService:
         """Every chain of the newest files must run strictly backwards (each entry's predecessor has a smaller
         number, every slot points at a counted entry), which is what every valid file satisfies and what rules
         out a cycle. A damaged file would silently cut a key's chain short (a key with 50 messages found
-        once), so a writer sets the index aside and the store re-indexes the log. Returns True if all is well."""
-        if self.read_only:
-            return True
-        for index in self.files[-newest:]:
-            problem = chain_problem(index)
-            if problem is not None:
-                log.error("index file %s is damaged: %s", index.path.name, problem)
-                with self.lock:
+        once), so a writer sets the whole index aside and the store re-indexes the log (``_reput_start``
+        starts at the log's beginning when no index file is left, so what any set-aside file covered,
+        newest or not, is indexed again). A read-only open must not write: it only stops using the damaged
+        files, with a warning, and names them in ``damaged``. Only the newest files are checked, to bound the
+        cost of an open (one strided pass over each file's entries). Returns True if all is well."""
+        with self.lock:
+            for index in list(self.files[-newest:]):
+                problem = chain_problem(index, live=self.read_only)
+                if problem is None:
+                    continue
+                if not self.read_only:
+                    log.error("index file %s is damaged: %s", index.path.name, problem)
                     self._set_aside()
-                return False
-        return True
+                    return False
+                log.warning("index file %s is damaged (%s); this read-only open skips it, so keys only it "
+                            "holds are not found until a writer opens the store and rebuilds it",
+                            index.path.name, problem)
+                self.damaged.append(index.path.name)
+                self.files.remove(index)
+                index.close()
+            return not self.damaged
 
     # --- build -------------------------------------------------------------------------------
 
@@ -385,21 +396,27 @@ def _repair_file(index: IndexFile, log_end: int, store_time: StoreTimeLookup) ->
     return removed
 
 
-def chain_problem(index: IndexFile) -> str | None:
-    """Why ``index``'s chains are not well formed, or None; whole arrays at once, no walk."""
+def chain_problem(index: IndexFile, *, live: bool = False, block: int = 1 << 20) -> str | None:
+    """Why ``index``'s chains are not well formed, or None: whole arrays at once, ``block`` entries at a time
+    (bounded memory on a 20-million-entry file), no walk.
+
+    ``live`` allows slots that point past the header's count: a writer puts entries and slots before it
+    updates the count, so a reader of a live store sees that between two puts (a writer open repairs such
+    torn slots before checking)."""
     count = index.index_count
     slots = np.frombuffer(index.buffer, dtype=">i4", count=index.hash_slot_num, offset=INDEX_HEADER_SIZE)
-    bad_slots = np.flatnonzero((slots < 0) | (slots >= max(count, 1)))
+    limit = index.index_num if live else max(count, 1)
+    bad_slots = np.flatnonzero((slots < 0) | (slots >= limit))
     if len(bad_slots):
         return f"slot {int(bad_slots[0])} points at entry {int(slots[bad_slots[0]])} of {count}"
-    if count <= 1:
-        return None
     entries_at = INDEX_HEADER_SIZE + index.hash_slot_num * 4
-    prev = np.frombuffer(index.buffer, dtype=">i4", count=(count - 1) * 5, offset=entries_at + 20)[4::5]
-    own = np.arange(1, count, dtype=np.int64)
-    bad = np.flatnonzero((prev < 0) | (prev >= own))
-    if len(bad):
-        n = int(own[bad[0]])
-        return f"entry {n} links to entry {int(prev[bad[0]])}, not to an earlier one (a cycle or a wild link)"
+    for first in range(1, count, block):
+        n = min(block, count - first)
+        prev = np.frombuffer(index.buffer, dtype=">i4", count=n * 5, offset=entries_at + first * 20)[4::5]
+        own = np.arange(first, first + n, dtype=np.int32)
+        bad = np.flatnonzero((prev < 0) | (prev >= own))
+        if len(bad):
+            at = int(bad[0])
+            return (f"entry {first + at} links to entry {int(prev[at])}, not to an earlier one "
+                    f"(a cycle or a wild link)")
     return None
-
