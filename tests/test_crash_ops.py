@@ -10,6 +10,7 @@ acknowledged. CI runs a few cycles of each; ``-m slow`` runs ``ROCKETSTORE_CRASH
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -253,24 +254,53 @@ def test_sigkill_during_an_operation_keeps_its_promises_long(tmp_path, op, reque
 # --- the Spark rebuild ----------------------------------------------------------------------------------------
 
 REBUILD_MESSAGES = 300
+MOVED_ASIDE = "recovery/rebuild-*"  # the old consumequeue/ and index/ are gone: the store must rebuild them
+BUILDING = ".staging/rebuild-*"  # the new ones are being written aside, or renamed into place
 
 
-def rebuild_kill_cycles(tmp_path: Path, kill_times: list[float]) -> None:
+def wait_for_phase(proc: subprocess.Popen, root: Path, phase: str | None, timeout: float = 120) -> bool:
+    """Poll (there is no event to wait on in another process) until ``phase`` shows in the store; False if the
+    rebuild finished first."""
+    deadline = time.monotonic() + timeout
+    while phase is not None and not list(root.glob(phase)):
+        if proc.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, f"the rebuild never reached {phase}"
+        time.sleep(0.01)
+    return True
+
+
+def rebuild_kill_cycles(tmp_path: Path, plans: list[tuple[str | None, float]]) -> Counter:
     """The Spark rebuild builds consume queues and index aside and renames them in when complete; killed at
-    any point, the reopened store has every message in its queue and by key (rebuilding what is missing)."""
+    any point (``plans``: a phase to reach, then seconds more), the reopened store has every message in its
+    queue and by key (rebuilding what is missing) and nothing half-built is left behind."""
     pytest.importorskip("pyspark")
     root = tmp_path / "store"
     with MessageStore.open(root, QUIET) as store:
         for i in range(REBUILD_MESSAGES):
             store.put_message(Message(f"T{i % 3}", f"b{i}".encode(), keys=[f"k{i}"], queue_id=i % 4))
     cli = Path(sys.executable).with_name("rocketstore")
-    for cycle, seconds in enumerate(kill_times):
-        where = f"seed {SEED}, rebuild killed after {seconds:.1f} s, cycle {cycle}"
-        proc = subprocess.Popen([str(cli), "rebuild", "--store", str(root), "--master", "local[1]"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        time.sleep(seconds)  # the random kill moment
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    landed: Counter = Counter()
+    for cycle, (phase, seconds) in enumerate(plans):
+        where = f"seed {SEED}, rebuild killed {seconds:.2f} s after {phase or 'its start'}, cycle {cycle}"
+        for old in root.glob(MOVED_ASIDE):
+            os.rename(old, tmp_path / f"old-{cycle}-{old.name}")  # so that the next phase is seen anew
+        geometry = ["--max-hash-slot-num", str(QUIET.max_hash_slot_num), "--max-index-num", str(QUIET.max_index_num)]
+        with open(tmp_path / "rebuild.log", "wb") as err:
+            proc = subprocess.Popen([str(cli), "rebuild", "--store", str(root), "--master", "local[1]", *geometry],
+                                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            if wait_for_phase(proc, root, phase):
+                time.sleep(seconds)  # the random kill moment within the phase
+        finally:
+            finished = proc.poll() is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert not finished or proc.returncode == 0, (tmp_path / "rebuild.log").read_text()[-2000:]
+        landed["finished before the kill" if finished else
+               "while building aside" if list(root.glob(BUILDING)) else
+               "with queues and index moved aside" if list(root.glob(MOVED_ASIDE)) else "before moving anything"] += 1
         with MessageStore.open(root, QUIET) as store:
             assert store.wait_for_dispatch(30), where
             assert sum(1 for _ in store.iter_messages()) == REBUILD_MESSAGES, f"{where}: the log lost messages"
@@ -281,19 +311,22 @@ def rebuild_kill_cycles(tmp_path: Path, kill_times: list[float]) -> None:
                     assert bodies == want, f"{where}: queue T{t}-{q} holds {len(bodies)} of {len(want)}"
             for i in range(REBUILD_MESSAGES):
                 assert [m.body for m in store.query_message(f"T{i % 3}", f"k{i}")] == [f"b{i}".encode()], where
-        assert not list((root / ".staging").glob("rebuild-*")), f"{where}: a half-built rebuild was left behind"
+        assert not list(root.glob(BUILDING)), f"{where}: a half-built rebuild was left behind"
+    return landed
 
 
 def test_sigkill_during_a_rebuild_leaves_a_store_that_rebuilds_itself(tmp_path):
     rng = random.Random(f"{SEED}-rebuild")
-    rebuild_kill_cycles(tmp_path, [rng.uniform(2.0, 10.0) for _ in range(2)])
+    landed = rebuild_kill_cycles(tmp_path, [(MOVED_ASIDE, rng.uniform(0, 1)), (BUILDING, rng.uniform(0, 0.01))])
+    assert landed["finished before the kill"] == 0, landed
 
 
 @pytest.mark.slow
 def test_sigkill_during_a_rebuild_long(tmp_path, request):
     long_form(request)
     rng = random.Random(f"{SEED + 1}-rebuild")
-    rebuild_kill_cycles(tmp_path, [rng.uniform(1.0, 15.0) for _ in range(8)])
+    plans = [(None, rng.uniform(0.5, 25)) for _ in range(6)] + [(BUILDING, rng.uniform(0, 0.2)) for _ in range(4)]
+    print("rebuild kills landed:", dict(rebuild_kill_cycles(tmp_path, plans)))
 
 
 # --- retention and dispatch: bugs found by the loop above (in files this suite does not own) ---------------
