@@ -143,8 +143,8 @@ class OpsLedger:
         gone = [p for p in self.puts.values() if p["phy"] < low]
         for key, put in kept.items():
             assert store.look_message_by_offset(put["phy"]).keys == [key], where
-            if put["queue_offset"] < store.get_min_offset_in_queue("R", put["queue_id"]):
-                pytest.xfail(f"{where}: {QUEUE_MIN_BUG}")  # pinned by test_a_kill_between_segment_and_queue_...
+            assert put["queue_offset"] >= store.get_min_offset_in_queue("R", put["queue_id"]), \
+                f"{where}: a live message fell below its queue's min offset"
             msg = queue_message(store, "R", put["queue_id"], put["queue_offset"])
             assert msg is not None and msg.commit_log_offset == put["phy"], f"{where}: {key} lost from its queue"
             assert [m.commit_log_offset for m in store.query_message("R", key)] == [put["phy"]], \
@@ -329,19 +329,12 @@ def test_sigkill_during_a_rebuild_long(tmp_path, request):
     print("rebuild kills landed:", dict(rebuild_kill_cycles(tmp_path, plans)))
 
 
-# --- retention and dispatch: bugs found by the loop above (in files this suite does not own) ---------------
-
-QUEUE_MIN_BUG = ("consumequeue.py correct_min_offset searches only the first consume-queue file: after a kill "
-                 "between retention's commit-log deletion and its queue-file deletion, that file holds only units "
-                 "below the log and the queue's min offset jumps to its max, hiding every live message")
+# --- retention and dispatch: bugs the loop above found (fixed; these pin them) -----------------------------------
 
 SMALL = StoreConfig(mapped_file_size_commit_log=16 * 1024, mapped_file_size_consume_queue=20 * 40,
                     enable_schedule_message=False)
 
 
-@pytest.mark.xfail(strict=True, reason="store.py _check_queue_tails takes a tail unit whose record retention deleted "
-                   "for a unit pointing at another queue's record and cuts the queue: an idle topic's queue restarts "
-                   "at offset 0 on the next writer open, clean or not")
 def test_an_idle_queue_keeps_its_offsets_after_retention_and_a_reopen(tmp_path):
     with MessageStore.open(tmp_path, SMALL) as store:
         for _ in range(10):
@@ -356,9 +349,6 @@ def test_an_idle_queue_keeps_its_offsets_after_retention_and_a_reopen(tmp_path):
         assert store.put_message(Message("Idle", b"new")).queue_offset == 10, "queue offsets were reused"
 
 
-@pytest.mark.xfail(strict=True, reason="dispatch.py dispatch_available stops for good when reput_from_offset is below "
-                   "the log's min offset (retention deleted segments it had not read; RocketMQ's doReput moves "
-                   "reputFromOffset up to the min offset): nothing later is ever dispatched")
 def test_dispatch_resumes_after_retention_deletes_segments_it_had_not_read(tmp_path):
     with MessageStore.open(tmp_path, SMALL) as store:
         assert store.dispatcher is not None
@@ -593,7 +583,6 @@ store.delete_expired_files(now_ms=10**15, immediately=True)
 """
 
 
-@pytest.mark.xfail(strict=True, reason=QUEUE_MIN_BUG)
 def test_a_kill_between_segment_and_queue_deletion_keeps_live_messages_in_their_queue(tmp_path):
     done = subprocess.run([sys.executable, "-c", RETENTION_KILLED, str(tmp_path)], check=False, capture_output=True,
                           text=True, timeout=60)

@@ -129,23 +129,29 @@ class ConsumeQueue:
 
     @retry_evicted
     def correct_min_offset(self, log_min_offset: int) -> None:
-        """``correctMinOffset``: the first unit whose record still exists in the commit log."""
-        first = self.mapped_files.first
-        if first is None:
+        """``correctMinOffset``: the first unit whose record still exists in the commit log. Whole files can be
+        stale (a kill between retention's segment deletion and its queue-file deletion), so the search starts
+        in the first file whose last unit is still live, not in the first file."""
+        files = self.mapped_files.files
+        for mapped in files:
+            buf = mapped.buffer
+            count = (mapped.wrote_position if mapped is files[-1] else mapped.file_size) // CQ_UNIT_SIZE
+            if count == 0:
+                continue
+            offset, size, _ = _UNIT.unpack_from(buf, (count - 1) * CQ_UNIT_SIZE)
+            if size == 0x7FFFFFFF or offset < log_min_offset:
+                continue  # every unit of this file points below the log
+            lo, hi, found = 0, count - 1, count - 1
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                offset, size, _ = _UNIT.unpack_from(buf, mid * CQ_UNIT_SIZE)
+                if size != 0x7FFFFFFF and offset >= log_min_offset:
+                    found, hi = mid, mid - 1
+                else:
+                    lo = mid + 1
+            self.min_logic_offset = mapped.file_from_offset + found * CQ_UNIT_SIZE
             return
-        buf = first.buffer
-        count = (first.wrote_position if first is self.mapped_files.last else first.file_size) // CQ_UNIT_SIZE
-        lo, hi, found = 0, count - 1, -1
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            offset, size, _ = _UNIT.unpack_from(buf, mid * CQ_UNIT_SIZE)
-            if size != 0x7FFFFFFF and offset >= log_min_offset:
-                found, hi = mid, mid - 1
-            else:
-                lo = mid + 1
-        if found >= 0:
-            self.min_logic_offset = first.file_from_offset + found * CQ_UNIT_SIZE
-        else:
+        if files:
             self.min_logic_offset = self.max_offset_in_queue * CQ_UNIT_SIZE
 
     # --- append ------------------------------------------------------------------------------

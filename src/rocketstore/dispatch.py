@@ -12,10 +12,12 @@ Readers call ``wait_dispatched(offset)`` to see their own writes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .codec.hashing import java_string_hash
@@ -111,7 +113,7 @@ class Dispatcher:
         self._work = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._round_lock = threading.Lock()
+        self._round_lock = threading.RLock()  # also held by retention while it deletes what a round reads
         self.last_error: BaseException | None = None
         self.health = health or StoreHealth()  # a failing round refuses puts until a round succeeds
 
@@ -126,7 +128,9 @@ class Dispatcher:
         with self._round_lock:
             self.attempts += 1
             end = self.confirm_offset()
-            offset = self.reput_from_offset
+            # Retention may have deleted segments this dispatcher had not read yet (doReput's move to the
+            # log's min offset): their messages are gone, the rest of the log must still be dispatched.
+            offset = max(self.reput_from_offset, self.commit_log.min_offset)
             files = self.commit_log.mapped_files
             pending: list[IndexRequest] = []
             try:
@@ -169,6 +173,12 @@ class Dispatcher:
                 self.rounds += 1
                 self._cond.notify_all()
         return done
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No dispatch round runs inside: retention deletes segments and queue files a round would read."""
+        with self._round_lock:
+            yield
 
     def wait_for_round(self, seen: int, timeout: float) -> int:
         """Block until a dispatch round after ``seen`` delivered records (or ``timeout``); returns the count."""

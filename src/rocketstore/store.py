@@ -211,8 +211,8 @@ class MessageStore:
             offset = queue.max_offset_in_queue - 1
             while offset >= queue.min_offset_in_queue and queue.max_offset_in_queue - offset <= depth:
                 unit = queue.get_unit(offset)
-                if unit is None or unit[1] == PRE_BLANK_SIZE:
-                    break
+                if unit is None or unit[1] == PRE_BLANK_SIZE or unit[0] < self.commit_log.min_offset:
+                    break  # retention deleted this record and the older ones: nothing left to compare
                 if self._unit_identity(unit[0]) == (topic, queue_id, offset):
                     break
                 first_bad = offset
@@ -625,8 +625,9 @@ class MessageStore:
     def delete_expired_files(self, *, now_ms: int | None = None, immediately: bool = False) -> RetentionReport:
         """Apply retention now (the maintenance thread also does every 10 s)."""
         self._check_open(write=True)
-        return delete_expired_files(self.commit_log, self.queues, self.index, self.config, now_ms=now_ms,
-                                    immediately=immediately)
+        with self.dispatcher.paused() if self.dispatcher is not None else contextlib.nullcontext():
+            return delete_expired_files(self.commit_log, self.queues, self.index, self.config, now_ms=now_ms,
+                                        immediately=immediately)
 
     def look_message_by_offset(self, phy_offset: int, *, decompress: bool = False) -> MessageExt:
         """The message whose record starts at ``phy_offset`` (``lookMessageByOffset``).
