@@ -32,7 +32,7 @@ from crash_ops_writer import FAR_FUTURE_MS, store_config, topics_after
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.brokerconfig import parse_fastjson
 from rocketstore.encoder import SCHEDULE_TOPIC
-from rocketstore.errors import StoreLockedError
+from rocketstore.errors import MessageNotFoundError, StoreLockedError
 from rocketstore.index import IndexFile
 from rocketstore.index.service import chain_problem
 from rocketstore.reads import GetMessageStatus
@@ -363,6 +363,53 @@ def test_dispatch_resumes_after_retention_deletes_segments_it_had_not_read(tmp_p
         assert newest and all(store.query_message("T", m.keys[0]) for m in newest)
 
 
+def test_readers_racing_retention_get_answers_never_errors_or_wrong_messages(tmp_path):
+    """Queue reads, key queries and offset lookups while retention deletes the files they read: a vanished file
+    is 'too small'/'was removing'/not found, never an I/O error, a closed-mapping ValueError or a wrong message."""
+    with MessageStore.open(tmp_path, SMALL) as store:
+        first = [store.put_message(Message("T", b"x" * 400, keys=[f"k{i}"])) for i in range(600)]
+        assert store.wait_for_dispatch()
+        stop, failures, served = threading.Event(), Counter(), Counter()
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                i = rng.randrange(len(first))
+                try:
+                    result = store.get_message("T", 0, i, 8)
+                    for n, msg in enumerate(result.messages):
+                        assert msg.queue_offset >= i and msg.topic == "T"
+                        if msg.queue_offset < len(first):
+                            assert msg.commit_log_offset == first[msg.queue_offset].commit_log_offset
+                        served["queue"] += n == 0
+                    for msg in store.query_message("T", f"k{i}"):
+                        assert msg.commit_log_offset == first[i].commit_log_offset
+                        served["key"] += 1
+                    try:
+                        assert store.look_message_by_offset(first[i].commit_log_offset).keys == [f"k{i}"]
+                        served["offset"] += 1
+                    except MessageNotFoundError:
+                        pass
+                except Exception as exc:  # every other outcome is the failure under test
+                    failures[f"{type(exc).__name__}: {exc}"] += 1
+
+        threads = [threading.Thread(target=reader, args=(n,)) for n in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in range(40):
+                store.put_message(Message("T", b"y" * 400))
+                store.delete_expired_files(now_ms=FAR_FUTURE_MS, immediately=True)
+                time.sleep(0.002)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not failures, failures.most_common(5)
+        assert store.min_phy_offset > first[-1].commit_log_offset, "retention did not run through the first batch"
+        assert served["queue"] and served["key"] and served["offset"]
+
+
 # --- two writers through different paths -------------------------------------------------------------------------
 
 def path_forms(tmp_path: Path) -> dict[str, Path]:
@@ -406,7 +453,7 @@ sys.stdin.read()
 TRY = """
 import json, sys
 from rocketstore import MessageStore, StoreConfig
-from rocketstore.errors import StoreLockedError
+from rocketstore.errors import MessageNotFoundError, StoreLockedError
 refused = {}
 for path in sys.argv[1:]:
     try:

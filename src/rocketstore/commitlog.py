@@ -32,9 +32,16 @@ from .codec.record import (
 )
 from .config import StoreConfig
 from .encoder import PendingRecord
-from .errors import CorruptDataError, FlushError, MessageNotFoundError, MessageTooLargeError, OffsetOutOfRangeError
+from .errors import (
+    CorruptDataError,
+    FlushError,
+    MessageNotFoundError,
+    MessageTooLargeError,
+    OffsetOutOfRangeError,
+    SegmentDeletedError,
+)
 from .health import StoreHealth
-from .mapped.file import STAGING_DIR, MappedFile
+from .mapped.file import STAGING_DIR, MappedFile, reading
 from .mapped.file_queue import MappedFileQueue
 from .message import MessageExt
 
@@ -264,6 +271,11 @@ class CommitLog:
             raise OffsetOutOfRangeError(f"no segment holds commit-log offset {phy_offset}")
         pos = phy_offset - mapped.file_from_offset
         check = self.config.check_crc_on_read if check_crc is None else check_crc
+        with reading(mapped):
+            return self._validated(mapped, pos, phy_offset, check)
+
+    def _validated(self, mapped: MappedFile, pos: int, phy_offset: int,
+                   check: bool) -> tuple[MappedFile, int, RecordLayout]:
         try:
             layout = read_layout(mapped.buffer, pos, mapped.wrote_position, check_crc=check,
                                  verify_prop_crc=check and self.config.force_verify_prop_crc,
@@ -293,23 +305,29 @@ class CommitLog:
         if mapped is None:
             return -1
         pos = phy_offset - mapped.file_from_offset
-        buf = mapped.buffer
         if pos + 64 > mapped.file_size:
             return -1
-        sys_flag = int.from_bytes(buf[pos + 36 : pos + 40], "big", signed=True)
-        ts_pos = pos + 48 + (20 if sys_flag & 0x10 else 8)
-        return int.from_bytes(buf[ts_pos : ts_pos + 8], "big", signed=True)
+        try:
+            with reading(mapped):
+                buf = mapped.buffer
+                sys_flag = int.from_bytes(buf[pos + 36 : pos + 40], "big", signed=True)
+                ts_pos = pos + 48 + (20 if sys_flag & 0x10 else 8)
+                return int.from_bytes(buf[ts_pos : ts_pos + 8], "big", signed=True)
+        except SegmentDeletedError:
+            return -1
 
     def get_message(self, phy_offset: int, *, decompress: bool = False, read_body: bool = True) -> MessageExt:
         mapped, pos, layout = self.locate(phy_offset)
-        return message_from_layout(mapped.buffer, pos, layout, read_body=read_body, decompress=decompress,
-                                   max_body_size=max(self.config.max_message_size, 64 << 20),
-                                   path=str(mapped.path), base=mapped.file_from_offset)
+        with reading(mapped):
+            return message_from_layout(mapped.buffer, pos, layout, read_body=read_body, decompress=decompress,
+                                       max_body_size=max(self.config.max_message_size, 64 << 20),
+                                       path=str(mapped.path), base=mapped.file_from_offset)
 
     def get_record_bytes(self, phy_offset: int) -> bytes:
         """The raw record (``selectOneMessageByOffset``)."""
         mapped, pos, layout = self.locate(phy_offset)
-        return mapped.read(pos, layout.size)
+        with reading(mapped):
+            return mapped.read(pos, layout.size)
 
     def iter_messages(self, from_offset: int | None = None, to_offset: int | None = None, *,
                       check_crc: bool | None = None, read_body: bool = True) -> Iterator[MessageExt]:

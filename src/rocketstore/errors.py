@@ -114,6 +114,10 @@ class OffsetOutOfRangeError(MessageNotFoundError):
     """A commit-log offset lies outside the store's ``[min_phy_offset, max_phy_offset)``."""
 
 
+class SegmentDeletedError(OffsetOutOfRangeError):
+    """Retention deleted the file a read was using while it read: the message is gone, not damaged."""
+
+
 class InvalidMessageIdError(RocketStoreError, ValueError):
     """A message id or UNIQ_KEY string is not of RocketMQ's form."""
 

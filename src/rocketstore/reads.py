@@ -20,7 +20,7 @@ from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import ConsumeQueueTable
 from .encoder import SCHEDULE_TOPIC
-from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError
+from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError, SegmentDeletedError
 from .index.service import IndexService
 from .message import MessageExt
 
@@ -97,7 +97,11 @@ class StoreReader:
         wanted = parse_tags(tags)
         codes = {java_string_hash(t) for t in wanted} if wanted else None
         max_units = max(16000, max_msgs * 20) // 20
-        units, next_file = queue.units_from(offset, max_units)
+        try:
+            units, next_file = queue.units_from(offset, max_units)
+        except SegmentDeletedError:  # retention took the queue file under this read: the offset is now too small
+            low = max(queue.min_offset_in_queue, low)
+            return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, low, low, queue.max_offset_in_queue)
         if next_file is not None:
             return GetMessageResult(GetMessageStatus.OFFSET_FOUND_NULL, next_file, low, high)
         result = GetMessageResult(GetMessageStatus.NO_MATCHED_MESSAGE, offset, low, high)
@@ -114,6 +118,9 @@ class StoreReader:
                 continue
             try:
                 msg = self.commit_log.get_message(phy)
+            except SegmentDeletedError:
+                result.status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                continue
             except (MessageNotFoundError, CorruptDataError):
                 continue
             if (msg.topic, msg.queue_id, msg.queue_offset) != (topic, queue_id, offset + i):

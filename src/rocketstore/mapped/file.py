@@ -15,9 +15,10 @@ import functools
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import CorruptDataError, FlushError, StoreIOError
+from ..errors import CorruptDataError, FlushError, SegmentDeletedError, StoreIOError
 
 STAGING_DIR = ".staging"  # in the store root: where files are prepared when O_TMPFILE is not available
 
@@ -44,7 +45,7 @@ class MappedFile:
     mapped again on the next access; the positions stay in memory, and dirty pages are msynced first.
     """
 
-    __slots__ = ("_budget", "_evicted", "_mm", "file_from_offset", "file_size", "flushed_position", "path",
+    __slots__ = ("_budget", "_deleted", "_evicted", "_mm", "file_from_offset", "file_size", "flushed_position", "path",
                  "read_only", "wrote_position")
 
     def __init__(self, path: Path, file_size: int, *, read_only: bool = False,
@@ -60,6 +61,7 @@ class MappedFile:
         self.flushed_position = 0
         self._budget = budget
         self._evicted = False
+        self._deleted = False
         self._mm: mmap.mmap | None = None
         self._map()
 
@@ -113,6 +115,8 @@ class MappedFile:
         """The mapping itself, for struct.unpack_from and slicing without copies of the whole file."""
         mm = self._mm
         if mm is None:
+            if self._deleted:
+                raise SegmentDeletedError(f"{self.path.name} was deleted by retention while it was read")
             if not self._evicted:
                 raise StoreIOError(errno.EBADF, f"segment {self.path} is closed")
             self._map()
@@ -170,7 +174,12 @@ class MappedFile:
         if self._budget is not None:
             self._budget.forget(self)
 
+    @property
+    def deleted(self) -> bool:
+        return self._deleted
+
     def destroy(self) -> None:
+        self._deleted = True  # before the unmap: a reader that fails on the closed mapping learns why
         self.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
@@ -233,6 +242,17 @@ class FileBudget:
                 close_mapping(victim._mm, -1)
                 victim._mm, victim._evicted = None, True
         return len(victims)
+
+
+@contextlib.contextmanager
+def reading(mapped: MappedFile) -> Iterator[None]:
+    """A read of ``mapped`` that retention may race: a mapping closed under it becomes ``SegmentDeletedError``."""
+    try:
+        yield
+    except ValueError as exc:
+        if mapped.deleted and "closed" in str(exc):
+            raise SegmentDeletedError(f"{mapped.path.name} was deleted by retention while it was read") from None
+        raise
 
 
 def retry_evicted(method):
