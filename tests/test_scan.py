@@ -1,12 +1,13 @@
-"""scan_records (recovery's fast loop) agrees with read_layout (the reference validator) on any bytes."""
+"""validate_records (recovery's compiled pass) agrees with read_layout (the reference validator) on any bytes."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rocketstore.codec.batch import validate_records
 from rocketstore.codec.hosts import Host
-from rocketstore.codec.record import MAGIC_V2, blank_record, encode_record, read_layout, scan_records
+from rocketstore.codec.record import MAGIC_V2, blank_record, encode_record, read_layout
 from rocketstore.errors import CorruptDataError
 
 V4 = Host("10.0.0.1", 10911).to_bytes()
@@ -39,13 +40,14 @@ def segments(draw):
 @settings(max_examples=400, deadline=None)
 @given(data=segments(), check_crc=st.booleans())
 def test_scan_stops_exactly_where_read_layout_fails(data, check_crc):
-    stop, count = scan_records(data, 0, len(data), check_crc=check_crc)
-    pos = 0
+    stop, count, last = validate_records(data, 0, len(data), check_crc=check_crc)
+    pos, starts = 0, [-1]
     for _ in range(count):
         layout = read_layout(data, pos, len(data), check_crc=check_crc)
         assert layout is not None
+        starts.append(pos)
         pos += layout.size
-    assert pos == stop
+    assert pos == stop and last == starts[-1]
     try:
         layout = read_layout(data, stop, len(data), check_crc=check_crc)
     except CorruptDataError:

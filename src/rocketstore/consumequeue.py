@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from .config import StoreConfig
 from .errors import CorruptDataError
-from .mapped.file import STAGING_DIR, FileBudget, MappedFile, retry_evicted
+from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, retry_evicted
 from .mapped.file_queue import MappedFileQueue
 
 CQ_UNIT_SIZE = 20
@@ -35,6 +37,7 @@ _TAGS = struct.Struct(">q")
 PRE_BLANK_SIZE = 0x7FFFFFFF
 PRE_BLANK_UNIT = _UNIT.pack(0, PRE_BLANK_SIZE, 0)
 assert _UNIT.size == CQ_UNIT_SIZE
+UNIT_DTYPE = np.dtype([("phy", ">i8"), ("size", ">i4"), ("tags", ">i8")])
 
 log = logging.getLogger(__name__)
 
@@ -186,14 +189,52 @@ class ConsumeQueue:
         self.max_physic_offset = phy_offset + size
         return True
 
+    @retry_evicted
+    def put_run(self, queue_offsets: np.ndarray, phy_offsets: np.ndarray, sizes: np.ndarray,
+                tags_codes: np.ndarray) -> int:
+        """``put_position`` for one dispatch round's units of this queue, in log order; returns how many were
+        written. Where the queue continues densely (the common case) whole runs are written at once: units
+        with size 0 first, then the sizes, so a unit torn by a kill is still never valid. Re-dispatched
+        units are skipped; anything unusual (a new file, a gap, a duplicate offset) goes through
+        ``put_position``. Re-running it after an eviction under it writes the same bytes again."""
+        ends = phy_offsets + sizes
+        first_new = int(np.searchsorted(ends, self.max_physic_offset, side="right"))  # ends <= max: re-dispatch
+        i, n, written = first_new, len(queue_offsets), 0
+        while i < n:
+            mapped = self.mapped_files.last
+            expected = int(queue_offsets[i]) * CQ_UNIT_SIZE
+            if mapped is None or mapped.is_full() or expected != mapped.file_from_offset + mapped.wrote_position:
+                written += self.put_position(int(phy_offsets[i]), int(sizes[i]), int(tags_codes[i]),
+                                             int(queue_offsets[i]))
+                i += 1
+                continue
+            room = (mapped.file_size - mapped.wrote_position) // CQ_UNIT_SIZE
+            stop = min(n, i + room)
+            steps = np.flatnonzero(np.diff(queue_offsets[i:stop]) != 1)
+            if len(steps):
+                stop = i + int(steps[0]) + 1
+            count = stop - i
+            units = np.zeros(count, dtype=UNIT_DTYPE)
+            units["phy"], units["tags"] = phy_offsets[i:stop], tags_codes[i:stop]
+            pos = mapped.wrote_position
+            mapped.write(pos, units.tobytes())
+            view = np.frombuffer(mapped.buffer, dtype=UNIT_DTYPE, count=count, offset=pos)
+            try:
+                view["size"] = sizes[i:stop]
+            finally:
+                del view  # an exported view would keep the mapping from ever closing
+            mapped.wrote_position = pos + count * CQ_UNIT_SIZE
+            self.max_physic_offset = int(ends[stop - 1])
+            written += count
+            i = stop
+        return written
+
     def put_positions(self, queue_offsets, phy_offsets, sizes, tags_codes) -> int:
         """Append many units in log order, as ``put_position`` calls would; returns how many were written.
 
         A fresh queue whose offsets run densely is written as whole arrays (the rebuild path);
         anything else goes unit by unit.
         """
-        import numpy as np
-
         q = np.asarray(queue_offsets, dtype=np.int64)
         if len(q) == 0:
             return 0
@@ -201,7 +242,7 @@ class ConsumeQueue:
         if not dense:
             return sum(self.put_position(int(p), int(z), int(t), int(o))
                        for o, p, z, t in zip(q, phy_offsets, sizes, tags_codes, strict=True))
-        units = np.empty(len(q), dtype=np.dtype([("phy", ">i8"), ("size", ">i4"), ("tags", ">i8")]))
+        units = np.empty(len(q), dtype=UNIT_DTYPE)
         units["phy"], units["size"], units["tags"] = phy_offsets, sizes, tags_codes
         first = int(q[0]) * CQ_UNIT_SIZE
         file_start = first - first % self.file_size
@@ -236,7 +277,8 @@ class ConsumeQueue:
         mapped = self.mapped_files.find(logical)
         if mapped is None:
             return None
-        return _UNIT.unpack_from(mapped.buffer, logical - mapped.file_from_offset)
+        with reading(mapped):
+            return _UNIT.unpack_from(mapped.buffer, logical - mapped.file_from_offset)
 
     @retry_evicted
     def units_from(self, queue_offset: int, max_units: int) -> tuple[list[tuple[int, int, int]], int | None]:
@@ -249,8 +291,9 @@ class ConsumeQueue:
             return [], nxt // CQ_UNIT_SIZE
         pos = logical - mapped.file_from_offset
         end = min(mapped.wrote_position, pos + max_units * CQ_UNIT_SIZE)
-        buf = mapped.buffer
-        return [_UNIT.unpack_from(buf, p) for p in range(pos, end, CQ_UNIT_SIZE)], None
+        with reading(mapped):
+            buf = mapped.buffer
+            return [_UNIT.unpack_from(buf, p) for p in range(pos, end, CQ_UNIT_SIZE)], None
 
     @retry_evicted
     def offset_by_time(self, timestamp: int, upper: bool, store_time: StoreTimeLookup, log_min: int) -> int:

@@ -20,6 +20,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
+from .codec.batch import DispatchBatch, StopKind, decode_dispatch
 from .codec.hashing import java_string_hash
 from .codec.properties import PropertyName, decode_properties
 from .codec.record import RecordLayout, read_layout
@@ -30,9 +33,10 @@ from .encoder import SCHEDULE_TOPIC
 from .errors import CorruptDataError, StoreIOError
 from .health import StoreHealth
 from .index.service import IndexRequest, IndexService
+from .mapped.file import reading
 from .message import SysFlag
 
-INDEX_BATCH = 4096  # records per vectorised index batch
+DISPATCH_ROWS = 8192  # records per decoded batch: buffers stay in cache
 _FIELDS = struct.Struct(">iiqq")  # queue id, flag, queue offset, phy offset at record position 12
 _TS = struct.Struct(">q")
 
@@ -132,32 +136,31 @@ class Dispatcher:
             # log's min offset): their messages are gone, the rest of the log must still be dispatched.
             offset = max(self.reput_from_offset, self.commit_log.min_offset)
             files = self.commit_log.mapped_files
-            pending: list[IndexRequest] = []
             try:
                 while offset < end:
                     mapped = files.find(offset)
                     if mapped is None:
                         break
                     pos = offset - mapped.file_from_offset
-                    if pos >= mapped.wrote_position:
+                    written = mapped.wrote_position
+                    if pos >= written:
                         break
-                    layout = read_layout(mapped.buffer, pos, mapped.wrote_position, path=str(mapped.path),
-                                         base=mapped.file_from_offset)
-                    if layout is None:  # BLANK: the log continues in the next segment
-                        offset = mapped.file_end_offset
-                        continue
-                    req = dispatch_request(mapped.buffer, pos, layout, self.config)
-                    self._to_queue(req)
-                    pending.append(req.index_request())
-                    offset += layout.size
-                    done += 1
-                    if len(pending) >= INDEX_BATCH:
-                        self._to_index(pending)
-            except CorruptDataError as exc:  # recovery validated the log, so this is new damage
+                    with reading(mapped):
+                        batch, stop = decode_dispatch(mapped.buffer, pos, min(written, end - mapped.file_from_offset),
+                                                      base=mapped.file_from_offset, limit=written,
+                                                      path=str(mapped.path), max_rows=DISPATCH_ROWS)
+                        if len(batch):
+                            self._apply(batch, mapped)
+                            done += len(batch)
+                    if stop.kind is StopKind.DAMAGE:  # recovery validated the log, so this is new damage
+                        offset = stop.offset
+                        assert stop.error is not None
+                        raise stop.error
+                    offset = mapped.file_end_offset if stop.kind is StopKind.BLANK else stop.offset
+            except CorruptDataError as exc:
                 self.last_error = exc
                 self.health.fail_dispatch(exc)
                 log.error("dispatch stopped at %d: %s", offset, exc)
-                self._to_index(pending)
                 self.reput_from_offset = offset
                 raise
             except BaseException as exc:  # a write failed (full disk, EMFILE): keep what was done, say so
@@ -165,7 +168,6 @@ class Dispatcher:
                 self.health.fail_dispatch(exc)
                 self.reput_from_offset = offset
                 raise
-            self._to_index(pending)
             self.reput_from_offset = offset
             self.health.clear_dispatch()
         if done:
@@ -190,6 +192,54 @@ class Dispatcher:
                     break
                 self._cond.wait(remaining)
             return self.rounds
+
+    def _apply(self, batch: DispatchBatch, mapped) -> None:
+        """One decoded batch into consume-queue units and index entries, as the one-record path would put them,
+        with whole arrays per queue; slow rows (scheduled messages, text that is not UTF-8) one at a time in
+        their place."""
+        if not batch.slow.any():
+            self._apply_run(batch, 0, len(batch))
+            return
+        start = 0
+        for row in np.flatnonzero(batch.slow):
+            self._apply_run(batch, start, int(row))
+            pos = int(batch.pos[row])
+            layout = read_layout(mapped.buffer, pos, mapped.wrote_position, path=str(mapped.path),
+                                 base=mapped.file_from_offset)
+            assert layout is not None  # the walk accepted it
+            self.dispatch(dispatch_request(mapped.buffer, pos, layout, self.config))
+            start = int(row) + 1
+        self._apply_run(batch, start, len(batch))
+
+    def _apply_run(self, batch: DispatchBatch, lo: int, hi: int) -> None:
+        if lo >= hi:
+            return
+        rows = slice(lo, hi)
+        tran = batch.sys_flag[rows] & SysFlag.TRANSACTION_MASK
+        queued = lo + np.flatnonzero((tran == SysFlag.TRANSACTION_NOT_TYPE) | (tran == SysFlag.TRANSACTION_COMMIT_TYPE))
+        if len(queued):
+            group = batch.topic_code[queued].astype(np.int64) << 32 | (batch.queue_id[queued] & 0xFFFFFFFF)
+            order = np.argsort(group, kind="stable")
+            ordered, sorted_groups = queued[order], group[order]
+            cuts = np.flatnonzero(np.diff(sorted_groups)) + 1
+            wrote = False
+            for members in np.split(ordered, cuts):
+                first = members[0]
+                queue = self.queues.find_or_create(batch.topics[batch.topic_code[first]], int(batch.queue_id[first]))
+                wrote |= queue.put_run(batch.queue_offset[members], batch.phy[members], batch.size[members],
+                                       batch.tags_code[members]) > 0
+            if wrote:
+                self._on_logic_timestamp(int(batch.store_ts[queued[-1]]))
+        if self.index is None or not self.config.message_index_enable:
+            return
+        take = (batch.entry_owner >= lo) & (batch.entry_owner < hi)
+        owners = batch.entry_owner[take]
+        hashes = batch.entry_hash[take]
+        keep = (batch.sys_flag[owners] & SysFlag.TRANSACTION_MASK) != SysFlag.TRANSACTION_ROLLBACK_TYPE
+        keep &= batch.phy[owners] >= self.index.end_phy_offset()  # already indexed: a re-dispatch
+        owners, hashes = owners[keep], hashes[keep]
+        records_follow = not len(owners) or int(owners[-1]) < hi - 1
+        self.index.build_index_hashes(hashes, batch.phy[owners], batch.store_ts[owners], records_follow=records_follow)
 
     def dispatch(self, req: DispatchRequest) -> None:
         """Both dispatchers for one record."""

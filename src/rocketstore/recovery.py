@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import StoreCheckpoint
-from .codec.record import BLANK_RECORD_LEN, RecordLayout, read_layout, scan_records
+from .codec.batch import validate_records
+from .codec.record import BLANK_RECORD_LEN, RecordLayout, read_layout
 from .commitlog import CommitLog
 from .errors import CorruptDataError
 from .mapped.file import MappedFile
@@ -126,7 +127,7 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
         blank = False
         while True:
             if visit is None and not verify_prop:  # the fast path: validate runs of records in one loop
-                pos, valid = scan_records(buf, pos, size, check_crc=check_crc)
+                pos, valid, _last = validate_records(buf, pos, size, check_crc=check_crc)
                 report.records_checked += valid
                 end_pos = pos
             try:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .brokerconfig import ConsumerOffsetManager, DelayOffsetManager, SubscriptionGroupManager, TopicConfigManager
 from .checkpoint import StoreCheckpoint
+from .codec.batch import validate_records
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
@@ -319,19 +320,14 @@ class MessageStore:
         self.checkpoint.flush()
 
     def _last_store_timestamp(self) -> int:
-        end = self.commit_log.max_offset
-        if end <= self.commit_log.min_offset:
+        """Store time of the newest record: one compiled pass over the newest segment finds where it starts."""
+        if self.commit_log.max_offset <= self.commit_log.min_offset:
             return 0
-        last = None
-        mapped = self.commit_log.mapped_files.last
-        if mapped is not None:
-            for last in self.commit_log.iter_layouts(mapped.file_from_offset, check_crc=False):  # noqa: B007
-                pass
-        if last is None:
-            return 0
-        mapped, pos, layout = last
-        ts_pos = pos + 48 + (20 if layout.sys_flag & SysFlag.BORNHOST_V6 else 8)
-        return int.from_bytes(mapped.buffer[ts_pos : ts_pos + 8], "big", signed=True)
+        for mapped in reversed(self.commit_log.mapped_files.files):
+            _stop, _count, last = validate_records(mapped.buffer, 0, mapped.wrote_position, check_crc=False)
+            if last >= 0:
+                return self.commit_log.store_time(mapped.file_from_offset + last)
+        return 0
 
     def close(self) -> None:
         """Flush everything, delete the abort file and release the lock. Safe to call twice.

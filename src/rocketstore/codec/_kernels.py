@@ -102,6 +102,56 @@ def body_crcs(data, offsets):
     return out
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _parse(buf, pos, limit, check_crc):
+    """The checks of ``record.read_layout``, in its order, for the record at ``pos``: returns its end and
+    the positions the walk keeps, with end -1 when ``read_layout`` would not accept it."""
+    bad = (-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    if limit - pos < 8:
+        return bad
+    size = _be32(buf, pos)
+    magic = _be32(buf, pos + 4)
+    if magic != MAGIC_V1 and magic != MAGIC_V2:  # noqa: PLR1714 - plain compares compile best
+        return bad
+    if size < MIN_RECORD_LEN or size > limit - pos:
+        return bad
+    stop = pos + size
+    sys_flag = _be32(buf, pos + SYSFLAG_POS)
+    born_extra = V6_EXTRA_LEN if sys_flag & _BORN_V6 else 0
+    store_extra = V6_EXTRA_LEN if sys_flag & _STORE_V6 else 0
+    body_len_pos = pos + _BODY_LEN_POS + born_extra + store_extra
+    if body_len_pos + 4 > stop:
+        return bad
+    body_len = _be32(buf, body_len_pos)
+    body_pos = body_len_pos + 4
+    if body_len < 0 or body_pos + body_len > stop:
+        return bad
+    topic_len_pos = body_pos + body_len
+    if magic == MAGIC_V2:
+        if topic_len_pos + 2 > stop:
+            return bad
+        topic_len = _be16(buf, topic_len_pos)
+        topic_pos = topic_len_pos + 2
+    else:
+        if topic_len_pos + 1 > stop:
+            return bad
+        topic_len = np.int64(buf[topic_len_pos])
+        if topic_len > 127:
+            topic_len -= 256
+        topic_pos = topic_len_pos + 1
+    if topic_len < 0 or topic_pos + topic_len + 2 > stop:
+        return bad
+    props_len = _be16(buf, topic_pos + topic_len)
+    props_pos = topic_pos + topic_len + 2
+    if props_len < 0 or props_pos + props_len != stop:
+        return bad
+    crc = _be32(buf, pos + 8)
+    if check_crc and body_len > 0 and (crc32(buf, body_pos, body_len) & 0x7FFFFFFF) != crc:
+        return bad
+    return (stop, magic, crc, sys_flag, born_extra, body_len_pos, body_len, topic_pos, topic_len, props_pos,
+            props_len, size)
+
+
 @njit(cache=True, nogil=True)
 def walk(buf, pos, end, limit, check_crc, max_rows, max_bytes):
     """Validate records from ``pos`` while they start before ``end`` and fit before ``limit``.
@@ -115,46 +165,9 @@ def walk(buf, pos, end, limit, check_crc, max_rows, max_bytes):
     first = pos
     n = 0
     while pos < end and n < max_rows and pos - first < max_bytes:
-        if limit - pos < 8:
-            break
-        size = _be32(buf, pos)
-        magic = _be32(buf, pos + 4)
-        if magic != MAGIC_V1 and magic != MAGIC_V2:  # noqa: PLR1714 - plain compares compile best
-            break
-        if size < MIN_RECORD_LEN or size > limit - pos:
-            break
-        stop = pos + size
-        sys_flag = _be32(buf, pos + SYSFLAG_POS)
-        born_extra = V6_EXTRA_LEN if sys_flag & _BORN_V6 else 0
-        store_extra = V6_EXTRA_LEN if sys_flag & _STORE_V6 else 0
-        body_len_pos = pos + _BODY_LEN_POS + born_extra + store_extra
-        if body_len_pos + 4 > stop:
-            break
-        body_len = _be32(buf, body_len_pos)
-        body_pos = body_len_pos + 4
-        if body_len < 0 or body_pos + body_len > stop:
-            break
-        topic_len_pos = body_pos + body_len
-        if magic == MAGIC_V2:
-            if topic_len_pos + 2 > stop:
-                break
-            topic_len = _be16(buf, topic_len_pos)
-            topic_pos = topic_len_pos + 2
-        else:
-            if topic_len_pos + 1 > stop:
-                break
-            topic_len = np.int64(buf[topic_len_pos])
-            if topic_len > 127:
-                topic_len -= 256
-            topic_pos = topic_len_pos + 1
-        if topic_len < 0 or topic_pos + topic_len + 2 > stop:
-            break
-        props_len = _be16(buf, topic_pos + topic_len)
-        props_pos = topic_pos + topic_len + 2
-        if props_len < 0 or props_pos + props_len != stop:
-            break
-        crc = _be32(buf, pos + 8)
-        if check_crc and body_len > 0 and (crc32(buf, body_pos, body_len) & 0x7FFFFFFF) != crc:
+        (stop, magic, crc, sys_flag, born_extra, body_len_pos, body_len, topic_pos, topic_len, props_pos,
+         props_len, size) = _parse(buf, pos, limit, check_crc)
+        if stop < 0:
             break
         store_ts_pos = pos + 48 + 8 + born_extra
         f[F_POS, n] = pos
@@ -172,7 +185,7 @@ def walk(buf, pos, end, limit, check_crc, max_rows, max_bytes):
         f[F_STORE_HOST, n] = store_ts_pos + 8
         f[F_RECONSUME, n] = _be32(buf, body_len_pos - 12)
         f[F_PREPARED, n] = _be64(buf, body_len_pos - 8)
-        f[F_BODY_POS, n] = body_pos
+        f[F_BODY_POS, n] = body_len_pos + 4
         f[F_BODY_LEN, n] = body_len
         f[F_TOPIC_POS, n] = topic_pos
         f[F_TOPIC_LEN, n] = topic_len
@@ -181,6 +194,22 @@ def walk(buf, pos, end, limit, check_crc, max_rows, max_bytes):
         n += 1
         pos = stop
     return f, n, pos
+
+
+@njit(cache=True, nogil=True)
+def validate(buf, pos, end, check_crc):
+    """``walk`` without keeping fields, for recovery's pass over whole segments: returns (position of the first
+    record ``read_layout`` would not accept, records accepted, start of the last accepted record or -1)."""
+    n = 0
+    last = -1
+    while pos < end:
+        stop = _parse(buf, pos, end, check_crc)[0]
+        if stop < 0:
+            break
+        last = pos
+        n += 1
+        pos = stop
+    return pos, n, last
 
 
 @njit(cache=True, nogil=True)
@@ -453,3 +482,91 @@ def render_msg_ids(buf, store_host_pos, v6, record_pos):
                 o += 2
         offsets[r + 1] = o
     return offsets, data[:o]
+
+
+@njit(cache=True, nogil=True)
+def _java_hash_utf8(buf, p, n, h):
+    """Continue Java's ``String.hashCode`` (``h``, kept in [0, 2**32)) over the UTF-16 units of valid UTF-8."""
+    i = p
+    e = p + n
+    while i < e:
+        c = np.int64(buf[i])
+        if c < 0x80:
+            cp = c
+            i += 1
+        elif c < 0xE0:
+            cp = ((c & 0x1F) << 6) | (np.int64(buf[i + 1]) & 0x3F)
+            i += 2
+        elif c < 0xF0:
+            cp = ((c & 0x0F) << 12) | ((np.int64(buf[i + 1]) & 0x3F) << 6) | (np.int64(buf[i + 2]) & 0x3F)
+            i += 3
+        else:
+            cp = (((c & 0x07) << 18) | ((np.int64(buf[i + 1]) & 0x3F) << 12)
+                  | ((np.int64(buf[i + 2]) & 0x3F) << 6) | (np.int64(buf[i + 3]) & 0x3F))
+            i += 4
+        if cp >= 0x10000:  # a surrogate pair: two UTF-16 units
+            cp -= 0x10000
+            h = (h * 31 + (0xD800 + (cp >> 10))) & 0xFFFFFFFF
+            h = (h * 31 + (0xDC00 + (cp & 0x3FF))) & 0xFFFFFFFF
+        else:
+            h = (h * 31 + cp) & 0xFFFFFFFF
+    return h
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _signed32(h):
+    return h - 0x100000000 if h & 0x80000000 else h
+
+
+@njit(cache=True, nogil=True)
+def dispatch_hashes(buf, topic_pos, topic_len, uniq_pos, uniq_len, tags_pos, tags_len, key_offsets, tok_pos,
+                    tok_len):
+    """What dispatch hashes, for records whose text is valid UTF-8: each record's tags code (``hashCode`` of
+    TAGS, 0 when absent or empty) and its index entries' ``indexKeyHashMethod`` of ``topic#key``, UNIQ_KEY
+    first and then every KEYS token (``index_keys``), with the record each entry belongs to."""
+    n = topic_pos.size
+    tags = np.zeros(n, dtype=np.int64)
+    cap = n + key_offsets[n]
+    hashes = np.empty(cap, dtype=np.int64)
+    owner = np.empty(cap, dtype=np.int64)
+    m = 0
+    for r in range(n):
+        if tags_pos[r] >= 0 and tags_len[r] > 0:
+            tags[r] = _signed32(_java_hash_utf8(buf, tags_pos[r], tags_len[r], np.int64(0)))
+        prefix = _java_hash_utf8(buf, topic_pos[r], topic_len[r], np.int64(0))
+        prefix = (prefix * 31 + 0x23) & 0xFFFFFFFF  # '#'
+        for t in range(-1, key_offsets[r + 1] - key_offsets[r]):
+            if t < 0:
+                if uniq_pos[r] < 0 or uniq_len[r] == 0:
+                    continue
+                h = _java_hash_utf8(buf, uniq_pos[r], uniq_len[r], prefix)
+            else:
+                q = key_offsets[r] + t
+                h = _java_hash_utf8(buf, tok_pos[q], tok_len[q], prefix)
+            s = _signed32(h)
+            hashes[m] = 0 if s == -0x80000000 else abs(s)
+            owner[m] = r
+            m += 1
+    return tags, hashes[:m], owner[:m]
+
+
+@njit(cache=True, nogil=True)
+def text_hashes(buf, pos, length):
+    """64-bit FNV-1a of each ``buf[pos:pos+length]``: grouping keys for short texts (topics) without Python."""
+    n = pos.size
+    out = np.empty(n, dtype=np.uint64)
+    for r in range(n):
+        h = np.uint64(0xCBF29CE484222325)
+        for i in range(pos[r], pos[r] + length[r]):
+            h = (h ^ np.uint64(buf[i])) * np.uint64(0x100000001B3)
+        out[r] = h
+    return out
+
+
+@njit(cache=True, nogil=True)
+def same_texts(buf, pos, length, rep_pos, rep_len):
+    """Whether each text equals its representative's bytes (a check that grouping by hash was exact)."""
+    for r in range(pos.size):  # noqa: SIM110 - a generator does not compile in nopython mode
+        if length[r] != rep_len[r] or not _same(buf, pos[r], rep_pos[r], length[r]):
+            return False
+    return True

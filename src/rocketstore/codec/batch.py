@@ -107,6 +107,35 @@ def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True
     return batch, stop
 
 
+def _intern_topics(buf, arr: np.ndarray, pos: np.ndarray, length: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Each record's topic as a number into a list of the distinct topics (decoded with 'replace', as the
+    record codec does), grouped by a compiled hash and checked byte for byte."""
+    hashes = k.text_hashes(arr, pos, length)
+    distinct, first, codes = np.unique(hashes, return_index=True, return_inverse=True)
+    if len(distinct) and not k.same_texts(arr, pos, length, pos[first][codes], length[first][codes]):
+        texts = [bytes(buf[p : p + n]) for p, n in zip(pos.tolist(), length.tolist(), strict=True)]  # a collision
+        numbering: dict[bytes, int] = {}
+        codes = np.array([numbering.setdefault(t, len(numbering)) for t in texts], dtype=np.int64)
+        return [t.decode("utf-8", "replace") for t in numbering], codes.astype(np.int32)
+    topics = [bytes(buf[p : p + n]).decode("utf-8", "replace") for p, n in zip(pos[first].tolist(),
+                                                                               length[first].tolist(), strict=True)]
+    return topics, codes.astype(np.int32).reshape(-1)
+
+
+def validate_records(buf, pos: int, end: int, *, check_crc: bool = True) -> tuple[int, int, int]:
+    """Validate consecutive records from ``pos`` in compiled code (recovery's pass over whole segments):
+    returns (position of the first record ``read_layout`` would not accept, how many it accepted, start of
+    the last accepted one or -1). The caller asks ``read_layout`` at that position why the run ended."""
+    if not 0 <= pos <= end:
+        raise OffsetOutOfRangeError(f"cannot validate the range [{pos}, {end})")
+    arr = _as_array(buf)
+    try:
+        stop, count, last = k.validate(arr, pos, min(end, len(arr)), check_crc)
+    finally:
+        del arr
+    return int(stop), int(count), int(last)
+
+
 def _as_array(buf) -> np.ndarray:
     """One read-only uint8 view, so every kernel compiles (and is cached) for a single array type."""
     arr = np.frombuffer(buf, dtype=np.uint8)
@@ -238,6 +267,67 @@ def rows_batch(rows: list[list]) -> pa.RecordBatch:
     """A batch from ``message_row`` values (the slow path, and the reference in tests)."""
     columns = [pa.array([row[i] for row in rows], type=t) for i, (_name, t) in enumerate(MESSAGE_FIELDS)]
     return pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchBatch:
+    """What the dispatchers need of a run of records (``DispatchRequest`` for many at once), as arrays in log
+    order. ``slow`` rows, a scheduled message (its tags code is a delivery time, its keys belong to its real
+    topic) or text that is not valid UTF-8, carry no hashes here: the dispatcher takes them one at a time."""
+
+    pos: np.ndarray
+    phy: np.ndarray
+    size: np.ndarray
+    queue_id: np.ndarray
+    queue_offset: np.ndarray
+    sys_flag: np.ndarray
+    store_ts: np.ndarray
+    topic_code: np.ndarray  # index into ``topics``
+    topics: list[str]
+    tags_code: np.ndarray
+    entry_hash: np.ndarray  # index entries of the fast rows, in put order
+    entry_owner: np.ndarray  # the row each entry belongs to
+    slow: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+
+def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None = None, path: str | None = None,
+                    max_rows: int = DEFAULT_MAX_ROWS, slow_topic: str = "SCHEDULE_TOPIC_XXXX"
+                    ) -> tuple[DispatchBatch, Stop]:
+    """The dispatch fields of the records starting in ``buf[start:end]`` (``decode_range``'s walk without
+    body CRCs, as dispatch reads records recovery already validated), with ``Stop`` saying where it ended."""
+    if not 0 <= start <= end or max_rows < 1:
+        raise OffsetOutOfRangeError(f"cannot decode the range [{start}, {end}) with max_rows={max_rows}")
+    arr = _as_array(buf)
+    try:
+        limit = len(arr) if limit is None else min(limit, len(arr))
+        f, n, pos = k.walk(arr, start, min(end, limit), limit, False, max_rows, DEFAULT_MAX_BYTES)
+        stop = _classify(buf, pos, start, end, n, limit, base, False, path, max_rows, DEFAULT_MAX_BYTES)
+        f = np.ascontiguousarray(f[:, :n])
+        topics, topic_code = _intern_topics(buf, arr, f[k.F_TOPIC_POS], f[k.F_TOPIC_LEN])
+        slow = ~k.text_ok(arr, f, n)
+        if slow_topic in topics:
+            slow |= topic_code == topics.index(slow_topic)
+        fast = np.flatnonzero(~slow)
+        g = f[:, fast] if len(fast) < n else f
+        _pairs, _kp, _kl, _vp, _vl, found, found_len = k.parse_properties(
+            arr, g[k.F_PROPS_POS], g[k.F_PROPS_LEN], _NAMES[PropertyName.UNIQ_KEY], _NAMES[PropertyName.TAGS],
+            _NAMES[PropertyName.KEYS])
+        key_offsets, tok_pos, tok_len = k.split_keys(arr, found[2], found_len[2])
+        fast_tags, entry_hash, owner = k.dispatch_hashes(arr, g[k.F_TOPIC_POS], g[k.F_TOPIC_LEN], found[0],
+                                                         found_len[0], found[1], found_len[1], key_offsets,
+                                                         tok_pos, tok_len)
+    finally:
+        del arr
+    tags_code = np.zeros(n, dtype=np.int64)
+    tags_code[fast] = fast_tags
+    batch = DispatchBatch(pos=f[k.F_POS], phy=f[k.F_PHY_OFFSET], size=f[k.F_SIZE], queue_id=f[k.F_QUEUE_ID],
+                          queue_offset=f[k.F_QUEUE_OFFSET], sys_flag=f[k.F_SYS_FLAG], store_ts=f[k.F_STORE_TS],
+                          topic_code=topic_code, topics=topics, tags_code=tags_code, entry_hash=entry_hash,
+                          entry_owner=fast[owner], slow=slow)
+    return batch, stop
 
 
 def scan_arrow(commit_log: CommitLog, topics: Collection[str] | None = None, begin: int | None = None,

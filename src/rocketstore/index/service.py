@@ -195,6 +195,11 @@ class IndexService:
         self.files.append(created)
         return created
 
+    def end_phy_offset(self) -> int:
+        """Commit-log offset of the newest indexed record: dispatch skips records below it (a re-dispatch)."""
+        with self.lock:
+            return self.files[-1].end_phy_offset if self.files else 0
+
     def build_index(self, topic: str, phy_offset: int, store_timestamp: int, sys_flag: int,
                     uniq_key: str | None, keys: str | None) -> None:
         """``buildIndex`` for one dispatched record."""
