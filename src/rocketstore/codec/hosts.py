@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 import struct
@@ -28,7 +29,10 @@ class Host(NamedTuple):
 
     @classmethod
     def from_bytes(cls, raw: bytes | bytearray | memoryview) -> Host:
-        raw = bytes(raw)
+        return _host_of(bytes(raw))
+
+    @classmethod
+    def _decode(cls, raw: bytes) -> Host:
         if len(raw) == 8:
             return cls(socket.inet_ntop(socket.AF_INET, raw[:4]), _PORT.unpack_from(raw, 4)[0])
         if len(raw) == 20:
@@ -64,3 +68,9 @@ class Host(NamedTuple):
             return f"{self.ip}:{self.port}"
         groups = struct.unpack(">8H", socket.inet_pton(socket.AF_INET6, self.ip))
         return ":".join(f"{g:x}" for g in groups) + f":{self.port}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_of(raw: bytes) -> Host:
+    """Hosts repeat (one store host, a few producers): every read decodes the same few bytes."""
+    return Host._decode(raw)

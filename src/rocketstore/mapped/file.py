@@ -46,7 +46,7 @@ class MappedFile:
     """
 
     __slots__ = ("_budget", "_deleted", "_evicted", "_mm", "file_from_offset", "file_size", "flushed_position", "path",
-                 "read_only", "wrote_position")
+                 "path_text", "read_only", "wrote_position")
 
     def __init__(self, path: Path, file_size: int, *, read_only: bool = False,
                  budget: FileBudget | None = None) -> None:
@@ -54,6 +54,7 @@ class MappedFile:
         if start is None:
             raise CorruptDataError("not a segment file name (20 digits expected)", str(path))
         self.path = path
+        self.path_text = str(path)  # for error messages, made once: hot read paths pass it along
         self.file_size = file_size
         self.file_from_offset = start
         self.read_only = read_only
@@ -250,9 +251,14 @@ def reading(mapped: MappedFile) -> Iterator[None]:
     try:
         yield
     except ValueError as exc:
-        if mapped.deleted and "closed" in str(exc):
-            raise SegmentDeletedError(f"{mapped.path.name} was deleted by retention while it was read") from None
-        raise
+        raise deleted_under(mapped, exc) from None
+
+
+def deleted_under(mapped: MappedFile, exc: ValueError) -> Exception:
+    """What a ValueError from reading ``mapped`` means: retention deleted it under the read, or itself."""
+    if mapped.deleted and "closed" in str(exc):
+        return SegmentDeletedError(f"{mapped.path.name} was deleted by retention while it was read")
+    return exc
 
 
 def retry_evicted(method):
