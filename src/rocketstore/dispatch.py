@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codec.batch import DispatchBatch, StopKind, decode_dispatch
+from .codec.batch import DispatchBatch, StopKind, decode_dispatch, load_dispatch_kernels
 from .codec.hashing import java_string_hash
 from .codec.properties import PropertyName, decode_properties
 from .codec.record import RecordLayout, read_layout
@@ -262,6 +262,7 @@ class Dispatcher:
     # --- thread ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        load_dispatch_kernels()
         self._thread = threading.Thread(target=self._run, name="rocketstore-dispatch", daemon=True)
         self._thread.start()
 
