@@ -22,6 +22,7 @@ from rocketstore.codec.batch import DispatchBatch, decode_dispatch
 from rocketstore.codec.record import read_layout
 from rocketstore.dispatch import Dispatcher, dispatch_request
 from rocketstore.message import SysFlag
+from rocketstore.verify import verify_store
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=32 * 1024, mapped_file_size_consume_queue=20 * 8,
                      max_hash_slot_num=7, max_index_num=23, enable_schedule_message=False)
@@ -77,6 +78,8 @@ def test_batch_dispatch_writes_what_per_record_dispatch_writes(tmp_path_factory,
     want = redispatch(root / "src", root / "reference", monkeypatch, reference=True, rows=rows)
     assert sorted(got) == sorted(want)
     assert got == want
+    report = verify_store(root / "reference", CONFIG)  # verify's batch decode agrees with per-record dispatch
+    assert report.clean and report.records == len(batch), report.problems[:3]
 
 
 def test_records_with_text_that_is_not_utf8_dispatch_one_at_a_time_in_their_place(tmp_path, monkeypatch):
@@ -93,6 +96,8 @@ def test_records_with_text_that_is_not_utf8_dispatch_one_at_a_time_in_their_plac
     got = redispatch(root, tmp_path / "batch", monkeypatch, reference=False, rows=4)
     want = redispatch(root, tmp_path / "reference", monkeypatch, reference=True, rows=4)
     assert got == want
+    report = verify_store(tmp_path / "reference", CONFIG)  # verify takes the slow row the same way
+    assert report.clean and report.records == 12, report.problems[:3]
     batch, _stop = decode_dispatch(data, 0, len(data), base=0, limit=int(store.commit_log.max_offset))
     assert batch.slow.tolist() == [i == 5 for i in range(12)]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import StoreCheckpoint
+from .codec.batch import scan_dispatch
 from .config import StoreConfig
 from .index.bulk import ENTRY_DTYPE
 from .index.file import INDEX_HEADER_SIZE
@@ -62,10 +63,12 @@ def store_stats(root: str | Path, config: StoreConfig, bucket: str = "minute") -
     topics: Counter[str] = Counter()
     times: Counter[int] = Counter()
     with MessageStore.open(root, config, read_only=True) as store:
-        for msg in store.commit_log.iter_messages(read_body=False, check_crc=False):
-            topics[msg.topic] += 1
-            times[msg.store_timestamp - msg.store_timestamp % width] += 1
-            stats.bytes += msg.store_size
+        for batch in scan_dispatch(store.commit_log, max_rows=65536):
+            for code, n in zip(*np.unique(batch.topic_code, return_counts=True), strict=True):
+                topics[batch.topics[code]] += int(n)
+            starts, n = np.unique(batch.store_ts - batch.store_ts % width, return_counts=True)
+            times.update(dict(zip(starts.tolist(), n.tolist(), strict=True)))
+            stats.bytes += int(batch.size.sum())
     stats.messages = sum(topics.values())
     stats.per_topic = dict(sorted(topics.items()))
     stats.per_bucket = dict(sorted(times.items()))
@@ -94,24 +97,50 @@ def index_stats(root: Path, config: StoreConfig) -> list[IndexFileStats]:
     return out
 
 
+MAX_PLOTTED_TOPICS = 15  # more bars than this make unreadable labels: the rest are summed into one
+
+
 def plot_stats(stats: StoreStats, path: str | Path) -> None:
     """Draw messages per topic, messages over time and the chain-length histogram into one PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = stats_figure(stats)
+    try:
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def stats_figure(stats: StoreStats):
+    """The three panels as a matplotlib figure: the largest topics (the others summed in one bar, long
+    names cut), messages per bucket as bars one bucket wide on an axis that spans the data (a store
+    written in one minute shows one bar, not a dot on a four-year axis), and the chain lengths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import datetime as dt
 
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    topics = list(stats.per_topic)
-    axes[0].barh(topics, [stats.per_topic[t] for t in topics], color="#4c72b0")
-    axes[0].set_title("messages per topic")
+    labels, counts = topic_bars(stats.per_topic)
+    axes[0].barh(range(len(labels)), counts, color="#4c72b0")
+    axes[0].set_yticks(range(len(labels)), labels, fontsize=8 if len(labels) > 8 else 10)
+    axes[0].set_title(f"messages per topic ({len(stats.per_topic)} topics)")
     axes[0].invert_yaxis()
-    stamps = [dt.datetime.fromtimestamp(t / 1000, tz=dt.UTC) for t in stats.per_bucket]
-    axes[1].plot(stamps, list(stats.per_bucket.values()), marker="o", color="#dd8452")
+    width_ms = BUCKETS_MS[stats.bucket]
+    if stats.per_bucket:
+        starts = sorted(stats.per_bucket)
+        to_date = [dt.datetime.fromtimestamp(t / 1000, tz=dt.UTC) for t in starts]
+        axes[1].bar(to_date, [stats.per_bucket[t] for t in starts], width=dt.timedelta(milliseconds=width_ms),
+                    align="edge", color="#dd8452")
+        axes[1].set_xlim(dt.datetime.fromtimestamp((starts[0] - width_ms) / 1000, tz=dt.UTC),
+                         dt.datetime.fromtimestamp((starts[-1] + 2 * width_ms) / 1000, tz=dt.UTC))
+        locator = mdates.AutoDateLocator(minticks=2, maxticks=8)
+        axes[1].xaxis.set_major_locator(locator)
+        axes[1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=dt.UTC))
     axes[1].set_title(f"messages per {stats.bucket} (UTC)")
-    axes[1].tick_params(axis="x", rotation=30)
     histogram: Counter[int] = Counter()
     for index in stats.index_files:
         histogram.update(index.chain_lengths)
@@ -123,5 +152,16 @@ def plot_stats(stats: StoreStats, path: str | Path) -> None:
     axes[2].set_title(f"index slots by chain length (fill {fill})")
     axes[2].set_xlabel("entries in slot")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def topic_bars(per_topic: dict[str, int], limit: int = MAX_PLOTTED_TOPICS) -> tuple[list[str], list[int]]:
+    """The ``limit`` largest topics (names over 32 characters cut) and one bar for all the others."""
+    ranked = sorted(per_topic.items(), key=lambda item: (-item[1], item[0]))
+    shown = ranked if len(ranked) <= limit else ranked[: limit - 1]
+    labels = [name if len(name) <= 32 else name[:31] + "…" for name, _ in shown]
+    counts = [n for _, n in shown]
+    if len(shown) < len(ranked):
+        labels.append(f"({len(ranked) - len(shown)} other topics)")
+        counts.append(sum(n for _, n in ranked[len(shown):]))
+    return labels, counts

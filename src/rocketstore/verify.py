@@ -11,31 +11,37 @@ reports each problem with the file and the offset where it is:
 * index: entries pointing at no record or at a record none of whose keys has the entry's hash;
   keys of records that no entry covers (messages that could not be found by key).
 
-The log is read record by record (CRCs need it); queue units and index entries are checked as
-whole numpy arrays against the records sorted by offset, so the cost stays O(n log n) however
-many of them dangle, and ``Problem`` objects are built only for the ``max_problems`` reported.
+The log is read in compiled batches, body CRCs included (the dispatch decoder); queue units and
+index entries are checked as whole numpy arrays against the records sorted by offset, so the cost
+stays O(n log n) however many of them dangle, and ``Problem`` objects are built only for the ``max_problems`` reported.
 
 A store locked by a writer is *live*: it is checked as a snapshot. Its end is the read-only
 recovered end taken first; records the dispatcher had not reached when verify started (past the
-newest queue unit or index entry seen then) are not missing, units and entries written after the
+newest index entry seen then, or in or after the dispatch batch of the newest queue unit, as a batch
+writes its units queue by queue) are not missing, units and entries written after the
 snapshot are ignored, and the bytes past its end are the writer's, not garbage.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .checkpoint import StoreCheckpoint
+from .codec.batch import DispatchBatch, StopKind, decode_dispatch
 from .codec.properties import PropertyName
 from .codec.record import message_from_layout, read_layout
 from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import CQ_UNIT_SIZE, PRE_BLANK_SIZE, ConsumeQueueTable
-from .dispatch import index_topic_of, tags_code_of
+from .dispatch import DISPATCH_ROWS, index_topic_of, tags_code_of
+from .encoder import SCHEDULE_TOPIC
 from .errors import ConfigError, CorruptDataError
 from .index.bulk import ENTRY_DTYPE, index_key_hashes
 from .index.file import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
@@ -158,65 +164,140 @@ def verify_store(root: str | Path, config: StoreConfig, *, progress: Progress | 
 
 def _check_log(commit_log: CommitLog, config: StoreConfig, report: VerifyReport, progress: Progress | None,
                snapshot: _Snapshot | None) -> _Records:
-    """Scan every segment in full (a live store: up to the snapshot's end) and collect the records."""
-    phys: list[int] = []
-    rows: list[tuple[int, int, int, int, int]] = []  # size, queue offset, tags code, sys flag, queue number
-    queue_numbers: dict[tuple[str, int], int] = {}
-    keys: list[str] = []
-    key_owners: list[int] = []
+    """Scan every segment in full (a live store: up to the snapshot's end) and collect the records, a
+    compiled batch at a time (the dispatch decoder with body CRCs on). Segments decode on a thread per
+    core (the kernels release the GIL) and are collected in log order."""
+    collected = _Collector(config)
     files = commit_log.mapped_files.files
-    stop = snapshot.end if snapshot else None
+    stop_at = snapshot.end if snapshot else None
     total = sum(f.file_size for f in files)
     done = 0
-    for mapped in files:
-        buf, size, pos = mapped.buffer, mapped.file_size, 0
-        path = str(mapped.path)
-        if stop is not None:
-            size = min(size, max(0, stop - mapped.file_from_offset))
-        while pos < size:
-            try:
-                layout = read_layout(buf, pos, mapped.file_size, check_crc=True, path=path,
-                                     base=mapped.file_from_offset)
-            except CorruptDataError as exc:
-                if bytes(buf[pos : pos + 8]) == bytes(8):
-                    tail = bytes(buf[pos:]).rstrip(b"\0")
-                    if tail:
-                        report.add(Problem("commitlog", path, mapped.file_from_offset + pos + len(tail) - 1,
-                                           "non-zero bytes after the end of the log"))
-                    if mapped is not files[-1]:
-                        report.add(Problem("commitlog", path, mapped.file_from_offset + pos,
-                                           "segment is followed by another but has no BLANK record"))
-                else:
-                    report.add(Problem("commitlog", path, mapped.file_from_offset + pos, exc.reason))
-                break
-            if layout is None:  # BLANK: nothing may follow it in this segment
-                tail = bytes(buf[pos + 8 :]).rstrip(b"\0")
+    workers = max(1, min(os.cpu_count() or 1, len(files)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="rocketstore-verify") as pool:
+        pending: collections.deque = collections.deque()
+        for n, mapped in enumerate(files):
+            size = mapped.file_size if stop_at is None else min(mapped.file_size,
+                                                                  max(0, stop_at - mapped.file_from_offset))
+            pending.append((mapped, pool.submit(_scan_segment, mapped, size, n == len(files) - 1)))
+            while pending and (len(pending) > workers or n == len(files) - 1):
+                segment, future = pending.popleft()
+                batches, problems = future.result()
+                for batch in batches:
+                    collected.add(batch, segment, report)
+                for problem in problems:
+                    report.add(problem)
+                done += segment.file_size
+                if progress:
+                    progress("commit log", done, total)
+    return collected.records(report)
+
+
+def _scan_segment(mapped: MappedFile, size: int, last: bool) -> tuple[list[DispatchBatch], list[Problem]]:
+    """One segment's records up to ``size`` and what is wrong with its bytes (runs on a worker thread)."""
+    buf, pos, path = mapped.buffer, 0, str(mapped.path)
+    batches: list[DispatchBatch] = []
+    problems: list[Problem] = []
+    while pos < size:
+        batch, stop = decode_dispatch(buf, pos, size, base=mapped.file_from_offset, limit=mapped.file_size,
+                                      path=path, check_crc=True, max_rows=VERIFY_ROWS, slow_topic=SCHEDULE_TOPIC)
+        if len(batch):
+            batches.append(batch)
+        if stop.kind is StopKind.LIMIT:
+            pos = stop.pos
+            continue
+        if stop.kind is StopKind.BLANK:  # nothing may follow it in this segment
+            tail = _nonzero_length(buf, stop.pos + 8)
+            if tail:
+                problems.append(Problem("commitlog", path, stop.offset + 8 + tail - 1,
+                                        "non-zero bytes after the segment's BLANK record"))
+        elif stop.kind is StopKind.DAMAGE:
+            assert stop.error is not None
+            if bytes(buf[stop.pos : stop.pos + 8]) == bytes(8):
+                tail = _nonzero_length(buf, stop.pos)
                 if tail:
-                    report.add(Problem("commitlog", path, mapped.file_from_offset + pos + 8 + len(tail) - 1,
-                                       "non-zero bytes after the segment's BLANK record"))
-                break
-            phy = mapped.file_from_offset + pos
-            msg = message_from_layout(buf, pos, layout, read_body=False)
-            if msg.commit_log_offset != phy:
-                report.add(Problem("commitlog", path, phy, f"PHYSICALOFFSET field says {msg.commit_log_offset}"))
+                    problems.append(Problem("commitlog", path, stop.offset + tail - 1,
+                                            "non-zero bytes after the end of the log"))
+                if not last:
+                    problems.append(Problem("commitlog", path, stop.offset,
+                                            "segment is followed by another but has no BLANK record"))
+            else:
+                problems.append(Problem("commitlog", path, stop.offset, stop.error.reason))
+        break
+    return batches, problems
+
+
+def _nonzero_length(buf, pos: int) -> int:
+    """Length of ``buf[pos:]`` without its trailing zero bytes (``len(bytes(...).rstrip(b"\\0"))`` without
+    copying a segment's unused hundreds of megabytes)."""
+    view = np.frombuffer(buf, dtype=np.uint8)[pos:]
+    try:
+        nonzero = np.flatnonzero(view)
+        return int(nonzero[-1]) + 1 if len(nonzero) else 0
+    finally:
+        del view  # no export may outlive the call: the mmap closes after verify
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` for int64 arrays made of sorted runs: a stable sort (timsort: linear on runs) and a
+    neighbour test; numpy's hash-based unique took ~1 s per 10M values here."""
+    values = np.sort(values, kind="stable")
+    if len(values) < 2:
+        return values
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
+VERIFY_ROWS = 65536  # records per compiled batch: verify keeps every record's fields anyway
+
+
+class _Collector:
+    """Decoded batches -> ``_Records``: per-record arrays concatenated once, (topic, queue id) numbered in
+    order of first appearance, keys as (record number << 32 | hash) pairs."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.count = 0
+        self.columns: list[tuple[np.ndarray, ...]] = []
+        self.pairs: list[np.ndarray] = []
+        self.queue_numbers: dict[tuple[str, int], int] = {}
+
+    def add(self, batch: DispatchBatch, mapped: MappedFile, report: VerifyReport) -> None:
+        path = str(mapped.path)
+        expected = batch.pos + mapped.file_from_offset
+        for i in np.flatnonzero(batch.phy != expected):
+            report.add(Problem("commitlog", path, int(expected[i]), f"PHYSICALOFFSET field says {int(batch.phy[i])}"))
+        group = batch.topic_code.astype(np.int64) << 32 | (batch.queue_id & 0xFFFFFFFF)
+        distinct, first, inverse = np.unique(group, return_index=True, return_inverse=True)
+        numbers = np.array([self.queue_numbers.setdefault((batch.topics[batch.topic_code[i]], int(batch.queue_id[i])),
+                                                          len(self.queue_numbers)) for i in first.tolist()],
+                           dtype=np.int64)
+        queue = numbers[inverse.reshape(-1)] if len(distinct) else np.zeros(0, np.int64)
+        tags = batch.tags_code.copy()
+        self.pairs.append((batch.entry_owner.astype(np.int64) + self.count) << 32 | batch.entry_hash)
+        for row in np.flatnonzero(batch.slow).tolist():  # scheduled messages, text that is not UTF-8
+            pos = int(batch.pos[row])
+            layout = read_layout(mapped.buffer, pos, mapped.file_size, path=path, base=mapped.file_from_offset)
+            assert layout is not None  # the walk accepted it
+            msg = message_from_layout(mapped.buffer, pos, layout, read_body=False)
             props = msg.properties
-            number = len(phys)
-            for key in index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS)):
-                keys.append(build_key(index_topic_of(msg.topic, props), key))
-                key_owners.append(number)
-            phys.append(phy)
-            rows.append((layout.size, msg.queue_offset,
-                         tags_code_of(msg.topic, props, msg.store_timestamp, config.delay_levels_ms), msg.sys_flag,
-                         queue_numbers.setdefault((msg.topic, msg.queue_id), len(queue_numbers))))
-            pos += layout.size
-        done += mapped.file_size
-        if progress:
-            progress("commit log", done, total)
-    report.records = len(phys)
-    table = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
-    pairs = (np.array(key_owners, dtype=np.int64) << 32) | index_key_hashes(keys)
-    return _Records(np.array(phys, dtype=np.int64), table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4],
-                    list(queue_numbers), np.unique(pairs))
+            tags[row] = tags_code_of(msg.topic, props, msg.store_timestamp, self.config.delay_levels_ms)
+            keys = [build_key(index_topic_of(msg.topic, props), key)
+                    for key in index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))]
+            if keys:
+                self.pairs.append((np.int64(self.count + row) << 32) | index_key_hashes(keys))
+        self.columns.append((expected, batch.size, batch.queue_offset, tags, batch.sys_flag, queue))
+        self.count += len(batch)
+
+    def records(self, report: VerifyReport) -> _Records:
+        report.records = self.count
+        cols = [np.concatenate(c).astype(np.int64) if c else np.zeros(0, np.int64) for c in zip(*self.columns,
+                                                                                                 strict=True)]
+        if not cols:
+            cols = [np.zeros(0, np.int64) for _ in range(6)]
+        pairs = _sorted_unique(np.concatenate(self.pairs)) if self.pairs else np.zeros(0, np.int64)
+        return _Records(*cols, list(self.queue_numbers), pairs)
 
 
 def _queue_frontier(root: Path, config: StoreConfig) -> int:
@@ -256,7 +337,7 @@ def _check_queues(root: Path, config: StoreConfig, records: _Records, report: Ve
     tran = records.sys_flag & SysFlag.TRANSACTION_MASK
     missing = ~seen & ((tran == SysFlag.TRANSACTION_NOT_TYPE) | (tran == SysFlag.TRANSACTION_COMMIT_TYPE))
     if snapshot:
-        missing &= records.phy < snapshot.queue_frontier
+        missing &= records.phy < _settled(records.phy, snapshot.queue_frontier)
 
     def make(i: int) -> Problem:
         topic, queue_id = records.queues[records.queue[i]]
@@ -265,6 +346,14 @@ def _check_queues(root: Path, config: StoreConfig, records: _Records, report: Ve
                        f"record at commit-log offset {records.phy[i]} is missing from its queue")
 
     report.add_many(np.flatnonzero(missing), make)
+
+
+def _settled(phys: np.ndarray, frontier: int) -> int:
+    """Below which offset every record is in its queue, given the newest unit seen ends at ``frontier``.
+    The dispatcher finishes its batches in log order but writes a batch's units queue by queue, so only
+    the records before the batch that holds the frontier (at most ``DISPATCH_ROWS`` of them) are certain."""
+    before = int(np.searchsorted(phys, frontier))
+    return int(phys[before - DISPATCH_ROWS]) if before > DISPATCH_ROWS else 0
 
 
 def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, seen: np.ndarray, report: VerifyReport,
@@ -377,7 +466,7 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
         service.close()
     if not config.message_index_enable or index_min is None:
         return
-    done = np.unique(np.concatenate(covered))
+    done = _sorted_unique(np.concatenate(covered))
     uncovered = records.key_pairs[~np.isin(records.key_pairs, done, assume_unique=True)]
     missing_keys = np.bincount(uncovered >> 32, minlength=len(records.phy))
     rollback = (records.sys_flag & SysFlag.TRANSACTION_MASK) == SysFlag.TRANSACTION_ROLLBACK_TYPE

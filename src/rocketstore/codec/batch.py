@@ -305,17 +305,18 @@ class DispatchBatch:
 
 
 def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None = None, path: str | None = None,
-                    max_rows: int = DEFAULT_MAX_ROWS, slow_topic: str = "SCHEDULE_TOPIC_XXXX"
-                    ) -> tuple[DispatchBatch, Stop]:
-    """The dispatch fields of the records starting in ``buf[start:end]`` (``decode_range``'s walk without
-    body CRCs, as dispatch reads records recovery already validated), with ``Stop`` saying where it ended."""
+                    max_rows: int = DEFAULT_MAX_ROWS, slow_topic: str = "SCHEDULE_TOPIC_XXXX",
+                    check_crc: bool = False) -> tuple[DispatchBatch, Stop]:
+    """The dispatch fields of the records starting in ``buf[start:end]`` (``decode_range``'s walk, by default
+    without body CRCs, as dispatch reads records recovery already validated; ``verify`` checks them), with
+    ``Stop`` saying where it ended."""
     if not 0 <= start <= end or max_rows < 1:
         raise OffsetOutOfRangeError(f"cannot decode the range [{start}, {end}) with max_rows={max_rows}")
     arr = _as_array(buf)
     try:
         limit = len(arr) if limit is None else min(limit, len(arr))
-        f, n, pos = k.walk(arr, start, min(end, limit), limit, False, max_rows, DEFAULT_MAX_BYTES)
-        stop = _classify(buf, pos, start, end, n, limit, base, False, path, max_rows, DEFAULT_MAX_BYTES)
+        f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max_rows, DEFAULT_MAX_BYTES)
+        stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, DEFAULT_MAX_BYTES)
         f = np.ascontiguousarray(f[:, :n])
         topics, topic_code = _intern_topics(buf, arr, f[k.F_TOPIC_POS], f[k.F_TOPIC_LEN])
         slow = ~k.text_ok(arr, f, n)
@@ -367,6 +368,35 @@ def scan_arrow(commit_log: CommitLog, topics: Collection[str] | None = None, beg
                                        check_crc=check_crc, include_body=include_body, topics=wanted,
                                        broker_name=broker_name, path=str(mapped.path), max_rows=max_rows)
             if batch.num_rows:
+                yield batch
+            if stop.kind is StopKind.DAMAGE:
+                assert stop.error is not None
+                raise stop.error
+            if stop.kind is not StopKind.LIMIT:
+                break
+            pos = stop.pos
+        offset = mapped.file_end_offset
+
+
+def scan_dispatch(commit_log: CommitLog, begin: int | None = None, end: int | None = None, *,
+                  check_crc: bool = False, max_rows: int = DEFAULT_MAX_ROWS) -> Iterator[DispatchBatch]:
+    """``scan_arrow``'s walk yielding ``DispatchBatch``es: the fixed fields, interned topics and hashes,
+    for tools that count or check records rather than show them (stats). Raises on damage, as
+    ``scan_arrow`` does, after yielding everything before it."""
+    stop_at = commit_log.max_offset if end is None else min(end, commit_log.max_offset)
+    offset = commit_log.min_offset if begin is None else max(begin, commit_log.min_offset)
+    while offset < stop_at:
+        mapped = commit_log.mapped_files.find(offset)
+        if mapped is None:
+            return
+        pos = offset - mapped.file_from_offset
+        written = mapped.wrote_position
+        limit = written if written < mapped.file_size else mapped.file_size
+        seg_end = min(written, stop_at - mapped.file_from_offset)
+        while pos < seg_end:
+            batch, stop = decode_dispatch(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, limit=limit,
+                                          path=str(mapped.path), max_rows=max_rows, check_crc=check_crc)
+            if len(batch):
                 yield batch
             if stop.kind is StopKind.DAMAGE:
                 assert stop.error is not None
