@@ -39,7 +39,15 @@ def _messages(count: int):
                       properties={"source": "demo"})
 
 
-def run(root: Path, count: int, spark_master: str | None = "local[*]") -> int:
+def _found(messages) -> str:
+    """'2 messages: "OrderPaid #37" (queue 1, offset 9), ...': what a person reads, not a list repr."""
+    described = ", ".join(f'"{m.body.decode().partition(":")[0]}" (queue {m.queue_id}, offset {m.queue_offset})'
+                          for m in messages)
+    return f"{len(messages)} message{'' if len(messages) == 1 else 's'}" + (f": {described}" if messages else "")
+
+
+def run(root: Path, count: int, spark_master: str | None = "local[*]", *, ship_env: bool = False,
+        verbose: bool = False) -> int:
     _prepare(root)
     # 1 MiB segments so that even a small demo shows segment rolls; a 4.2 MB index instead of 420 MB.
     config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=50_000, max_index_num=200_000)
@@ -91,7 +99,7 @@ def run(root: Path, count: int, spark_master: str | None = "local[*]") -> int:
     print(f"  reopen  recovery checked {recovery.records_checked} records in {recovery.seconds * 1000:.1f} ms")
     print(f"  read    every message by commit-log offset, and {consumed} through the consume queues "
           f"({read_s * 1000:.0f} ms): all identical")
-    print(f"  query   key 'order-9' in OrderPaid -> {[m.body.decode()[:14] for m in by_key]}")
+    print(f"  query   key 'order-9' in OrderPaid -> {_found(by_key)}")
     print(f"          msgId {by_id.msg_id} -> {by_id.topic} queue {by_id.queue_id} offset {by_id.queue_offset}")
     print(f"          UNIQ_KEY {by_id.uniq_key} -> {len(by_uniq)} message")
     print(f"          tag 'Tag1' in Audit queue 0 -> {len(tagged.messages)} of {per_queue[('Audit', 0)]}")
@@ -101,17 +109,18 @@ def run(root: Path, count: int, spark_master: str | None = "local[*]") -> int:
         counts = " ".join(f"{per_queue[(topic, q)]:>4}" for q in range(QUEUES))
         print(f"  {'queues' if i == 0 else '':<7} {topic:<13} messages in queues 0-{QUEUES - 1}: {counts}")
     if spark_master:
-        _spark_step(root, config, spark_master, by_key, by_id)
+        _spark_step(root, config, spark_master, by_key, by_id, ship_env=ship_env, verbose=verbose)
     return 0
 
 
-def _spark_step(root: Path, config: StoreConfig, master: str, by_key, by_id) -> None:
+def _spark_step(root: Path, config: StoreConfig, master: str, by_key, by_id, *, ship_env: bool,
+                verbose: bool) -> None:
     """Read the store as a DataFrame, summarise it, rebuild its queues and index in parallel, re-query."""
     from .spark import spark_session
     from .spark.jobs import messages_per_topic_and_minute, read_store, rebuild
 
     started = time.perf_counter()
-    spark = spark_session(master, "rocketstore-demo")
+    spark = spark_session(master, "rocketstore-demo", ship_env=ship_env, verbose=verbose)
     df = read_store(spark, root, maxBytesPerPartition=256 << 10)
     per_topic, per_minute = messages_per_topic_and_minute(df)
     print(f"  spark   {master}, {df.rdd.getNumPartitions()} partitions over the commit log "

@@ -48,6 +48,10 @@ class StoreIOError(RocketStoreError, OSError):
     """
 
 
+class StoreNotVisibleError(StoreIOError):
+    """A Spark executor cannot see a store the driver planned over: it is not mounted at the same path there."""
+
+
 class FlushError(StoreIOError):
     """An msync or fsync failed: bytes the store wrote may never reach the disk, whatever a retry reports."""
 

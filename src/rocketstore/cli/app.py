@@ -50,10 +50,10 @@ def fails_cleanly(command):
             raise Failure(str(exc)) from None
         except OSError as exc:
             raise Failure(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")) from None
-        except Exception as exc:  # Spark and others: the last line that names an error
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            named = [line for line in lines if "Error" in line or "error" in line]
-            raise Failure((named or lines or [repr(exc)])[-1]) from None
+        except Exception as exc:  # Spark's wrapped executor failures and others: the line that names the error
+            from ..spark.failures import one_line
+
+            raise Failure(one_line(exc)) from None
 
     return wrapper
 
@@ -613,7 +613,19 @@ def reset_offset(group, topic_name, timestamp, **kwargs) -> None:
 # --- Spark jobs and stats ---------------------------------------------------------------------------
 
 def master_option(command):
-    return click.option("--master", default="local[*]", show_default=True, help="Spark master URL")(command)
+    """--master and what a cluster run needs: --ship-env, --verbose."""
+    command = click.option("-v", "--verbose", is_flag=True, help="show Spark's warnings and executors' stack "
+                           "traces")(command)
+    command = click.option("--ship-env", is_flag=True, help="ship this virtual environment to the executors "
+                           "(venv-pack + spark.archives): workers then need only Java and the same Python")(command)
+    return click.option("--master", default="local[*]", show_default=True,
+                        help="Spark master URL, e.g. spark://host:7077")(command)
+
+
+def _spark(master: str, ship_env: bool, verbose: bool):
+    from ..spark.session import spark_session
+
+    return spark_session(master, ship_env=ship_env, verbose=verbose)
 
 
 @main.command(epilog="""\b
@@ -624,13 +636,14 @@ Examples:
 @store_options
 @master_option
 @fails_cleanly
-def rebuild(master, **kwargs) -> None:
+def rebuild(master, ship_env, verbose, **kwargs) -> None:
     """Rebuild consume queues and index files from the commit log, in parallel (Spark)."""
     from ..spark.jobs import rebuild as run
 
     root, config = config_for(**_store_args(kwargs))
+    spark = _spark(master, ship_env, verbose)
     with progress_bar("rebuild") as progress:
-        report = run(root, master=master, config=config, progress=progress)
+        report = run(root, spark=spark, config=config, progress=progress)
     click.echo(f"rebuilt {report.queue_units} queue units in {report.queues} queues and {report.index_keys} index "
                f"keys in {report.index_files} index files from {report.records} records ({report.partitions} "
                f"partitions, {report.seconds:.1f} s); the old files are in {', '.join(report.moved_aside) or '-'}")
@@ -647,14 +660,15 @@ Examples:
 @click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
 @click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
 @fails_cleanly
-def export(master, out, topics, begin, end, **kwargs) -> None:
+def export(master, ship_env, verbose, out, topics, begin, end, **kwargs) -> None:
     """Export messages to Parquet, partitioned by topic and date (Spark)."""
     from ..spark.jobs import export_parquet
 
     root, config = config_for(**_store_args(kwargs))
     start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
+    spark = _spark(master, ship_env, verbose)
     with progress_bar("export") as progress:
-        count = export_parquet(root, out, master=master, topics=list(topics) or None, begin=start, end=stop,
+        count = export_parquet(root, out, spark=spark, topics=list(topics) or None, begin=start, end=stop,
                                progress=progress, mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
     click.echo(f"exported {count} messages to {out}")
 
@@ -709,11 +723,11 @@ Examples:
 @master_option
 @click.option("--no-spark", is_flag=True, help="skip the Spark step")
 @fails_cleanly
-def demo(store_dir, messages, master, no_spark) -> None:
+def demo(store_dir, messages, master, ship_env, verbose, no_spark) -> None:
     """The README's main job: build a demo store, read it back every way, run the Spark step."""
     from ..demo import run
 
-    sys.exit(run(Path(store_dir), messages, None if no_spark else master))
+    sys.exit(run(Path(store_dir), messages, None if no_spark else master, ship_env=ship_env, verbose=verbose))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ._numba_cache import install as _install_cache_locator
 from .record import FIXED_PART_LEN, MAGIC_V1, MAGIC_V2, MIN_RECORD_LEN, PHY_OFFSET_POS, SYSFLAG_POS, V6_EXTRA_LEN
 
 # rows of the field matrix ``walk`` fills: one int64 per record and field
@@ -24,6 +25,8 @@ F_POS, F_SIZE, F_MAGIC, F_CRC, F_QUEUE_ID, F_FLAG, F_QUEUE_OFFSET, F_PHY_OFFSET,
 F_BORN_HOST, F_STORE_TS, F_STORE_HOST, F_RECONSUME, F_PREPARED, F_BODY_POS, F_BODY_LEN = range(10, 17)
 F_TOPIC_POS, F_TOPIC_LEN, F_PROPS_POS, F_PROPS_LEN = range(17, 21)
 N_FIELDS = 21
+
+_install_cache_locator()  # before the first cache=True function: a stable cache when shipped in a zip
 
 _BORN_V6 = 0x10
 _STORE_V6 = 0x20

@@ -14,6 +14,7 @@ Progress goes to stderr on a terminal; errors are one line on stderr and exit co
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--master", default=DEFAULT_MASTER, help="Spark master URL (default: local[*])")
+    parser.add_argument("--ship-env", action="store_true",
+                        help="ship this virtual environment to the executors (workers need only Java and Python)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="Spark's warnings and executors' stack traces")
     parser.add_argument("--max-hash-slot-num", type=int, default=5_000_000, help="the broker's maxHashSlotNum")
     parser.add_argument("--max-index-num", type=int, default=20_000_000, help="the broker's maxIndexNum")
     jobs = parser.add_subparsers(dest="job", required=True)
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         for store in getattr(args, "stores", None) or [args.store]:
             if args.job != "import":
                 resolve_roots(store)  # a missing store fails here, before a JVM starts
-        spark = spark_session(args.master)
+        spark = spark_session(args.master, ship_env=args.ship_env, verbose=args.verbose)
         if args.job == "summary":
             per_topic, per_minute = job.messages_per_topic_and_minute(job.read_store(spark, args.stores))
             for row in per_topic.collect():
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             count = job.export_parquet(args.stores, args.out, spark=spark, topics=topics, progress=progress)
             print(f"exported {count} messages to {args.out}")
         elif args.job == "import":
-            report = job.import_messages(spark.read.parquet(args.parquet), Path(args.store), config=_config(args),
+            parquet = args.parquet if "://" in args.parquet else os.path.abspath(args.parquet)  # not the JVM's cwd
+            report = job.import_messages(spark.read.parquet(parquet), Path(args.store), config=_config(args),
                                          progress=progress)
             print(f"imported {report.rows} messages in {report.batches} batches")
         elif args.job == "find-keys":
@@ -101,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     except RocketStoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except Exception as exc:  # Spark wraps task failures; show the cause, not a JVM stack
-        message = str(exc).strip().splitlines()
-        cause = next((line for line in reversed(message) if "Error" in line), message[0] if message else repr(exc))
-        print(f"error: {cause.strip()}", file=sys.stderr)
+    except Exception as exc:  # Spark wraps task failures; show the cause and the task, not a JVM stack
+        from .failures import one_line
+
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
     finally:
         if progress is not None:

@@ -35,6 +35,7 @@ from ..mapped.file import STAGING_DIR, fsync_dir
 from ..message import Message, SysFlag
 from ..recovery import RECOVERY_DIR, recover_commit_log
 from ..store import MessageStore
+from .failures import in_task
 from .partitions import (
     ARROW_FIELDS,
     MESSAGE_DDL,
@@ -42,6 +43,7 @@ from .partitions import (
     ScanOptions,
     append_message,
     broker_name_of,
+    require_visible,
     resolve_roots,
 )
 from .session import spark_session
@@ -56,8 +58,13 @@ def session(spark=None, master: str | None = None):
 
 
 def read_store(spark, paths: str | Path | Iterable[str | Path], **options: object):
-    """``spark.read.format("rocketmq")`` with options given as keyword arguments (see ``source``)."""
-    path = ",".join(str(p) for p in paths) if not isinstance(paths, str | Path) else str(paths)
+    """``spark.read.format("rocketmq")`` with options given as keyword arguments (see ``source``).
+
+    Paths (and globs) are made absolute here, in the driver's working directory: Spark plans in a
+    worker process of the JVM, whose directory need not be this one.
+    """
+    items = str(paths).split(",") if isinstance(paths, str | Path) else [str(p) for p in paths]
+    path = ",".join(os.path.abspath(os.path.expanduser(item.strip())) for item in items if item.strip())
     reader = spark.read.format("rocketmq")
     for key, value in options.items():
         if value is not None:
@@ -121,7 +128,7 @@ def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: 
     ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now).
     """
     started = time.monotonic()
-    root = Path(root)
+    root = Path(os.path.abspath(root))
     config = detect_config(root, config)
     report = RebuildReport()
     lock = StoreLock(root)
@@ -239,12 +246,13 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
     from pyspark.sql import functions as F
 
     spark = session(spark, master)
+    out = str(out) if "://" in str(out) else os.path.abspath(out)  # a local path means the same on every host
     df = read_store(spark, paths, topics=",".join(topics) if topics else None, startingTimestamp=begin,
                     endingTimestamp=end, **options)
     df = df.withColumn("date", F.to_date("storeTimestamp"))
     with report_progress(spark, progress, "exporting to Parquet"):
-        df.write.mode(mode).partitionBy("topic", "date").parquet(str(out))
-    return spark.read.parquet(str(out)).count()
+        df.write.mode(mode).partitionBy("topic", "date").parquet(out)
+    return spark.read.parquet(out).count()
 
 
 @dataclass(slots=True)
@@ -337,26 +345,28 @@ def find_keys(paths, keys, *, spark=None, master: str | None = None, begin: int 
 
     def lookup(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         stores_open: dict[str, MessageStore] = {}
-        try:
-            for batch in batches:
-                out = MessageColumns(False)
-                query_topics, query_keys = [], []
-                for root, topic, key in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
-                    store = stores_open.get(root)
-                    if store is None:
-                        store = stores_open[root] = MessageStore.open(
-                            root, detect_config(root, base.replace(check_crc_on_recover=False)), read_only=True)
-                    for msg in store.query_message(topic, key, max_num, begin, end):
-                        append_message(out, msg, broker_name_of(Path(root)), ScanOptions())
-                        query_topics.append(topic)
-                        query_keys.append(key)
-                if len(out):
-                    found = out.batch()
-                    yield pa.RecordBatch.from_arrays(
-                        [*found.columns, pa.array(query_topics), pa.array(query_keys)], schema=schema)
-        finally:
-            for store in stores_open.values():
-                store.close()
+        with in_task():
+            try:
+                for batch in batches:
+                    out = MessageColumns(False)
+                    query_topics, query_keys = [], []
+                    for root, topic, key in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
+                        store = stores_open.get(root)
+                        if store is None:
+                            require_visible(root)
+                            store = stores_open[root] = MessageStore.open(
+                                root, detect_config(root, base.replace(check_crc_on_recover=False)), read_only=True)
+                        for msg in store.query_message(topic, key, max_num, begin, end):
+                            append_message(out, msg, broker_name_of(Path(root)), ScanOptions())
+                            query_topics.append(topic)
+                            query_keys.append(key)
+                    if len(out):
+                        found = out.batch()
+                        yield pa.RecordBatch.from_arrays(
+                            [*found.columns, pa.array(query_topics), pa.array(query_keys)], schema=schema)
+            finally:
+                for store in stores_open.values():
+                    store.close()
 
     schema_ddl = MESSAGE_DDL + ", queryTopic string, queryKey string"
     return pairs.select("root", "topic", "key").mapInArrow(lookup, schema_ddl)

@@ -19,6 +19,7 @@ import json
 import logging
 import mmap
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from ..codec.record import find_record_start
 from ..commitlog import COMMITLOG_DIR, CommitLog
 from ..config import StoreConfig, detect_segment_size
 from ..dispatch import index_topic_of, tags_code_of
-from ..errors import ConfigError, StoreIOError
+from ..errors import ConfigError, StoreIOError, StoreNotVisibleError
 from ..index.bulk import index_key_hashes
 from ..index.service import build_key, index_keys
 from ..lifecycle import ABORT_FILE
@@ -138,7 +139,7 @@ class LogRange:
 
 
 def resolve_roots(paths: str | list[str]) -> list[Path]:
-    """Store roots from a path, a comma-separated list or globs; each must hold a commitlog directory."""
+    """Absolute store roots from a path, a comma-separated list or globs; each must hold a commitlog directory."""
     items = paths.split(",") if isinstance(paths, str) else list(paths)
     roots: list[Path] = []
     for item in (i.strip() for i in items):
@@ -146,7 +147,7 @@ def resolve_roots(paths: str | list[str]) -> list[Path]:
             continue
         matches = sorted(glob.glob(os.path.expanduser(item))) if glob.has_magic(item) else [os.path.expanduser(item)]
         for match in matches:
-            root = Path(match)
+            root = Path(os.path.abspath(match))  # executors resolve paths in their own working directories
             if not (root / COMMITLOG_DIR).is_dir():
                 if glob.has_magic(item):
                     continue
@@ -155,6 +156,13 @@ def resolve_roots(paths: str | list[str]) -> list[Path]:
     if not roots:
         raise StoreIOError(2, f"no store found at {paths!r}")
     return roots
+
+
+def require_visible(root: str | Path) -> None:
+    """Fail with the operator's fix when this host (a Spark executor) does not see the store the driver saw."""
+    if not os.path.isdir(os.path.join(root, COMMITLOG_DIR)):
+        raise StoreNotVisibleError(f"store {root} is not visible from the executor on host "
+                                   f"{socket.gethostname()}: mount it at the same path on every worker")
 
 
 def broker_name_of(root: Path) -> str:
@@ -229,6 +237,7 @@ def read_range(r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
     try:
         fd = os.open(r.segment, os.O_RDONLY)
     except OSError as exc:
+        require_visible(r.root)
         raise StoreIOError(exc.errno, f"cannot open segment {r.segment}: {exc.strerror}") from exc
     try:
         with mmap.mmap(fd, r.segment_size, access=mmap.ACCESS_READ) as buf:

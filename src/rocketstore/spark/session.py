@@ -1,13 +1,15 @@
 """A SparkSession set up for rocketstore: local by default, quiet, and able to import the project.
 
-Settings follow ../shared/notes/SPARK.md: workers run this interpreter (so they import
+Settings follow ../shared/notes/SPARK.md: local workers run this interpreter (so they import
 rocketstore and pyarrow from the same venv), the log level is ERROR through a generated log4j2
-file, the UI and console progress are off, and temporary files stay in one directory.
+file, the UI and console progress are off, and temporary files stay in one directory. On a
+cluster the package (or the whole venv) is shipped to the executors: ``shipping``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -15,18 +17,32 @@ import sys
 import tempfile
 
 LOG4J2 = """\
-rootLogger.level = error
+rootLogger.level = {level}
 rootLogger.appenderRef.stdout.ref = console
 appender.console.type = Console
 appender.console.name = console
 appender.console.target = SYSTEM_ERR
 appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
+appender.console.layout.pattern = %d{{HH:mm:ss}} %p %c{{1}}: %m%n
 logger.gateway.name = org.apache.spark.api.python.PythonGatewayServer
 logger.gateway.level = error
 logger.native.name = org.apache.hadoop.util.NativeCodeLoader
 logger.native.level = error
 """
+# Loggers that print an executor's failure with its stack trace; the failure reaches Python as an exception
+# anyway, where the CLI turns it into one line (``failures.one_line``). Shown with --verbose.
+TASK_FAILURE_LOGGERS = ("org.apache.spark.scheduler.TaskSetManager", "org.apache.spark.executor.Executor",
+                        "org.apache.spark.scheduler.TaskSchedulerImpl", "org.apache.spark.api.python",
+                        "org.apache.spark.sql.execution.datasources", "org.apache.spark.internal.io")
+
+
+def log4j2_properties(verbose: bool) -> str:
+    text = LOG4J2.format(level="warn" if verbose else "error")
+    if not verbose:
+        for n, name in enumerate(TASK_FAILURE_LOGGERS):
+            text += f"logger.quiet{n}.name = {name}\nlogger.quiet{n}.level = off\n"
+    return text
+
 
 DEFAULT_MASTER = "local[*]"
 
@@ -36,45 +52,77 @@ def _scratch_dir() -> str:
     """One temporary directory per process for Spark's files and the log4j2 configuration."""
     scratch = tempfile.mkdtemp(prefix="rocketstore-spark-")
     atexit.register(shutil.rmtree, scratch, True)
-    with open(os.path.join(scratch, "log4j2.properties"), "w") as f:
-        f.write(LOG4J2)
     return scratch
 
 
+def is_local(master: str) -> bool:
+    return master.startswith("local")
+
+
 def spark_session(master: str | None = None, app_name: str = "rocketstore", *, driver_memory: str = "2g",
-                  shuffle_partitions: int | None = None, extra_conf: dict[str, str] | None = None):
+                  shuffle_partitions: int | None = None, extra_conf: dict[str, str] | None = None,
+                  ship_env: bool = False, verbose: bool = False):
     """Get or create the SparkSession, with the ``rocketmq`` data source registered.
 
-    ``master`` defaults to ``local[*]``; pass ``spark://host:7077`` or ``yarn`` for a cluster (the
-    workers then need rocketstore installed and the stores on a shared path).
+    ``master`` defaults to ``local[*]``; pass ``spark://host:7077`` (or ``yarn``, ``k8s://...``) for a
+    cluster. On a cluster the rocketstore package is shipped to the executors, whose Python is
+    ``PYSPARK_PYTHON`` (default: this interpreter's path) and must have numpy, pyarrow and numba;
+    ``ship_env`` ships this whole virtual environment instead (see ``shipping``). The stores must be
+    at the same path on every worker. ``verbose`` lets Spark's warnings and executors' stack traces through.
     """
     from pyspark.sql import SparkSession
 
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from . import shipping
+
+    master = master or DEFAULT_MASTER
+    local = is_local(master)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    if local:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # a cluster's executors must reach the driver
     scratch = _scratch_dir()
-    java_opts = f"-Dlog4j2.configurationFile=file:{scratch}/log4j2.properties -Djava.io.tmpdir={scratch}"
+    log_config = os.path.join(scratch, "log4j2-verbose.properties" if verbose else "log4j2.properties")
+    with open(log_config, "w") as f:
+        f.write(log4j2_properties(verbose))
+    java_opts = f"-Dlog4j2.configurationFile=file:{log_config} -Djava.io.tmpdir={scratch}"
     cores = os.cpu_count() or 2
     builder = (
-        SparkSession.builder.master(master or DEFAULT_MASTER).appName(app_name)
+        SparkSession.builder.master(master).appName(app_name)
         .config("spark.driver.memory", driver_memory)
         .config("spark.driver.extraJavaOptions", java_opts)
-        .config("spark.executor.extraJavaOptions", java_opts)
+        .config("spark.executor.extraJavaOptions", java_opts if local else "")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions or max(2, cores)))
-        .config("spark.default.parallelism", str(max(2, cores)))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.local.dir", scratch)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
     )
-    if (master or DEFAULT_MASTER).startswith("local"):
-        builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+    if local:
+        builder = (builder.config("spark.default.parallelism", str(max(2, cores)))
+                   .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1"))
+    python = os.environ.get("PYSPARK_PYTHON", sys.executable)
+    jvm_directory = None
+    if ship_env and not local:
+        builder = builder.config("spark.archives", f"{shipping.packed_environment()}#{shipping.ENV_NAME}")
+        python, jvm_directory = shipping.ENV_PYTHON, shipping.driver_directory(scratch)
     for key, value in (extra_conf or {}).items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    # PySpark reads the executors' interpreter from the environment when the context is created.
+    saved = os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = python
+    try:
+        with shipping.working_directory(jvm_directory) if jvm_directory else contextlib.nullcontext():
+            spark = builder.getOrCreate()
+    finally:
+        if jvm_directory is not None:
+            if saved is None:
+                del os.environ["PYSPARK_PYTHON"]
+            else:
+                os.environ["PYSPARK_PYTHON"] = saved
+    spark.sparkContext.setLogLevel("WARN" if verbose else "ERROR")
+    if not local:
+        # Before the source is registered: its planner on the driver takes the Python files known then.
+        spark.sparkContext.addPyFile(str(shipping.package_zip(scratch)))
     register(spark)
     return spark
 

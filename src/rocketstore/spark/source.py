@@ -43,6 +43,7 @@ from pathlib import Path
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 
+from .failures import in_task
 from .partitions import (
     DISPATCH_DDL,
     MESSAGE_DDL,
@@ -103,7 +104,8 @@ class RocketMQReader(DataSourceReader):
         return [RangePartition(r, self.options) for r in plan_ranges(self.roots, self.options)]
 
     def read(self, partition: RangePartition):
-        yield from read_range(partition.range, partition.options)
+        with in_task():
+            yield from read_range(partition.range, partition.options)
 
 
 class RocketMQStreamReader(DataSourceStreamReader):
@@ -146,7 +148,8 @@ class RocketMQStreamReader(DataSourceStreamReader):
         return parts
 
     def read(self, partition: RangePartition):
-        yield from read_range(partition.range, partition.options)
+        with in_task():
+            yield from read_range(partition.range, partition.options)
 
     def commit(self, end: dict) -> None:
         """Nothing to acknowledge: the store is only read."""

@@ -1,0 +1,48 @@
+"""A stable numba cache for the kernels when rocketstore is imported from a zip (as Spark ships it).
+
+numba caches functions from a zip under a directory named after the zip's absolute path. Spark
+puts the package zip in a new directory for every application, so every cluster job compiled the
+kernels again in every Python worker (~20 s on two cores). This locator keys the cache by the
+path inside the zip instead; the stamp stays numba's hash of the source text, so a different
+version of the package never loads another's machine code.
+"""
+
+from __future__ import annotations
+
+import os
+
+PACKAGE = "rocketstore/"
+
+
+def install() -> None:
+    """Put the locator first in numba's list (before any ``cache=True`` function is defined)."""
+    try:
+        from numba.core import caching
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return
+    base = getattr(caching, "ZipCacheLocator", None)
+    locators = getattr(caching.CacheImpl, "_locator_classes", None)
+    if base is None or not isinstance(locators, list):  # another numba: its own behaviour is still correct
+        return
+    if any(getattr(c, "rocketstore", False) for c in locators):
+        return
+
+    class ShippedPackageLocator(base):
+        rocketstore = True
+
+        def __init__(self, py_func, py_file) -> None:
+            super().__init__(py_func, py_file)
+            inside = os.path.dirname(self._internal_path).replace("/", "-")
+            self._cache_path = os.path.join(os.path.dirname(self._cache_path), f"shipped-{inside}")
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if ".zip" not in py_file:
+                return None
+            try:
+                _zip, inside = base._split_zip_path(py_file)
+            except ValueError:
+                return None
+            return cls(py_func, py_file) if inside.startswith(PACKAGE) else None
+
+    locators.insert(0, ShippedPackageLocator)

@@ -1,0 +1,105 @@
+"""What a cluster run needs without a cluster: absolute paths, the visibility check, one-line failures,
+the shipped package and its numba cache (the cluster itself: test_cluster.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from rocketstore.errors import StoreIOError, StoreNotVisibleError
+from rocketstore.spark.failures import NOTE_PREFIX, in_task, one_line
+from rocketstore.spark.partitions import LogRange, ScanOptions, read_range, require_visible, resolve_roots
+from rocketstore.spark.shipping import package_zip
+from test_spark import CONFIG, build_store
+
+EXECUTOR_FAILURE = """An exception was thrown from the Python worker:
+Traceback (most recent call last):
+  File "./rocketstore.zip/rocketstore/spark/source.py", line 106, in read
+    yield from read_range(partition.range, partition.options)
+  File "./rocketstore.zip/rocketstore/spark/partitions.py", line 165, in require_visible
+    raise StoreNotVisibleError(f"store {root} is not visible ...")
+rocketstore.errors.StoreNotVisibleError: store /data/a is not visible from the executor on host w1: mount it
+rocketstore task: partition 3 of stage 1, attempt 2, on host w1
+ SQLSTATE: 38000"""
+
+
+def test_one_line_names_the_error_and_the_task():
+    assert one_line(RuntimeError(EXECUTOR_FAILURE)) == (
+        "StoreNotVisibleError: store /data/a is not visible from the executor on host w1: mount it "
+        "(in partition 3 of stage 1, attempt 2, on host w1)")
+
+
+def test_one_line_of_a_java_failure_is_its_first_named_error():
+    text = ("An error occurred while calling o67.load.\n: java.io.IOException: Cannot run program \"x\": error=2\n"
+            "\tat java.base/java.lang.ProcessBuilder.start(ProcessBuilder.java:1143)\n"
+            "Caused by: java.io.IOException: error=2, No such file or directory")
+    assert one_line(RuntimeError(text)) == 'IOException: Cannot run program "x": error=2'
+    assert one_line(RuntimeError("")) == "RuntimeError('')"
+
+
+def test_in_task_notes_nothing_outside_an_executor():
+    with pytest.raises(KeyError) as raised, in_task():
+        raise KeyError("x")
+    assert not any(n.startswith(NOTE_PREFIX) for n in getattr(raised.value, "__notes__", ()))
+
+
+def test_paths_are_resolved_on_the_driver(tmp_path, monkeypatch):
+    build_store(tmp_path / "broker-a", 5)
+    build_store(tmp_path / "broker-b", 5)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_roots("broker-a") == [tmp_path / "broker-a"]
+    assert resolve_roots("broker-*") == [tmp_path / "broker-a", tmp_path / "broker-b"]
+    assert all(p.is_absolute() for p in resolve_roots("./broker-b,broker-a"))
+
+
+def test_a_store_an_executor_cannot_see_is_named_with_the_fix(tmp_path):
+    root = tmp_path / "store"
+    build_store(root, 5)
+    require_visible(root)  # seen: nothing to say
+    segment = sorted((root / "commitlog").iterdir())[0]
+    unseen = LogRange(str(tmp_path / "not-mounted"), "b", str(tmp_path / "not-mounted" / "commitlog" / segment.name),
+                      0, CONFIG.mapped_file_size_commit_log, 0, 100, 100)
+    with pytest.raises(StoreNotVisibleError, match=r"not-mounted is not visible from the executor on host .+: "
+                       r"mount it at the same path on every worker"):
+        list(read_range(unseen, ScanOptions()))
+    gone = LogRange(str(root), "b", str(root / "commitlog" / "00000000000099999999"), 0,
+                    CONFIG.mapped_file_size_commit_log, 0, 100, 100)
+    with pytest.raises(StoreIOError, match="cannot open segment") as raised:  # the store is there, a file is not
+        list(read_range(gone, ScanOptions()))
+    assert not isinstance(raised.value, StoreNotVisibleError)
+
+
+def test_the_shipped_package_imports_and_caches_its_kernels_across_directories(tmp_path):
+    """Spark puts the zip in a new directory per application; the compiled kernels must still be found."""
+    archive = package_zip(tmp_path)
+    with zipfile.ZipFile(archive) as packed:
+        names = packed.namelist()
+    assert "rocketstore/codec/_kernels.py" in names and "rocketstore/spark/shipping.py" in names
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+    script = ("import zlib, numpy as np; from rocketstore.codec import _kernels as k; assert '.zip' in k.__file__;"
+              "data = np.frombuffer(b'rocketstore', np.uint8); assert k.crc32(data, 0, len(data)) == zlib.crc32(data);"
+              "print(type(k.crc32._cache._impl.locator).__name__, len(k.crc32.stats.cache_hits),"
+              " len(k.crc32.stats.cache_misses))")
+    cache = tmp_path / "numba-cache"
+    outputs = []
+    for run in ("one", "two"):  # two "applications": the same zip in two directories
+        app = tmp_path / run
+        app.mkdir()
+        (app / "rocketstore.zip").write_bytes(archive.read_bytes())
+        env = dict(os.environ, PYTHONPATH="./rocketstore.zip", XDG_CACHE_HOME=str(cache))
+        env.pop("NUMBA_CACHE_DIR", None)
+        result = subprocess.run([sys.executable, "-c", script], cwd=app, env=env, capture_output=True, text=True,
+                                check=False)
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout.split())
+    assert outputs[0] == ["ShippedPackageLocator", "0", "1"]  # compiled once...
+    assert outputs[1] == ["ShippedPackageLocator", "1", "0"]  # ...and found again from another directory
+    shipped = [p for p in Path(cache).rglob("shipped-rocketstore-codec") if p.is_dir()]
+    assert len(shipped) == 1 and any(shipped[0].glob("*.nbi"))
