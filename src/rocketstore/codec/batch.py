@@ -353,29 +353,13 @@ def scan_arrow(commit_log: CommitLog, topics: Collection[str] | None = None, beg
     after yielding everything before it. At most one batch is held at a time.
     """
     wanted = None if topics is None else frozenset([topics] if isinstance(topics, str) else topics)
-    stop_at = commit_log.max_offset if end is None else min(end, commit_log.max_offset)
-    offset = commit_log.min_offset if begin is None else max(begin, commit_log.min_offset)
-    while offset < stop_at:
-        mapped = commit_log.mapped_files.find(offset)
-        if mapped is None:
-            return
-        pos = offset - mapped.file_from_offset
-        written = mapped.wrote_position
-        limit = written if written < mapped.file_size else mapped.file_size
-        seg_end = min(written, stop_at - mapped.file_from_offset)
-        while pos < seg_end:
-            batch, stop = decode_range(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, limit=limit,
-                                       check_crc=check_crc, include_body=include_body, topics=wanted,
-                                       broker_name=broker_name, path=str(mapped.path), max_rows=max_rows)
-            if batch.num_rows:
-                yield batch
-            if stop.kind is StopKind.DAMAGE:
-                assert stop.error is not None
-                raise stop.error
-            if stop.kind is not StopKind.LIMIT:
-                break
-            pos = stop.pos
-        offset = mapped.file_end_offset
+
+    def decode(mapped, pos: int, seg_end: int, limit: int):
+        return decode_range(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, limit=limit,
+                            check_crc=check_crc, include_body=include_body, topics=wanted,
+                            broker_name=broker_name, path=str(mapped.path), max_rows=max_rows)
+
+    return _walk_log(commit_log, begin, end, decode)
 
 
 def scan_dispatch(commit_log: CommitLog, begin: int | None = None, end: int | None = None, *,
@@ -383,6 +367,16 @@ def scan_dispatch(commit_log: CommitLog, begin: int | None = None, end: int | No
     """``scan_arrow``'s walk yielding ``DispatchBatch``es: the fixed fields, interned topics and hashes,
     for tools that count or check records rather than show them (stats). Raises on damage, as
     ``scan_arrow`` does, after yielding everything before it."""
+
+    def decode(mapped, pos: int, seg_end: int, limit: int):
+        return decode_dispatch(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, limit=limit,
+                               path=str(mapped.path), max_rows=max_rows, check_crc=check_crc)
+
+    return _walk_log(commit_log, begin, end, decode)
+
+
+def _walk_log(commit_log: CommitLog, begin: int | None, end: int | None, decode) -> Iterator:
+    """The segments' written bytes from ``begin`` to ``end``, decoded batch by batch by ``decode``."""
     stop_at = commit_log.max_offset if end is None else min(end, commit_log.max_offset)
     offset = commit_log.min_offset if begin is None else max(begin, commit_log.min_offset)
     while offset < stop_at:
@@ -394,8 +388,7 @@ def scan_dispatch(commit_log: CommitLog, begin: int | None = None, end: int | No
         limit = written if written < mapped.file_size else mapped.file_size
         seg_end = min(written, stop_at - mapped.file_from_offset)
         while pos < seg_end:
-            batch, stop = decode_dispatch(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, limit=limit,
-                                          path=str(mapped.path), max_rows=max_rows, check_crc=check_crc)
+            batch, stop = decode(mapped, pos, seg_end, limit)
             if len(batch):
                 yield batch
             if stop.kind is StopKind.DAMAGE:
