@@ -48,10 +48,14 @@ def store(tmp_path_factory) -> tuple[Path, list]:
 
 
 def test_every_command_has_help_with_examples():
-    top = cli("--help").stdout
+    from click.testing import CliRunner
+
+    from rocketstore.cli.app import main
+
+    top = cli("--help").stdout  # the installed entry point once; each command's help in this process
     for command in COMMANDS:
         assert command in top
-        text = cli(command, "--help").stdout
+        text = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
         assert "Examples" in text or "Example" in text, command
         assert "--store" in text or command in ("dump-log", "topic"), command
 
@@ -291,22 +295,31 @@ def test_verify_finds_garbage_after_the_end(store, tmp_path):
 
 # --- Spark-backed commands ----------------------------------------------------------------------------
 
-def test_rebuild_and_export_commands(store, tmp_path):
-    pytest.importorskip("pyspark")
+def test_rebuild_and_export_commands(store, tmp_path, spark):
+    """In this process, on the suite's session (a subprocess would start a JVM per command: ~25 s each)."""
+    from click.testing import CliRunner
+
+    from rocketstore.cli.app import main
+
     copy, _results = damaged_copy(store, tmp_path)
     shutil.rmtree(copy / "index")
-    out = cli("rebuild", "--store", str(copy), "--master", "local[2]").stdout
-    assert "rebuilt 122 queue units" in out
+    done = CliRunner().invoke(main, ["rebuild", "--store", str(copy), "--master", "local[2]"])
+    assert done.exit_code == 0, done.output
+    assert "rebuilt 122 queue units" in done.output
     assert verify_json(copy) == (0, [])
     exported = tmp_path / "parquet"
-    out = cli("export", "--store", str(copy), "--master", "local[1]", "--out", str(exported), "-t", "TopicA").stdout
-    assert out.strip() == f"exported 2 messages to {exported}"
+    done = CliRunner().invoke(main, ["export", "--store", str(copy), "--master", "local[2]", "--out", str(exported),
+                                     "-t", "TopicA"])
+    assert done.exit_code == 0, done.output
+    assert done.output.strip() == f"exported 2 messages to {exported}"
     assert (exported / "topic=TopicA").is_dir()
 
 
 def test_demo_command_runs(tmp_path):
     out = cli("demo", "--store", str(tmp_path / "d"), "--messages", "300", "--no-spark").stdout
     assert "wrote" in out and "all identical" in out
+    # order-9 is message 37 (four messages per order, every fourth in OrderPaid): read as a sentence, not a list
+    assert "key 'order-9' in OrderPaid -> 1 message: \"OrderPaid #37\" (queue 1, offset " in out and "['" not in out
 
 
 def test_corrupt_file_is_one_clear_line(store, tmp_path):
