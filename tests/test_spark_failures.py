@@ -103,3 +103,13 @@ def test_the_shipped_package_imports_and_caches_its_kernels_across_directories(t
     assert outputs[1] == ["ShippedPackageLocator", "1", "0"]  # ...and found again from another directory
     shipped = [p for p in Path(cache).rglob("shipped-rocketstore-codec") if p.is_dir()]
     assert len(shipped) == 1 and any(shipped[0].glob("*.nbi"))
+
+
+def test_ship_env_outside_a_virtual_environment_is_a_clear_error(tmp_path, monkeypatch):
+    from rocketstore.errors import ConfigError
+    from rocketstore.spark.shipping import packed_environment
+
+    monkeypatch.setattr(sys, "base_prefix", sys.prefix)  # as if run by a system Python
+    with pytest.raises(ConfigError, match="packs the driver's virtual environment, but this Python runs outside one"):
+        packed_environment(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.zip"))
