@@ -617,7 +617,7 @@ def master_option(command):
     command = click.option("-v", "--verbose", is_flag=True, help="show Spark's warnings and executors' stack "
                            "traces")(command)
     command = click.option("--ship-env", is_flag=True, help="ship this virtual environment to the executors "
-                           "(venv-pack + spark.archives): workers then need only Java and the same Python")(command)
+                           "(a zip sent with spark.archives): workers then need only Java and the same Python")(command)
     return click.option("--master", default="local[*]", show_default=True,
                         help="Spark master URL, e.g. spark://host:7077")(command)
 
