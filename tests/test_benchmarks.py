@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("name", ["append", "index", "recovery", "scan", "tools", "spark"])
+@pytest.mark.parametrize("name", ["append", "index", "recovery", "scan", "tools", "spark", "peers"])
 def test_benchmark_smoke(name):
     if name == "spark":
         pytest.importorskip("pyspark")

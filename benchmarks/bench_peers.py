@@ -1,0 +1,270 @@
+"""rocketstore against SQLite on the same messages: ingest, key lookup, scan to Arrow, SYNC group commit.
+
+    ./dev bench peers [--quick]
+
+SQLite is what a Python user would pick instead for a durable, indexed log in-process: stdlib
+``sqlite3``, WAL, ``synchronous=NORMAL`` (``FULL`` for the SYNC rows), one table with an index on
+(topic, key). Both engines get the same messages: 100-byte bodies, one key and one tag each, 4 topics x
+8 queues. Every ratio is rocketstore / SQLite measured in this run (latencies: SQLite / rocketstore, so
+>= 1 is good either way); the targets are issue #12's. Ingest includes the dispatch (consume queues and
+index built) for rocketstore, and the commit for SQLite.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import Result, bench_main
+
+from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
+
+TOPICS = [f"PeerTopic{i}" for i in range(4)]
+BODY = 100
+SCHEMA = """CREATE TABLE messages (id INTEGER PRIMARY KEY, topic TEXT NOT NULL, queue_id INTEGER NOT NULL,
+            tags TEXT, key TEXT, body BLOB NOT NULL, born INTEGER NOT NULL);
+            CREATE INDEX by_key ON messages (topic, key);"""
+
+
+def rows(count: int, start: int = 0) -> list[tuple]:
+    """(topic, queue_id, tags, key, body, born) for messages start..start+count."""
+    body = os.urandom(BODY)
+    now = int(time.time() * 1000)
+    return [(TOPICS[i % 4], (i // 4) % 8, "TagA", f"key-{i}", body, now) for i in range(start, start + count)]
+
+
+def as_messages(batch: list[tuple]) -> list[Message]:
+    return [Message(t, b, tags=g, keys=[k], queue_id=q) for t, q, g, k, b, _ in batch]
+
+
+def as_table(batch: list[tuple]) -> pa.Table:
+    topic, queue_id, tags, key, body, _ = zip(*batch, strict=True)
+    return pa.table({"topic": pa.array(topic), "body": pa.array(body, pa.binary()),
+                     "keys": pa.array([[k] for k in key], pa.list_(pa.string())), "tags": pa.array(tags),
+                     "queue_id": pa.array(queue_id, pa.int32())})
+
+
+def sqlite_open(path: Path, synchronous: str = "NORMAL") -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA synchronous={synchronous}")
+    return db
+
+
+def sqlite_create(path: Path, synchronous: str = "NORMAL") -> sqlite3.Connection:
+    db = sqlite_open(path, synchronous)
+    db.executescript(SCHEMA)
+    return db
+
+
+INSERT = "INSERT INTO messages (topic, queue_id, tags, key, body, born) VALUES (?, ?, ?, ?, ?, ?)"
+
+
+def sqlite_ingest(path: Path, data: list[tuple], batch: int) -> float:
+    db = sqlite_create(path)
+    started = time.perf_counter()
+    for i in range(0, len(data), batch):
+        db.execute("BEGIN")
+        db.executemany(INSERT, data[i : i + batch])
+        db.execute("COMMIT")
+    seconds = time.perf_counter() - started
+    db.close()
+    return len(data) / seconds
+
+
+def store_ingest(root: Path, data: list[tuple], batch: int) -> float:
+    if batch >= 1000:
+        prepared = [as_table(data[i : i + batch]) for i in range(0, len(data), batch)]
+    else:
+        msgs = as_messages(data)
+        prepared = [msgs[i : i + batch] for i in range(0, len(msgs), batch)]
+    with MessageStore.open(root, StoreConfig()) as store:
+        started = time.perf_counter()
+        if batch >= 1000:
+            for table in prepared:
+                store.put_batch(table)
+        elif batch == 1:
+            for group in prepared:
+                store.put_message(group[0])
+        else:
+            for group in prepared:
+                store.put_messages(group)
+        store.wait_for_dispatch(60)
+        return len(data) / (time.perf_counter() - started)
+
+
+def sqlite_lookups(path: Path, keys: list[tuple[str, str]]) -> np.ndarray:
+    db = sqlite_open(path)
+    latencies = np.empty(len(keys))
+    query = "SELECT id, topic, queue_id, tags, key, body, born FROM messages WHERE topic = ? AND key = ?"
+    for n, (topic, key) in enumerate(keys):
+        started = time.perf_counter_ns()
+        found = db.execute(query, (topic, key)).fetchall()
+        latencies[n] = time.perf_counter_ns() - started
+        assert found, key
+    db.close()
+    return latencies / 1000
+
+
+def store_lookups(root: Path, keys: list[tuple[str, str]]) -> np.ndarray:
+    latencies = np.empty(len(keys))
+    with MessageStore.open(root, StoreConfig(), read_only=True) as store:
+        for n, (topic, key) in enumerate(keys):
+            started = time.perf_counter_ns()
+            found = store.query_message(topic, key)
+            latencies[n] = time.perf_counter_ns() - started
+            assert found, key
+    return latencies / 1000
+
+
+def sqlite_scan(path: Path) -> tuple[float, int]:
+    db = sqlite_open(path)
+    started = time.perf_counter()
+    cursor = db.execute("SELECT id, topic, queue_id, tags, key, body, born FROM messages")
+    names = [d[0] for d in cursor.description]
+    count = 0
+    while chunk := cursor.fetchmany(8192):
+        columns = list(zip(*chunk, strict=True))
+        table = pa.table(dict(zip(names, columns, strict=True)))
+        count += table.num_rows
+    seconds = time.perf_counter() - started
+    db.close()
+    return count / seconds, count
+
+
+def store_scan(root: Path) -> tuple[float, int, int]:
+    with MessageStore.open(root, StoreConfig(), read_only=True) as store:
+        started = time.perf_counter()
+        count = 0
+        for batch in store.scan_arrow(check_crc=True):
+            count += batch.num_rows
+        seconds = time.perf_counter() - started
+        return count / seconds, count, store.max_phy_offset - store.min_phy_offset
+
+
+def threaded(put, threads: int, seconds: float) -> tuple[float, float, float]:
+    """(puts/s, p50 and p99 latency in µs) of ``threads`` threads calling ``put(thread, i)`` for ``seconds``."""
+    stop = threading.Event()
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+
+    def run(n: int) -> None:
+        i = 0
+        mine = latencies[n]
+        while not stop.is_set():
+            started = time.perf_counter_ns()
+            put(n, i)
+            mine.append(time.perf_counter_ns() - started)
+            i += 1
+
+    workers = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    time.sleep(seconds)
+    stop.set()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - started
+    everything = np.concatenate([np.asarray(x, dtype=np.float64) for x in latencies])
+    p50, p99 = np.percentile(everything, [50, 99]) / 1000
+    return len(everything) / elapsed, float(p50), float(p99)
+
+
+def sync_sqlite(path: Path, threads: int, seconds: float) -> tuple[float, float, float]:
+    sqlite_create(path, "FULL").close()
+    conns = [sqlite_open(path, "FULL") for _ in range(threads)]
+    for db in conns:
+        db.execute("PRAGMA busy_timeout=10000")
+    data = rows(256)
+
+    def put(n: int, i: int) -> None:
+        conns[n].execute(INSERT, data[i % 256])  # autocommit: one transaction per row
+
+    try:
+        return threaded(put, threads, seconds)
+    finally:
+        for db in conns:
+            db.close()
+
+
+def sync_store(root: Path, threads: int, seconds: float) -> tuple[float, float, float]:
+    msgs = as_messages(rows(256))
+    with MessageStore.open(root, StoreConfig(flush_disk_type=FlushDiskType.SYNC_FLUSH)) as store:
+        return threaded(lambda n, i: store.put_message(msgs[i % 256]), threads, seconds)
+
+
+def warm_up(root: Path) -> None:
+    """Load the compiled kernels (first-call cost is bench_scan's subject, not this comparison's)."""
+    data = rows(2000)
+    with MessageStore.open(root, StoreConfig()) as store:
+        store.put_batch(as_table(data[:1000]))
+        store.put_messages(as_messages(data[1000:]))
+        store.wait_for_dispatch(60)
+        store.query_message(TOPICS[0], "key-0")
+        for _ in store.scan_arrow():
+            pass
+
+
+def run(quick: bool) -> list[Result]:
+    count = 4_000 if quick else 200_000
+    samples = 300 if quick else 20_000
+    seconds = 0.3 if quick else 3.0
+    data = rows(count)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="rocketstore-peers-") as tmp:
+        tmp_path = Path(tmp)
+        warm_up(tmp_path / "warm-up")
+        ingest = [(10_000 if not quick else 1000, "put_batch", 5.0), (32, "put_messages", 2.0),
+                  (1, "put_message", 1.0)]
+        for batch, api, target in ingest:
+            n = count if batch > 1 else count // 4
+            peer = sqlite_ingest(tmp_path / f"ingest-{batch}.db", data[:n], batch)
+            ours = store_ingest(tmp_path / f"store-{batch}", data[:n], batch)
+            results.append(Result("peers: ingest", f"{api}, batches of {batch:,} ({n:,} msgs)", ours, "msg/s",
+                                  f"SQLite executemany, {peer:,.0f}/s", peer, target))
+        full_db, full_store = tmp_path / f"ingest-{ingest[0][0]}.db", tmp_path / f"store-{ingest[0][0]}"
+        rng = np.random.default_rng(7)
+        keys = [(TOPICS[i % 4], f"key-{i}") for i in rng.integers(0, count, samples)]
+        peer = sqlite_lookups(full_db, keys)
+        ours = store_lookups(full_store, keys)
+        results.append(Result("peers: key lookup", "query_message (verified) rate", 1e6 / ours.mean(), "queries/s",
+                              f"SQLite indexed SELECT, {1e6 / peer.mean():,.0f}/s", 1e6 / peer.mean(), 1.5))
+        p99, peer_p99 = float(np.percentile(ours, 99)), float(np.percentile(peer, 99))
+        results.append(Result("peers: key lookup", "query_message p99", p99, "µs", f"SQLite p99 {peer_p99:.1f} µs",
+                              peer_p99, notes={"target_p99_us": 50}, higher_is_better=False))
+        peer_rate, peer_rows = sqlite_scan(full_db)
+        rate, scanned, log_bytes = store_scan(full_store)
+        assert scanned == peer_rows == count, (scanned, peer_rows, count)
+        results.append(Result("peers: scan to Arrow", "scan_arrow with CRC", rate, "rows/s",
+                              f"SQLite SELECT into Arrow, {peer_rate:,.0f}", peer_rate, 2.0,
+                              notes={"log_MB_s": rate * log_bytes / scanned / 1e6}))
+        for threads in (1, 4):
+            peer_rate, peer_p50, peer_p99 = sync_sqlite(tmp_path / f"sync-{threads}.db", threads, seconds)
+            rate, p50, p99 = sync_store(tmp_path / f"sync-{threads}", threads, seconds)
+            results.append(Result("peers: SYNC_FLUSH", f"{threads} thread{'s' * (threads > 1)}, put_message",
+                                  rate, "msg/s", f"SQLite FULL 1-row txn, {peer_rate:,.0f}/s", peer_rate,
+                                  2.0 if threads > 1 else None))
+            results.append(Result("peers: SYNC_FLUSH", f"{threads} thread{'s' * (threads > 1)}, p50 latency", p50,
+                                  "µs", f"SQLite p50 {peer_p50:,.0f} µs", peer_p50,
+                                  1.0 if threads > 1 else None, higher_is_better=False))
+            results.append(Result("peers: SYNC_FLUSH", f"{threads} thread{'s' * (threads > 1)}, p99 latency", p99,
+                                  "µs", f"SQLite p99 {peer_p99:,.0f} µs", peer_p99, higher_is_better=False))
+    return results
+
+
+def main() -> int:
+    return bench_main("peers", run, __doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
