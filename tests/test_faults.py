@@ -269,6 +269,34 @@ def test_failed_background_flush_surfaces_at_the_next_put_flush_and_close(tmp_pa
         assert [m.keys for m in reopened.iter_messages()] == [["k0"]]
 
 
+@pytest.mark.parametrize("fail_at", [1, 2])  # the record bytes, or the commit point after them
+def test_failed_commit_log_write_is_an_error_and_writes_nothing(tmp_path, monkeypatch, fail_at):
+    """Commit-log appends go through pwrite(2): a failed one (EIO, ENOSPC) raises a StoreIOError for that put,
+    nothing of it is ever visible or recovered, and the next put lands where it would have."""
+    store = MessageStore.open(tmp_path, ASYNC)
+    for i in range(3):
+        store.put_message(message(i))
+    real, calls = os.pwrite, [0]
+
+    def pwrite(fd, data, offset):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(mapped_file.os, "pwrite", pwrite)
+    with pytest.raises(StoreIOError, match="No space left"):
+        store.put_message(message(3))
+    monkeypatch.setattr(mapped_file.os, "pwrite", real)
+    result = store.put_message(message(5))  # queue 1, like the failed put: its queue offset was not used up
+    assert result.queue_offset == 1 and result.commit_log_offset == store.max_phy_offset - result.store_size
+    store.wait_for_dispatch()
+    assert [m.keys for m in store.get_message("T", 1, 0).messages] == [["k1"], ["k5"]]
+    store.close()
+    with MessageStore.open(tmp_path, ASYNC) as reopened:
+        assert [m.keys for m in reopened.iter_messages()] == [["k0"], ["k1"], ["k2"], ["k5"]]
+
+
 # --- 10. no temporary names where RocketMQ parses names ---------------------------------------------------------
 
 KILL_DURING_ALLOCATION = textwrap.dedent("""

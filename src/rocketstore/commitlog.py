@@ -244,13 +244,14 @@ class CommitLog:
 
     @staticmethod
     def _write_atomically(mapped: MappedFile, pos: int, records: list[PendingRecord]) -> None:
-        first = records[0].data
-        mapped.write(pos + 8, memoryview(first)[8:])
-        at = pos + len(first)
-        for rec in records[1:]:
-            mapped.write(at, rec.data)
-            at += rec.size
-        mapped.write(pos, memoryview(first)[:8])  # the commit point: size + magic of the first record
+        """Everything but the first record's first 8 bytes in one write, then those 8 bytes: the commit point
+        (a process killed between the two leaves a zero size, the end of the log, never half a record)."""
+        first = memoryview(records[0].data)
+        if len(records) == 1:
+            mapped.write(pos + 8, first[8:])
+        else:
+            mapped.write(pos + 8, b"".join([first[8:], *(rec.data for rec in records[1:])]))
+        mapped.write(pos, first[:8])
 
     # --- read --------------------------------------------------------------------------------
 
@@ -365,4 +366,5 @@ class CommitLog:
             offset = mapped.file_end_offset
 
     def close(self) -> None:
-        self.mapped_files.close()
+        with self.put_lock:  # no append is inside a segment while its descriptor closes
+            self.mapped_files.close()
