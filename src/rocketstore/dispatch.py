@@ -37,6 +37,11 @@ from .mapped.file import reading
 from .message import SysFlag
 
 DISPATCH_ROWS = 8192  # records per decoded batch: buffers stay in cache
+# After a round that found records the thread rests this long before the next (ReputMessageService rests
+# 1 ms too): a round has a fixed cost of ~100 us of Python, and writers that arrive meanwhile share the next
+# one instead of each paying it while holding the GIL a SYNC_FLUSH writer needs back after its msync.
+# Readers waiting for their own writes (wait_dispatched) cut the rest short.
+DISPATCH_REST = 0.001
 _FIELDS = struct.Struct(">iiqq")  # queue id, flag, queue offset, phy offset at record position 12
 _TS = struct.Struct(">q")
 
@@ -115,6 +120,7 @@ class Dispatcher:
         self._on_logic_timestamp = on_logic_timestamp
         self._cond = threading.Condition()
         self._work = threading.Event()
+        self._urgent = threading.Event()  # a reader waits for a round: no rest before it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._round_lock = threading.RLock()  # also held by retention while it deletes what a round reads
@@ -274,12 +280,16 @@ class Dispatcher:
             self._work.wait(0.01)
             self._work.clear()
             try:
-                self.dispatch_available()
+                done = self.dispatch_available()
             except Exception as exc:  # keep the thread alive and retrying; puts are refused meanwhile
                 self.last_error = exc
                 self.health.fail_dispatch(exc)
                 log.error("dispatch failed (puts are refused until it succeeds): %s", exc)
                 self._stop.wait(0.05)
+                continue
+            if done:
+                self._urgent.wait(DISPATCH_REST)
+            self._urgent.clear()
 
     def wait_dispatched(self, offset: int, timeout: float = 5.0) -> bool:
         """Block until everything below commit-log ``offset`` is dispatched (or it cannot be)."""
@@ -290,6 +300,7 @@ class Dispatcher:
                 if self.health.dispatch_error is not None and self.attempts > seen_attempts:
                     self.health.check_writable()  # a round since we started failed too: DispatchFailedError
                 self._work.set()
+                self._urgent.set()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -304,6 +315,7 @@ class Dispatcher:
         stays and the next open re-dispatches: queues and index are derived data."""
         self._stop.set()
         self._work.set()
+        self._urgent.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
