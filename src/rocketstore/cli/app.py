@@ -715,6 +715,62 @@ def stats(bucket, plot, as_json, **kwargs) -> None:
 
 @main.command(epilog="""\b
 Examples:
+  rocketstore serve --store ~/store
+  rocketstore serve --store ./dev-store --listen 0.0.0.0:8081 --no-auto-create-topics
+Clients: an official RocketMQ 5 client with endpoints 127.0.0.1:8081 (no TLS).
+""")
+@store_options
+@click.option("--listen", default="127.0.0.1:8081", show_default=True, help="HOST:PORT (port 0: any free port)")
+@click.option("--auto-create-topics/--no-auto-create-topics", default=True, show_default=True,
+              help="create a topic on its first route query or send (else TOPIC_NOT_FOUND)")
+@click.option("--max-attempts", type=click.IntRange(1, 1000), default=16, show_default=True,
+              help="deliveries of a message before it goes to %DLQ%<group>")
+@click.option("--sync-flush", is_flag=True, help="acknowledge a send only once it is on disk (SYNC_FLUSH)")
+@click.option("--stats-interval", type=float, default=None,
+              help="seconds between sends/s, receives/s, in-flight lines (default: 5 on a terminal, else off)")
+@fails_cleanly
+def serve(listen, auto_create_topics, max_attempts, sync_flush, stats_interval, **kwargs) -> None:
+    """Speak RocketMQ 5's gRPC protocol over the store: official clients send to it and consume from it."""
+    import logging
+    import signal
+    import threading
+    import time
+
+    from ..config import FlushDiskType
+    from ..server import Server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    root, config = config_for(**_store_args(kwargs), must_exist=False)
+    if sync_flush:
+        config = config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    with MessageStore.open(root, config) as store:
+        server = Server(store, listen, auto_create_topics=auto_create_topics, max_attempts=max_attempts).start()
+        click.echo(f"rocketstore serve: listening on {server.address} (store {root})", err=True)
+
+        def stop(signum, frame):
+            click.echo(f"rocketstore serve: {signal.Signals(signum).name}, finishing calls and closing the store",
+                       err=True)
+            threading.Thread(target=server.stop, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        interval = stats_interval if stats_interval is not None else (5.0 if sys.stderr.isatty() else None)
+        metrics = server.service.metrics
+        last = (time.monotonic(), metrics.sent, metrics.received)
+        while not server.wait(interval or 3600):
+            if interval:
+                now, sent, received = time.monotonic(), metrics.sent, metrics.received
+                took = now - last[0]
+                click.echo(f"sends/s {(sent - last[1]) / took:,.0f}  receives/s {(received - last[2]) / took:,.0f}  "
+                           f"in flight {server.service.pop.in_flight():,}  (sent {sent:,}, received {received:,}, "
+                           f"acked {metrics.acked:,})", err=True)
+                last = (now, sent, received)
+    click.echo("rocketstore serve: stopped, store closed", err=True)
+
+
+@main.command(epilog="""\b
+Examples:
   rocketstore demo
   rocketstore demo --store /tmp/demo --no-spark
 """)

@@ -1,0 +1,232 @@
+"""What SimpleConsumer groups have received and not yet acknowledged (RocketMQ's pop consumption).
+
+Per group, topic and queue: the committed offset (the store's consumer offset, config/consumerOffset.json),
+the next offset to hand out, the messages in flight with their invisible deadlines and delivery attempts,
+and the offsets acknowledged above the committed one. The committed offset only moves over a contiguous run
+of acknowledged (or filtered-out) offsets, so after a crash every message that was received and not
+acknowledged is delivered again from it: the in-flight table itself needs no file. What a restart may
+deliver twice is an acknowledged message above an unacknowledged one (at-least-once, as RocketMQ).
+
+A receipt handle names the queue, the offset and the delivery (a number that changes with every
+delivery and every ChangeInvisibleDuration), signed with a key made at server start: a forged handle, one
+from an earlier delivery of the same message, or one from before a restart is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import RocketStoreError
+from ..message import MessageExt
+from ..reads import GetMessageStatus
+from ..store import MessageStore
+
+DLQ_PREFIX = "%DLQ%"
+SCAN_MAX = 32  # messages read per queue per look (the store's get_message batch)
+
+
+class InvalidReceiptHandleError(RocketStoreError):
+    """A receipt handle that this server did not issue for a message still in flight."""
+
+
+@dataclass(slots=True)
+class InFlight:
+    deadline_ms: int
+    attempt: int  # 1 for the first delivery
+    delivery: int  # the number in the current receipt handle
+
+
+@dataclass(slots=True)
+class QueueState:
+    committed: int
+    next: int
+    inflight: dict[int, InFlight] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)  # acknowledged or filtered out, above committed
+
+
+@dataclass(slots=True)
+class Delivery:
+    message: MessageExt
+    receipt_handle: str
+    attempt: int
+    invisible_ms: int
+
+
+class PopGroups:
+    """In-flight state of every (group, topic); thread-safe (one lock: every operation is short)."""
+
+    def __init__(self, store: MessageStore, *, max_attempts: int = 16) -> None:
+        self.store = store
+        self.max_attempts = max_attempts
+        self._key = secrets.token_bytes(32)
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[str, str, int], QueueState] = {}
+        self._deliveries = 0
+        self.dead_lettered = 0
+
+    # --- receipt handles -------------------------------------------------------------------------
+
+    def _sign(self, group: str, topic: str, queue_id: int, offset: int, delivery: int) -> str:
+        body = f"{queue_id}.{offset}.{delivery}"
+        mac = hmac.new(self._key, f"{group}\0{topic}\0{body}".encode(), hashlib.sha256).hexdigest()[:24]
+        return f"{body}.{mac}"
+
+    def _parse(self, group: str, topic: str, handle: str) -> tuple[int, int, int]:
+        try:
+            queue_text, offset_text, delivery_text, mac = handle.split(".")
+            queue_id, offset, delivery = int(queue_text), int(offset_text), int(delivery_text)
+        except ValueError:
+            raise InvalidReceiptHandleError(f"malformed receipt handle {handle[:64]!r}") from None
+        expected = self._sign(group, topic, queue_id, offset, delivery).rsplit(".", 1)[1]
+        if not hmac.compare_digest(mac, expected):
+            raise InvalidReceiptHandleError("receipt handle was not issued by this server for this group and topic")
+        return queue_id, offset, delivery
+
+    # --- receive, ack, change invisible duration ------------------------------------------------------
+
+    def _state(self, group: str, topic: str, queue_id: int) -> QueueState:
+        key = (group, topic, queue_id)
+        state = self._queues.get(key)
+        if state is None:
+            committed = self.store.query_offset(group, topic, queue_id)
+            if committed < 0:  # a new group reads the queue from its oldest message (what tests and CI expect)
+                committed = self.store.get_min_offset_in_queue(topic, queue_id)
+            state = self._queues[key] = QueueState(committed, committed)
+        return state
+
+    def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
+                tags: str | None) -> list[Delivery]:
+        """Up to ``batch`` messages: those whose invisible time has passed first, then new ones."""
+        now = _now_ms()
+        out: list[Delivery] = []
+        with self._lock:
+            for queue_id in queue_ids:
+                state = self._state(group, topic, queue_id)
+                for offset in sorted(o for o, f in state.inflight.items() if f.deadline_ms <= now):
+                    if len(out) >= batch:
+                        break
+                    self._redeliver(group, topic, queue_id, state, offset, now, invisible_ms, out)
+            for queue_id in queue_ids:
+                if len(out) >= batch:
+                    break
+                state = self._state(group, topic, queue_id)
+                self._take_new(group, topic, queue_id, state, batch - len(out), now, invisible_ms, tags, out)
+        return out
+
+    def _deliver(self, group: str, topic: str, queue_id: int, state: QueueState, msg: MessageExt, attempt: int,
+                 now: int, invisible_ms: int, out: list[Delivery]) -> None:
+        self._deliveries += 1
+        state.inflight[msg.queue_offset] = InFlight(now + invisible_ms, attempt, self._deliveries)
+        handle = self._sign(group, topic, queue_id, msg.queue_offset, self._deliveries)
+        out.append(Delivery(msg, handle, attempt, invisible_ms))
+
+    def _redeliver(self, group: str, topic: str, queue_id: int, state: QueueState, offset: int, now: int,
+                   invisible_ms: int, out: list[Delivery]) -> None:
+        flight = state.inflight[offset]
+        found = self.store.get_message(topic, queue_id, offset, 1)
+        msgs = [m for m in found.messages if m.queue_offset == offset]
+        if not msgs:  # gone (retention): nothing left to deliver
+            self._finish(group, topic, queue_id, state, offset)
+            return
+        if flight.attempt >= self.max_attempts:
+            self._dead_letter(group, msgs[0])
+            self._finish(group, topic, queue_id, state, offset)
+            return
+        self._deliver(group, topic, queue_id, state, msgs[0], flight.attempt + 1, now, invisible_ms, out)
+
+    def _take_new(self, group: str, topic: str, queue_id: int, state: QueueState, room: int, now: int,
+                  invisible_ms: int, tags: str | None, out: list[Delivery]) -> None:
+        while room > 0:
+            found = self.store.get_message(topic, queue_id, state.next, min(SCAN_MAX, room), tags)
+            if found.status is GetMessageStatus.OFFSET_TOO_SMALL:  # retention removed what we had not read
+                state.next = max(state.next, found.min_offset)
+                state.committed = max(state.committed, found.min_offset)
+                continue
+            delivered = {m.queue_offset for m in found.messages}
+            for offset in range(state.next, found.next_begin_offset):
+                if offset not in delivered:
+                    state.done.add(offset)  # filtered out by tag: consumed as far as this group goes
+            for msg in found.messages:
+                self._deliver(group, topic, queue_id, state, msg, 1, now, invisible_ms, out)
+                room -= 1
+            advanced = found.next_begin_offset > state.next
+            state.next = max(state.next, found.next_begin_offset)
+            self._advance(group, topic, queue_id, state)
+            if not advanced or (found.status is not GetMessageStatus.FOUND and not found.messages):
+                return
+
+    def ack(self, group: str, topic: str, handle: str) -> None:
+        queue_id, offset, delivery = self._parse(group, topic, handle)
+        with self._lock:
+            state = self._state(group, topic, queue_id)
+            flight = state.inflight.get(offset)
+            if flight is None or flight.delivery != delivery:
+                raise InvalidReceiptHandleError("receipt handle expired: the message was delivered again or already "
+                                                "acknowledged")
+            self._finish(group, topic, queue_id, state, offset)
+
+    def change_invisible(self, group: str, topic: str, handle: str, invisible_ms: int) -> str:
+        """Make the message invisible for ``invisible_ms`` from now; returns its new receipt handle."""
+        queue_id, offset, delivery = self._parse(group, topic, handle)
+        with self._lock:
+            state = self._state(group, topic, queue_id)
+            flight = state.inflight.get(offset)
+            if flight is None or flight.delivery != delivery:
+                raise InvalidReceiptHandleError("receipt handle expired: the message was delivered again or already "
+                                                "acknowledged")
+            self._deliveries += 1
+            flight.deadline_ms = _now_ms() + invisible_ms
+            flight.delivery = self._deliveries
+            return self._sign(group, topic, queue_id, offset, flight.delivery)
+
+    def forward_to_dlq(self, group: str, topic: str, handle: str) -> None:
+        """ForwardMessageToDeadLetterQueue: the push consumer gave up on the message."""
+        queue_id, offset, delivery = self._parse(group, topic, handle)
+        with self._lock:
+            state = self._state(group, topic, queue_id)
+            flight = state.inflight.get(offset)
+            if flight is None or flight.delivery != delivery:
+                raise InvalidReceiptHandleError("receipt handle expired")
+            found = [m for m in self.store.get_message(topic, queue_id, offset, 1).messages if m.queue_offset == offset]
+            if found:
+                self._dead_letter(group, found[0])
+            self._finish(group, topic, queue_id, state, offset)
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+
+    def _finish(self, group: str, topic: str, queue_id: int, state: QueueState, offset: int) -> None:
+        state.inflight.pop(offset, None)
+        state.done.add(offset)
+        self._advance(group, topic, queue_id, state)
+
+    def _advance(self, group: str, topic: str, queue_id: int, state: QueueState) -> None:
+        start = state.committed
+        while state.committed in state.done:
+            state.done.discard(state.committed)
+            state.committed += 1
+        if state.committed != start:
+            self.store.commit_offset(group, topic, queue_id, state.committed)
+
+    def _dead_letter(self, group: str, msg: MessageExt) -> None:
+        from ..message import Message
+
+        props = dict(msg.properties)
+        props.setdefault("REAL_TOPIC", msg.topic)
+        props["ORIGIN_MESSAGE_ID"] = msg.msg_id
+        props["RETRY_TOPIC"] = msg.topic
+        self.store.put_message(Message(DLQ_PREFIX + group, msg.body, properties=props, queue_id=0,
+                                       flag=msg.flag, born_timestamp=msg.born_timestamp, born_host=msg.born_host))
+        self.dead_lettered += 1
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(len(s.inflight) for s in self._queues.values())
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000

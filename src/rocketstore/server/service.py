@@ -1,0 +1,487 @@
+"""``apache.rocketmq.v2.MessagingService`` over one ``MessageStore``: what RocketMQ 5's proxy does for its clients.
+
+Covered: routes (this endpoint, the topic's queues), heartbeats, the telemetry stream's settings handshake,
+sending (normal and FIFO messages with keys, tags and properties), SimpleConsumer and PushConsumer
+consumption (receive with an invisible duration, ack, change invisible duration, redelivery with the
+attempt counted, dead-letter queue after the group's max attempts, QueryAssignment, forwarding to the
+DLQ), and the pull-style offsets (GetOffset, QueryOffset, UpdateOffset, PullMessage). Every failure is a
+status in the response, with RocketMQ's codes; nothing is written for a refused request.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+
+import grpc
+
+from ..codec.hosts import Host
+from ..codec.properties import PropertyName
+from ..encoder import validate_topic
+from ..errors import (
+    InvalidPropertyError,
+    InvalidQueueError,
+    InvalidTopicError,
+    MessageIllegalError,
+    MessageTooLargeError,
+    PropertiesTooLargeError,
+    RocketStoreError,
+    StoreFailedError,
+    StoreIOError,
+    TopicNotExistError,
+)
+from ..message import Message, MessageExt, PutMessageStatus
+from ..store import MessageStore
+from .pop import InvalidReceiptHandleError, PopGroups
+from .protocol import SERVICE, pb, service_methods
+
+log = logging.getLogger("rocketstore.server")
+
+BROKER_NAME = "rocketstore"
+RESERVED_PROPERTIES = frozenset(v for k, v in vars(PropertyName).items() if k.isupper() and isinstance(v, str))
+DEFAULT_INVISIBLE_MS = 30_000
+MAX_LONG_POLL_S = 30.0
+
+
+class Status(Exception):
+    """A request refused with a RocketMQ status code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def status(code: int = pb.Code.OK, message: str = "OK"):
+    return pb.Status(code=code, message=message)
+
+
+def status_of(exc: BaseException) -> Status:
+    """The RocketMQ status for a store error (the proxy's mapping of broker results)."""
+    if isinstance(exc, Status):
+        return exc
+    text = str(exc)
+    if isinstance(exc, MessageTooLargeError):
+        return Status(pb.Code.MESSAGE_BODY_TOO_LARGE, text)
+    if isinstance(exc, PropertiesTooLargeError):
+        return Status(pb.Code.MESSAGE_PROPERTIES_TOO_LARGE, text)
+    if isinstance(exc, InvalidTopicError):
+        return Status(pb.Code.ILLEGAL_TOPIC, text)
+    if isinstance(exc, TopicNotExistError):
+        return Status(pb.Code.TOPIC_NOT_FOUND, text)
+    if isinstance(exc, InvalidPropertyError):
+        return Status(pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY, text)
+    if isinstance(exc, InvalidReceiptHandleError):
+        return Status(pb.Code.INVALID_RECEIPT_HANDLE, text)
+    if isinstance(exc, MessageIllegalError | InvalidQueueError):
+        return Status(pb.Code.BAD_REQUEST, text)
+    if isinstance(exc, StoreFailedError | StoreIOError):
+        return Status(pb.Code.INTERNAL_SERVER_ERROR, f"the store cannot write: {text}")
+    return Status(pb.Code.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {text}")
+
+
+def _ms(stamp) -> int:
+    return stamp.seconds * 1000 + stamp.nanos // 1_000_000
+
+
+def _stamp(ms: int):
+    return pb.Timestamp(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
+
+
+class Metrics:
+    """Counters the serve command prints (sends/s, receives/s, in flight)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+        self.acked = 0
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+
+class MessagingService:
+    """The RPC handlers; ``handler()`` makes the grpc generic handler that routes to them."""
+
+    def __init__(self, store: MessageStore, *, auto_create_topics: bool = True, max_attempts: int = 16) -> None:
+        self.store = store
+        self.auto_create_topics = auto_create_topics
+        self.pop = PopGroups(store, max_attempts=max_attempts)
+        self.metrics = Metrics()
+        self._round_robin: dict[str, int] = {}
+        self._new_messages = threading.Condition()
+        self._closing = threading.Event()
+
+    # --- plumbing --------------------------------------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        handlers = {}
+        for name, request, response, client_streaming, server_streaming in service_methods():
+            method = getattr(self, name, None)
+            if method is None:
+                method = self._unsupported(name, response, server_streaming)
+            make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                    (False, True): grpc.unary_stream_rpc_method_handler,
+                    (True, True): grpc.stream_stream_rpc_method_handler,
+                    (True, False): grpc.stream_unary_rpc_method_handler}[(client_streaming, server_streaming)]
+            handlers[name] = make(method, request_deserializer=request.FromString,
+                                  response_serializer=response.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    @staticmethod
+    def _unsupported(name: str, response: type, server_streaming: bool):
+        def refuse(request, context):
+            reply = response(status=status(pb.Code.NOT_IMPLEMENTED, f"{name} is not supported by rocketstore serve"))
+            return iter([reply]) if server_streaming else reply
+        return refuse
+
+    def close(self) -> None:
+        self._closing.set()
+        with self._new_messages:
+            self._new_messages.notify_all()
+
+    # --- routes -----------------------------------------------------------------------------------------
+
+    def _topic_queues(self, topic: str, create: bool) -> tuple[int, int]:
+        """(read, write) queue counts of a topic, created on first use when auto-creation is on."""
+        try:
+            validate_topic(topic)
+        except InvalidTopicError as exc:
+            raise Status(pb.Code.ILLEGAL_TOPIC, str(exc)) from None
+        config = self.store.topic_config.get(topic)
+        if config is None:
+            if not (create and self.auto_create_topics):
+                raise Status(pb.Code.TOPIC_NOT_FOUND, f"topic {topic} does not exist")
+            self.store.create_topic(topic, self.store.config.default_topic_queue_nums)
+            config = self.store.topic_config.get(topic)
+            assert config is not None
+        return config.read_queue_nums, config.write_queue_nums
+
+    def QueryRoute(self, request, context):
+        try:
+            read, write = self._topic_queues(request.topic.name, create=True)
+        except Status as exc:
+            return pb.QueryRouteResponse(status=status(exc.code, str(exc)))
+        endpoints = request.endpoints if request.endpoints.addresses else self._endpoints(context)
+        broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=endpoints)
+        types = [pb.MessageType.NORMAL, pb.MessageType.FIFO]
+        queues = []
+        for queue_id in range(max(read, write)):
+            perm = (pb.Permission.READ if queue_id < read else 0) | (pb.Permission.WRITE if queue_id < write else 0)
+            permission = {1: pb.Permission.READ, 2: pb.Permission.WRITE, 3: pb.Permission.READ_WRITE}[perm]
+            queues.append(pb.MessageQueue(topic=request.topic, id=queue_id, permission=permission, broker=broker,
+                                          accept_message_types=types))
+        return pb.QueryRouteResponse(status=status(), message_queues=queues)
+
+    @staticmethod
+    def _endpoints(context):
+        host, _, port = context.peer().partition(":")[2].rpartition(":")  # only when the client sent none
+        return pb.Endpoints(scheme=pb.AddressScheme.IPv4, addresses=[pb.Address(host=host, port=int(port or 0))])
+
+    def Heartbeat(self, request, context):
+        return pb.HeartbeatResponse(status=status())
+
+    def NotifyClientTermination(self, request, context):
+        log.info("client %s terminated", _client_id(context))
+        return pb.NotifyClientTerminationResponse(status=status())
+
+    def Telemetry(self, requests, context) -> Iterator:
+        """The settings handshake: each Settings a client sends is answered with the server's view of it."""
+        client = _client_id(context)
+        log.info("client %s connected (%s)", client, context.peer())
+        try:
+            for command in requests:
+                if command.HasField("settings"):
+                    yield pb.TelemetryCommand(status=status(), settings=self._settings(command.settings))
+                if self._closing.is_set():
+                    return
+        finally:
+            log.info("client %s disconnected", client)
+
+    def _settings(self, client):
+        settings = pb.Settings()
+        settings.CopyFrom(client)
+        settings.backoff_policy.max_attempts = 3
+        settings.backoff_policy.exponential_backoff.initial.FromMilliseconds(10)
+        settings.backoff_policy.exponential_backoff.max.FromMilliseconds(1000)
+        settings.backoff_policy.exponential_backoff.multiplier = 2.0
+        if client.HasField("publishing"):
+            settings.publishing.max_body_size = self.store.config.max_message_size
+            settings.publishing.validate_message_type = True
+        if client.HasField("subscription"):
+            settings.subscription.fifo = False
+            settings.subscription.receive_batch_size = 32
+            if not client.subscription.HasField("long_polling_timeout"):
+                settings.subscription.long_polling_timeout.FromSeconds(20)
+        return settings
+
+    # --- send -------------------------------------------------------------------------------------------
+
+    def SendMessage(self, request, context):
+        if not request.messages:
+            return pb.SendMessageResponse(status=status(pb.Code.BAD_REQUEST, "no messages"))
+        try:
+            messages = [self._to_store(m) for m in request.messages]
+            results = self.store.put_messages(messages)
+        except (RocketStoreError, Status) as exc:
+            failure = status_of(exc)
+            log.debug("send refused: %s", failure)
+            return pb.SendMessageResponse(status=status(failure.code, str(failure)))
+        entries = []
+        code = pb.Code.OK
+        for msg, result in zip(request.messages, results, strict=True):
+            entry_code = pb.Code.OK if result.status is PutMessageStatus.PUT_OK else pb.Code.MASTER_PERSISTENCE_TIMEOUT
+            code = code if entry_code == pb.Code.OK else entry_code
+            entries.append(pb.SendResultEntry(status=status(entry_code, result.status.name),
+                                              message_id=msg.system_properties.message_id or result.uniq_key or "",
+                                              offset=result.queue_offset))
+        self.metrics.add("sent", len(results))
+        with self._new_messages:
+            self._new_messages.notify_all()
+        return pb.SendMessageResponse(status=status(code, "OK" if code == pb.Code.OK else "flush timed out"),
+                                      entries=entries)
+
+    def _to_store(self, m) -> Message:
+        topic = m.topic.name
+        _read, write = self._topic_queues(topic, create=True)
+        props = m.system_properties
+        if not m.body:
+            raise Status(pb.Code.MESSAGE_BODY_EMPTY, "message body is empty")
+        for name in m.user_properties:
+            if name in RESERVED_PROPERTIES:
+                raise Status(pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {name!r} is reserved for the system")
+        user = dict(m.user_properties)
+        if props.message_id:
+            user[PropertyName.UNIQ_KEY] = props.message_id
+        if props.HasField("message_group"):
+            if not props.message_group:
+                raise Status(pb.Code.ILLEGAL_MESSAGE_GROUP, "message group is empty")
+            user[PropertyName.SHARDING_KEY] = props.message_group
+            queue_id = _java_hash(props.message_group) % write  # one queue per group: order kept
+        else:
+            queue_id = self._next_queue(topic, write)
+        if props.HasField("delivery_timestamp") or props.message_type == pb.MessageType.DELAY:
+            raise Status(pb.Code.UNSUPPORTED, "delayed messages are not supported by rocketstore serve yet")
+        if props.message_type == pb.MessageType.TRANSACTION:
+            raise Status(pb.Code.UNSUPPORTED, "transactional messages are not supported by rocketstore serve yet")
+        if props.tag and ("|" in props.tag or props.tag.strip() != props.tag):
+            raise Status(pb.Code.ILLEGAL_MESSAGE_TAG, f"tag {props.tag!r} may not contain '|' or blanks at its ends")
+        for key in props.keys:
+            if not key or " " in key:
+                raise Status(pb.Code.ILLEGAL_MESSAGE_KEY, f"key {key!r} is empty or contains a space")
+        born = _ms(props.born_timestamp) if props.HasField("born_timestamp") else None
+        born_host = props.born_host or None
+        try:
+            return Message(topic, bytes(m.body), tags=props.tag or None, keys=list(props.keys), properties=user,
+                           queue_id=queue_id, born_timestamp=born, born_host=_host(born_host))
+        except ValueError as exc:
+            raise Status(pb.Code.BAD_REQUEST, str(exc)) from None
+
+    def _next_queue(self, topic: str, queues: int) -> int:
+        n = self._round_robin.get(topic, 0)
+        self._round_robin[topic] = n + 1
+        return n % queues
+
+    # --- consume ----------------------------------------------------------------------------------------
+
+    def QueryAssignment(self, request, context):
+        try:
+            self._topic_queues(request.topic.name, create=False)
+        except Status as exc:
+            return pb.QueryAssignmentResponse(status=status(exc.code, str(exc)))
+        endpoints = request.endpoints
+        broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=endpoints)
+        # One assignment for the whole topic: receives pop from every queue (the proxy's pop mode does the same).
+        queue = pb.MessageQueue(topic=request.topic, id=-1, permission=pb.Permission.READ_WRITE, broker=broker,
+                                accept_message_types=[pb.MessageType.NORMAL, pb.MessageType.FIFO])
+        return pb.QueryAssignmentResponse(status=status(), assignments=[pb.Assignment(message_queue=queue)])
+
+    def ReceiveMessage(self, request, context) -> Iterator:
+        group, topic = request.group.name, request.message_queue.topic.name
+        try:
+            read, _write = self._topic_queues(topic, create=False)
+            if not group:
+                raise Status(pb.Code.ILLEGAL_CONSUMER_GROUP, "consumer group is empty")
+            expression = request.filter_expression
+            if expression.type == pb.FilterType.SQL:
+                raise Status(pb.Code.UNSUPPORTED, "SQL92 filters are not supported by rocketstore serve")
+            tags = expression.expression or None
+            invisible_ms = _duration_ms(request.invisible_duration) if request.HasField("invisible_duration") \
+                else DEFAULT_INVISIBLE_MS
+            if invisible_ms <= 0:
+                raise Status(pb.Code.ILLEGAL_INVISIBLE_TIME, "invisible duration must be positive")
+            batch = max(1, min(request.batch_size or 32, 1024))
+        except Status as exc:
+            yield pb.ReceiveMessageResponse(status=status(exc.code, str(exc)))
+            return
+        poll_s = min(_duration_ms(request.long_polling_timeout) / 1000 if request.HasField("long_polling_timeout")
+                     else 20.0, MAX_LONG_POLL_S)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            poll_s = min(poll_s, max(0.0, remaining - 1.0))  # answer before the client's deadline
+        deadline = time.monotonic() + poll_s
+        start = request.message_queue.id if request.message_queue.id >= 0 else 0
+        queue_ids = [(start + i) % read for i in range(read)]
+        while True:
+            try:
+                deliveries = self.pop.receive(group, topic, queue_ids, batch, invisible_ms, tags)
+            except RocketStoreError as exc:
+                failure = status_of(exc)
+                yield pb.ReceiveMessageResponse(status=status(failure.code, str(failure)))
+                return
+            if deliveries or time.monotonic() >= deadline or self._closing.is_set() or not context.is_active():
+                break
+            with self._new_messages:
+                self._new_messages.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        if not deliveries:
+            yield pb.ReceiveMessageResponse(status=status(pb.Code.MESSAGE_NOT_FOUND, "no new message"))
+            return
+        yield pb.ReceiveMessageResponse(status=status())
+        # the transport's delivery time: push consumers compute their receive latency from it (and fail without it)
+        yield pb.ReceiveMessageResponse(delivery_timestamp=_stamp(time.time_ns() // 1_000_000))
+        for d in deliveries:
+            yield pb.ReceiveMessageResponse(message=self._to_proto(d.message, d.receipt_handle, d.attempt,
+                                                                   d.invisible_ms))
+        self.metrics.add("received", len(deliveries))
+
+    def _to_proto(self, msg: MessageExt, handle: str | None, attempt: int, invisible_ms: int):
+        props = msg.properties
+        user = {k: v for k, v in props.items() if k not in RESERVED_PROPERTIES}
+        system = pb.SystemProperties(
+            message_id=msg.uniq_key or msg.msg_id, body_encoding=pb.Encoding.IDENTITY,
+            body_digest=pb.Digest(type=pb.DigestType.CRC32, checksum=f"{zlib.crc32(msg.body):08X}"),
+            born_timestamp=_stamp(msg.born_timestamp), born_host=str(msg.born_host.ip),
+            store_timestamp=_stamp(msg.store_timestamp), store_host=str(msg.store_host),
+            queue_id=msg.queue_id, queue_offset=msg.queue_offset, delivery_attempt=attempt,
+            message_type=pb.MessageType.FIFO if PropertyName.SHARDING_KEY in props else pb.MessageType.NORMAL)
+        if msg.tags:
+            system.tag = msg.tags
+        system.keys.extend(msg.keys)
+        if handle is not None:
+            system.receipt_handle = handle
+            system.invisible_duration.FromMilliseconds(invisible_ms)
+        if PropertyName.SHARDING_KEY in props:
+            system.message_group = props[PropertyName.SHARDING_KEY]
+        return pb.Message(topic=pb.Resource(name=msg.topic), user_properties=user, system_properties=system,
+                          body=msg.body)
+
+    def AckMessage(self, request, context):
+        group, topic = request.group.name, request.topic.name
+        entries, failures = [], 0
+        for entry in request.entries:
+            try:
+                self.pop.ack(group, topic, entry.receipt_handle)
+                entries.append(pb.AckMessageResultEntry(message_id=entry.message_id,
+                                                        receipt_handle=entry.receipt_handle, status=status()))
+            except RocketStoreError as exc:
+                failures += 1
+                failure = status_of(exc)
+                entries.append(pb.AckMessageResultEntry(message_id=entry.message_id,
+                                                        receipt_handle=entry.receipt_handle,
+                                                        status=status(failure.code, str(failure))))
+        self.metrics.add("acked", len(entries) - failures)
+        if failures == 0:
+            top = status()
+        elif failures == len(entries) and len(entries) == 1:
+            top = entries[0].status
+        else:
+            top = status(pb.Code.MULTIPLE_RESULTS, f"{failures} of {len(entries)} acks failed")
+        return pb.AckMessageResponse(status=top, entries=entries)
+
+    def ChangeInvisibleDuration(self, request, context):
+        try:
+            invisible_ms = _duration_ms(request.invisible_duration)
+            if invisible_ms <= 0:
+                raise Status(pb.Code.ILLEGAL_INVISIBLE_TIME, "invisible duration must be positive")
+            handle = self.pop.change_invisible(request.group.name, request.topic.name, request.receipt_handle,
+                                               invisible_ms)
+        except (RocketStoreError, Status) as exc:
+            failure = status_of(exc)
+            return pb.ChangeInvisibleDurationResponse(status=status(failure.code, str(failure)))
+        return pb.ChangeInvisibleDurationResponse(status=status(), receipt_handle=handle)
+
+    def ForwardMessageToDeadLetterQueue(self, request, context):
+        try:
+            self.pop.forward_to_dlq(request.group.name, request.topic.name, request.receipt_handle)
+        except RocketStoreError as exc:
+            failure = status_of(exc)
+            return pb.ForwardMessageToDeadLetterQueueResponse(status=status(failure.code, str(failure)))
+        return pb.ForwardMessageToDeadLetterQueueResponse(status=status())
+
+    # --- pull-style offsets -----------------------------------------------------------------------------
+
+    def QueryOffset(self, request, context):
+        queue = request.message_queue
+        topic, queue_id = queue.topic.name, queue.id
+        policy = request.query_offset_policy
+        if policy == pb.QueryOffsetPolicy.BEGINNING:
+            offset = self.store.get_min_offset_in_queue(topic, queue_id)
+        elif policy == pb.QueryOffsetPolicy.TIMESTAMP:
+            offset = self.store.get_offset_in_queue_by_time(topic, queue_id, _ms(request.timestamp))
+        else:
+            offset = self.store.get_max_offset_in_queue(topic, queue_id)
+        return pb.QueryOffsetResponse(status=status(), offset=offset)
+
+    def GetOffset(self, request, context):
+        offset = self.store.query_offset(request.group.name, request.message_queue.topic.name,
+                                         request.message_queue.id)
+        if offset < 0:
+            return pb.GetOffsetResponse(status=status(pb.Code.OFFSET_NOT_FOUND, "the group has no offset here"))
+        return pb.GetOffsetResponse(status=status(), offset=offset)
+
+    def UpdateOffset(self, request, context):
+        try:
+            self.store.commit_offset(request.group.name, request.message_queue.topic.name, request.message_queue.id,
+                                     request.offset)
+        except (RocketStoreError, ValueError) as exc:
+            return pb.UpdateOffsetResponse(status=status(pb.Code.BAD_REQUEST, str(exc)))
+        return pb.UpdateOffsetResponse(status=status())
+
+    def PullMessage(self, request, context) -> Iterator:
+        queue = request.message_queue
+        tags = request.filter_expression.expression or None
+        try:
+            found = self.store.get_message(queue.topic.name, queue.id, request.offset, max(1, request.batch_size or 32),
+                                           tags)
+        except RocketStoreError as exc:
+            failure = status_of(exc)
+            yield pb.PullMessageResponse(status=status(failure.code, str(failure)))
+            return
+        code = pb.Code.OK if found.messages else pb.Code.MESSAGE_NOT_FOUND
+        yield pb.PullMessageResponse(status=status(code, found.status.name))
+        for msg in found.messages:
+            yield pb.PullMessageResponse(message=self._to_proto(msg, None, 1, 0))
+        yield pb.PullMessageResponse(next_offset=found.next_begin_offset)
+
+
+def _duration_ms(duration) -> int:
+    return duration.seconds * 1000 + duration.nanos // 1_000_000
+
+
+def _java_hash(text: str) -> int:
+    """A non-negative String.hashCode (RocketMQ selects a FIFO group's queue by it)."""
+    from ..codec.hashing import java_string_hash
+
+    return java_string_hash(text) & 0x7FFFFFFF
+
+
+def _host(text: str | None) -> Host | None:
+    """The client's born host (an IP, no port); one that does not parse is stored as the store's own."""
+    if not text:
+        return None
+    try:
+        return Host(str(ipaddress.ip_address(text.strip("[]"))), 0)
+    except ValueError:
+        return None
+
+
+def _client_id(context) -> str:
+    for key, value in context.invocation_metadata():
+        if key == "x-mq-client-id":
+            return value
+    return context.peer()

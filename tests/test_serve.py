@@ -1,0 +1,330 @@
+"""``rocketstore serve`` with the official RocketMQ 5 Python client (rocketmq-python-client from PyPI).
+
+Each test runs the real command in a subprocess on 127.0.0.1 with an ephemeral port, over a store in a
+temporary directory, and stops it by its pid. Bad requests go through a raw gRPC channel (the client checks
+some of them itself before sending), built from rocketstore's own protocol classes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+rocketmq = pytest.importorskip("rocketmq")
+import grpc  # noqa: E402
+from rocketmq import (  # noqa: E402
+    ClientConfiguration,
+    ConsumeResult,
+    Credentials,
+    FilterExpression,
+    Message,
+    MessageListener,
+    Producer,
+    PushConsumer,
+    SimpleConsumer,
+)
+
+from rocketstore import MessageStore, StoreConfig  # noqa: E402
+from rocketstore.server.protocol import SERVICE, compile_descriptor_set, pb  # noqa: E402
+
+SMALL = ["--max-hash-slot-num", "97", "--max-index-num", "400"]
+CONFIG = StoreConfig(max_hash_slot_num=97, max_index_num=400)
+
+
+class Served:
+    """A running `rocketstore serve`."""
+
+    def __init__(self, root: Path, *args: str) -> None:
+        self.root = root
+        self.proc = subprocess.Popen([sys.executable, "-m", "rocketstore.cli.app", "serve", "--store", str(root),
+                                      "--listen", "127.0.0.1:0", *SMALL, *args],
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            found = re.search(r"listening on (127\.0\.0\.1:\d+)", line)
+            if found:
+                self.address = found.group(1)
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+        self.proc.kill()
+        raise AssertionError("serve did not start: " + "".join(self.lines))
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def config(self) -> ClientConfiguration:
+        return ClientConfiguration(self.address, Credentials(), request_timeout=5)
+
+    def stop(self) -> int:
+        """SIGTERM by pid: a graceful stop that closes the store."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        return self.proc.wait(30)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def call(self, method: str, request, response_type, stream: bool = False):
+        with grpc.insecure_channel(self.address) as channel:
+            path = f"/{SERVICE}/{method}"
+            if stream:
+                rpc = channel.unary_stream(path, request_serializer=type(request).SerializeToString,
+                                           response_deserializer=response_type.FromString)
+                return list(rpc(request, timeout=10))
+            rpc = channel.unary_unary(path, request_serializer=type(request).SerializeToString,
+                                      response_deserializer=response_type.FromString)
+            return rpc(request, timeout=10)
+
+
+@pytest.fixture
+def served(tmp_path):
+    servers: list[Served] = []
+
+    def start(*args: str, root: Path | None = None) -> Served:
+        server = Served(root or tmp_path / "store", *args)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(30)
+
+
+def message(topic: str, body: bytes, *, tag: str | None = "TagA", keys: str | None = None,
+            group: str | None = None, **props: str) -> Message:
+    msg = Message()
+    msg.topic = topic
+    msg.body = body
+    if tag:
+        msg.tag = tag
+    if keys:
+        msg.keys = keys
+    if group:
+        msg.message_group = group
+    for name, value in props.items():
+        msg.add_property(name, value)
+    return msg
+
+
+def send_all(server: Served, topic: str, messages: list[Message]) -> list:
+    producer = Producer(server.config(), (topic,))
+    producer.startup()
+    try:
+        return [producer.send(m) for m in messages]
+    finally:
+        producer.shutdown()
+
+
+def receive_until(consumer: SimpleConsumer, count: int, invisible: int = 10, timeout: float = 20) -> list[Message]:
+    got: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        got += consumer.receive(32, invisible)
+    return got
+
+
+def test_producer_to_simple_consumer_round_trip_and_the_store_sees_it(served, tmp_path):
+    server = served()
+    receipts = send_all(server, "Orders", [message("Orders", f"order {i}".encode(), keys=f"order-{i}",
+                                                   tag="Paid" if i % 2 else "New", color="red", n=str(i))
+                                           for i in range(6)])
+    assert len({r.message_id for r in receipts}) == 6
+    consumer = SimpleConsumer(server.config(), "Billing", {"Orders": FilterExpression("Paid")}, await_duration=1)
+    consumer.startup()
+    try:
+        got = receive_until(consumer, 3)
+        for m in got:
+            consumer.ack(m)
+        assert sorted(m.body for m in got) == [b"order 1", b"order 3", b"order 5"]  # the tag filter
+        for m in got:
+            n = int(m.properties["n"])
+            assert m.tag == "Paid" and m.keys == {f"order-{n}"} and m.properties == {"color": "red", "n": str(n)}
+            assert m.delivery_attempt == 1 and m.message_id == receipts[n].message_id
+        assert consumer.receive(32, 10) == []  # acknowledged; the filtered-out ones are not delivered either
+    finally:
+        consumer.shutdown()
+    assert server.stop() == 0
+    assert any("connected" in line for line in server.lines)
+    with MessageStore.open(tmp_path / "store", CONFIG, read_only=True) as store:
+        found = store.query_message("Orders", "order-3")
+        assert [m.body for m in found] == [b"order 3"] and found[0].uniq_key == receipts[3].message_id
+        assert sum(store.query_offset("Billing", "Orders", q) for q in store.queue_ids("Orders")) == 6
+
+
+def test_redelivery_after_the_invisible_duration_counts_attempts(served):
+    server = served()
+    send_all(server, "Jobs", [message("Jobs", b"job")])
+    consumer = SimpleConsumer(server.config(), "Workers", {"Jobs": FilterExpression()}, await_duration=1)
+    consumer.startup()
+    try:
+        first = receive_until(consumer, 1, invisible=3)
+        visible_again = time.monotonic() + 3
+        assert [m.delivery_attempt for m in first] == [1]
+        assert consumer.receive(32, 3) == []  # invisible for now (a 1 s long poll)
+        time.sleep(max(0.0, visible_again - time.monotonic()) + 0.1)
+        again = receive_until(consumer, 1, invisible=10)
+        assert [(m.body, m.delivery_attempt) for m in again] == [(b"job", 2)]
+        with pytest.raises(Exception, match=r"expired"):
+            consumer.ack(first[0])  # the first delivery's handle is stale
+        consumer.ack(again[0])
+        time.sleep(0.2)
+        assert consumer.receive(32, 1) == []
+    finally:
+        consumer.shutdown()
+
+
+def test_dead_letter_queue_after_max_attempts(served, tmp_path):
+    server = served("--max-attempts", "2")
+    send_all(server, "Flaky", [message("Flaky", b"poison", keys="poison-1")])
+    consumer = SimpleConsumer(server.config(), "G1", {"Flaky": FilterExpression()}, await_duration=1)
+    consumer.startup()
+    try:
+        assert [m.delivery_attempt for m in receive_until(consumer, 1, invisible=1)] == [1]
+        time.sleep(1.1)
+        assert [m.delivery_attempt for m in receive_until(consumer, 1, invisible=1)] == [2]
+        time.sleep(1.1)
+        assert consumer.receive(32, 1) == []  # attempts used up: moved to %DLQ%G1
+    finally:
+        consumer.shutdown()
+    assert server.stop() == 0
+    with MessageStore.open(tmp_path / "store", CONFIG, read_only=True) as store:
+        dead = store.get_message("%DLQ%G1", 0, 0).messages
+        assert [(m.body, m.keys, m.properties["REAL_TOPIC"]) for m in dead] == [(b"poison", ["poison-1"], "Flaky")]
+        assert store.query_offset("G1", "Flaky", store.queue_ids("Flaky")[0]) >= 0
+
+
+def test_fifo_groups_keep_their_order(served):
+    server = served()
+    sent = [message("Fifo", f"{g}-{i}".encode(), group=f"g{g}") for i in range(8) for g in range(3)]
+    send_all(server, "Fifo", sent)
+    consumer = SimpleConsumer(server.config(), "F", {"Fifo": FilterExpression()}, await_duration=1)
+    consumer.startup()
+    try:
+        got = receive_until(consumer, len(sent))
+        for m in got:
+            consumer.ack(m)
+    finally:
+        consumer.shutdown()
+    for g in range(3):
+        mine = [m for m in got if m.message_group == f"g{g}"]
+        assert [m.body for m in mine] == [f"{g}-{i}".encode() for i in range(8)]
+
+
+def test_push_consumer_receives_and_acks(served):
+    server = served()
+    send_all(server, "Push", [message("Push", f"p{i}".encode()) for i in range(10)])
+    seen: list[bytes] = []
+    done = threading.Event()
+
+    class Listener(MessageListener):
+        def consume(self, msg):
+            seen.append(msg.body)
+            if len(seen) >= 10:
+                done.set()
+            return ConsumeResult.SUCCESS
+
+    consumer = PushConsumer(server.config(), "P", Listener(), {"Push": FilterExpression()})
+    consumer.startup()
+    try:
+        assert done.wait(30), seen
+    finally:
+        consumer.shutdown()
+    assert sorted(seen) == sorted(f"p{i}".encode() for i in range(10))
+
+
+def test_bad_requests_get_their_status_and_write_nothing(served, tmp_path):
+    server = served("--no-auto-create-topics")
+    route = server.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Nope")), pb.QueryRouteResponse)
+    assert route.status.code == pb.Code.TOPIC_NOT_FOUND
+
+    def send(topic: str, body: bytes, **user: str):
+        request = pb.SendMessageRequest()
+        msg = request.messages.add()
+        msg.topic.name = topic
+        msg.body = body
+        msg.user_properties.update(user)
+        msg.system_properties.message_id = "01ABC"
+        return server.call("SendMessage", request, pb.SendMessageResponse)
+
+    assert send("Nope", b"x").status.code == pb.Code.TOPIC_NOT_FOUND
+    assert send("bad/topic", b"x").status.code == pb.Code.ILLEGAL_TOPIC
+    server.stop()
+
+    server = served()  # auto-creation on
+    assert send("Fine", b"x" * (4 * 1024 * 1024 + 1)).status.code == pb.Code.MESSAGE_BODY_TOO_LARGE
+    assert send("Fine", b"x", UNIQ_KEY="mine").status.code == pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY
+    assert send("Fine", b"").status.code == pb.Code.MESSAGE_BODY_EMPTY
+    ack = pb.AckMessageRequest(group=pb.Resource(name="G"), topic=pb.Resource(name="Fine"),
+                               entries=[pb.AckMessageEntry(message_id="01ABC", receipt_handle="0.0.1.deadbeef")])
+    assert server.call("AckMessage", ack, pb.AckMessageResponse).status.code == pb.Code.INVALID_RECEIPT_HANDLE
+    change = pb.ChangeInvisibleDurationRequest(group=pb.Resource(name="G"), topic=pb.Resource(name="Fine"),
+                                               receipt_handle="garbage", message_id="01ABC")
+    change.invisible_duration.FromSeconds(5)
+    assert server.call("ChangeInvisibleDuration", change,
+                       pb.ChangeInvisibleDurationResponse).status.code == pb.Code.INVALID_RECEIPT_HANDLE
+    assert send("Fine", b"ok").status.code == pb.Code.OK
+    assert server.stop() == 0
+    with MessageStore.open(tmp_path / "store", CONFIG, read_only=True) as store:
+        assert [m.body for m in store.iter_messages()] == [b"ok"]  # the refused sends wrote nothing
+
+
+def test_kill_9_keeps_every_acknowledged_send_and_redelivers_unacked(served, tmp_path):
+    server = served("--sync-flush")
+    receipts = send_all(server, "Durable", [message("Durable", f"d{i}".encode(), keys=f"d-{i}") for i in range(20)])
+    consumer = SimpleConsumer(server.config(), "C", {"Durable": FilterExpression()}, await_duration=1)
+    consumer.startup()
+    try:
+        got = receive_until(consumer, 20, invisible=60)
+        acked = got[:8]
+        for m in acked:
+            consumer.ack(m)
+    finally:
+        consumer.shutdown()
+    server.kill()
+    server = served("--sync-flush")  # the same store, after a crash
+    consumer = SimpleConsumer(server.config(), "C", {"Durable": FilterExpression()}, await_duration=1)
+    consumer.startup()
+    try:
+        again = receive_until(consumer, 12, invisible=60)
+        for m in again:
+            consumer.ack(m)
+    finally:
+        consumer.shutdown()
+    unacked = {m.body for m in got} - {m.body for m in acked}
+    assert unacked <= {m.body for m in again}  # every received-but-unacked message comes back
+    assert server.stop() == 0
+    with MessageStore.open(tmp_path / "store", CONFIG, read_only=True) as store:
+        stored = {m.uniq_key for m in store.iter_messages()}
+        assert {r.message_id for r in receipts} <= stored
+
+
+def test_protocol_descriptors_match_the_vendored_protos():
+    pytest.importorskip("grpc_tools")
+    committed = (Path(__file__).resolve().parents[1] / "src/rocketstore/server/proto/messaging.desc").read_bytes()
+    assert compile_descriptor_set() == committed
+
+
+def test_protocol_classes_coexist_with_the_official_clients():
+    from rocketmq.grpc_protocol import definition_pb2
+
+    theirs = definition_pb2.Message(body=b"x")
+    theirs.topic.name = "T"
+    ours = pb.Message.FromString(theirs.SerializeToString())
+    assert ours.topic.name == "T" and ours.body == b"x"
