@@ -14,13 +14,12 @@ import mmap
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import Result, bench_main
+from harness import Result, bench_main, run_threads
 
 from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
 from rocketstore.encoder import MessageEncoder
@@ -58,30 +57,16 @@ def store_rate(body_size: int, mode: FlushDiskType, threads: int, batch: int, se
         config = StoreConfig(flush_disk_type=mode)
         with MessageStore.open(Path(root), config) as store:
             pool = messages(body_size, 256)
-            counts = [0] * threads
-            stop = threading.Event()
 
-            def produce(n: int) -> None:
-                i = 0
-                while not stop.is_set():
-                    if batch == 1:
-                        store.put_message(pool[i % 256])
-                        counts[n] += 1
-                    else:
-                        start = (i * batch) % 256
-                        store.put_messages(pool[start : start + batch])
-                        counts[n] += batch
-                    i += 1
+            def produce(_thread: int, i: int) -> None:
+                if batch == 1:
+                    store.put_message(pool[i % 256])
+                else:
+                    start = (i * batch) % 256
+                    store.put_messages(pool[start : start + batch])
 
-            workers = [threading.Thread(target=produce, args=(n,)) for n in range(threads)]
-            started = time.perf_counter()
-            for w in workers:
-                w.start()
-            time.sleep(seconds)
-            stop.set()
-            for w in workers:
-                w.join()
-            return sum(counts) / (time.perf_counter() - started)
+            calls, _latencies = run_threads(produce, threads, seconds)
+            return calls * batch
 
 
 def run(quick: bool) -> list[Result]:

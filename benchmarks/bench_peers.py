@@ -16,7 +16,6 @@ import os
 import sqlite3
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import Result, bench_main
+from harness import Result, bench_main, run_threads
 
 from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
 
@@ -154,30 +153,9 @@ def store_scan(root: Path) -> tuple[float, int, int]:
 
 def threaded(put, threads: int, seconds: float) -> tuple[float, float, float]:
     """(puts/s, p50 and p99 latency in µs) of ``threads`` threads calling ``put(thread, i)`` for ``seconds``."""
-    stop = threading.Event()
-    latencies: list[list[float]] = [[] for _ in range(threads)]
-
-    def run(n: int) -> None:
-        i = 0
-        mine = latencies[n]
-        while not stop.is_set():
-            started = time.perf_counter_ns()
-            put(n, i)
-            mine.append(time.perf_counter_ns() - started)
-            i += 1
-
-    workers = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
-    started = time.perf_counter()
-    for w in workers:
-        w.start()
-    time.sleep(seconds)
-    stop.set()
-    for w in workers:
-        w.join()
-    elapsed = time.perf_counter() - started
-    everything = np.concatenate([np.asarray(x, dtype=np.float64) for x in latencies])
-    p50, p99 = np.percentile(everything, [50, 99]) / 1000
-    return len(everything) / elapsed, float(p50), float(p99)
+    rate, latencies = run_threads(put, threads, seconds)
+    p50, p99 = np.percentile(np.asarray(latencies, dtype=np.float64), [50, 99]) / 1000
+    return rate, float(p50), float(p99)
 
 
 def sync_sqlite(path: Path, threads: int, seconds: float) -> tuple[float, float, float]:

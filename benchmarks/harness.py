@@ -61,6 +61,34 @@ def timed(fn: Callable[[], object], repeat: int = 1) -> float:
     return statistics.median(times)
 
 
+def run_threads(call: Callable[[int, int], object], threads: int, seconds: float) -> tuple[float, list[float]]:
+    """``threads`` threads calling ``call(thread, i)`` in a loop for ``seconds``: (calls/s, every latency in ns)."""
+    import threading
+
+    stop = threading.Event()
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+
+    def loop(n: int) -> None:
+        i = 0
+        mine = latencies[n]
+        while not stop.is_set():
+            started = time.perf_counter_ns()
+            call(n, i)
+            mine.append(time.perf_counter_ns() - started)
+            i += 1
+
+    workers = [threading.Thread(target=loop, args=(n,)) for n in range(threads)]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    time.sleep(seconds)
+    stop.set()
+    for w in workers:
+        w.join()
+    everything = [x for mine in latencies for x in mine]
+    return len(everything) / (time.perf_counter() - started), everything
+
+
 def table(results: list[Result]) -> str:
     lines = [f"{'benchmark':<44}{'value':>16} {'unit':<9}{'ratio':>8}  {'baseline':<34}{'target':>8}"]
     group = None

@@ -160,25 +160,25 @@ class PopGroups:
             if not advanced or (found.status is not GetMessageStatus.FOUND and not found.messages):
                 return
 
-    def ack(self, group: str, topic: str, handle: str) -> None:
+    def _in_flight(self, group: str, topic: str, handle: str) -> tuple[int, int, QueueState, InFlight]:
+        """(queue id, offset, queue state, in-flight entry) of the delivery ``handle`` names; hold ``_lock``."""
         queue_id, offset, delivery = self._parse(group, topic, handle)
+        state = self._state(group, topic, queue_id)
+        flight = state.inflight.get(offset)
+        if flight is None or flight.delivery != delivery:
+            raise InvalidReceiptHandleError("receipt handle expired: the message was delivered again or already "
+                                            "acknowledged")
+        return queue_id, offset, state, flight
+
+    def ack(self, group: str, topic: str, handle: str) -> None:
         with self._lock:
-            state = self._state(group, topic, queue_id)
-            flight = state.inflight.get(offset)
-            if flight is None or flight.delivery != delivery:
-                raise InvalidReceiptHandleError("receipt handle expired: the message was delivered again or already "
-                                                "acknowledged")
+            queue_id, offset, state, _flight = self._in_flight(group, topic, handle)
             self._finish(group, topic, queue_id, state, offset)
 
     def change_invisible(self, group: str, topic: str, handle: str, invisible_ms: int) -> str:
         """Make the message invisible for ``invisible_ms`` from now; returns its new receipt handle."""
-        queue_id, offset, delivery = self._parse(group, topic, handle)
         with self._lock:
-            state = self._state(group, topic, queue_id)
-            flight = state.inflight.get(offset)
-            if flight is None or flight.delivery != delivery:
-                raise InvalidReceiptHandleError("receipt handle expired: the message was delivered again or already "
-                                                "acknowledged")
+            queue_id, offset, _state, flight = self._in_flight(group, topic, handle)
             self._deliveries += 1
             flight.deadline_ms = _now_ms() + invisible_ms
             flight.delivery = self._deliveries
@@ -186,12 +186,8 @@ class PopGroups:
 
     def forward_to_dlq(self, group: str, topic: str, handle: str) -> None:
         """ForwardMessageToDeadLetterQueue: the push consumer gave up on the message."""
-        queue_id, offset, delivery = self._parse(group, topic, handle)
         with self._lock:
-            state = self._state(group, topic, queue_id)
-            flight = state.inflight.get(offset)
-            if flight is None or flight.delivery != delivery:
-                raise InvalidReceiptHandleError("receipt handle expired")
+            queue_id, offset, state, _flight = self._in_flight(group, topic, handle)
             found = [m for m in self.store.get_message(topic, queue_id, offset, 1).messages if m.queue_offset == offset]
             if found:
                 self._dead_letter(group, found[0])
