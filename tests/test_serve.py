@@ -328,3 +328,50 @@ def test_protocol_classes_coexist_with_the_official_clients():
     theirs.topic.name = "T"
     ours = pb.Message.FromString(theirs.SerializeToString())
     assert ours.topic.name == "T" and ours.body == b"x"
+
+
+def test_pull_offsets_forward_to_dlq_and_the_metrics_line(served, tmp_path):
+    """The pull-style calls on the store's offsets, ForwardMessageToDeadLetterQueue with a real receipt handle,
+    and the sends/s line --stats-interval prints."""
+    server = served("--stats-interval", "0.3")
+    send_all(server, "Pull", [message("Pull", f"m{i}".encode(), group="one") for i in range(3)])  # one queue
+    queues = [pb.MessageQueue(topic=pb.Resource(name="Pull"), id=q) for q in range(8)]
+
+    def query(policy, q):
+        return server.call("QueryOffset", pb.QueryOffsetRequest(message_queue=q, query_offset_policy=policy),
+                           pb.QueryOffsetResponse).offset
+
+    ends = [query(pb.QueryOffsetPolicy.END, q) for q in queues]
+    assert sorted(ends) == [0] * 7 + [3] and all(query(pb.QueryOffsetPolicy.BEGINNING, q) == 0 for q in queues)
+    queue = queues[ends.index(3)]
+    pulled = server.call("PullMessage", pb.PullMessageRequest(group=pb.Resource(name="Puller"), message_queue=queue,
+                                                              offset=1, batch_size=10), pb.PullMessageResponse,
+                         stream=True)
+    assert pulled[0].status.code == pb.Code.OK
+    assert [r.message.body for r in pulled if r.HasField("message")] == [b"m1", b"m2"]
+    assert pulled[-1].next_offset == 3
+    get = pb.GetOffsetRequest(group=pb.Resource(name="Puller"), message_queue=queue)
+    assert server.call("GetOffset", get, pb.GetOffsetResponse).status.code == pb.Code.OFFSET_NOT_FOUND
+    update = pb.UpdateOffsetRequest(group=pb.Resource(name="Puller"), message_queue=queue, offset=2)
+    assert server.call("UpdateOffset", update, pb.UpdateOffsetResponse).status.code == pb.Code.OK
+    assert server.call("GetOffset", get, pb.GetOffsetResponse).offset == 2
+
+    receive = pb.ReceiveMessageRequest(group=pb.Resource(name="Giver"), message_queue=queue, batch_size=1)
+    receive.invisible_duration.FromSeconds(30)
+    receive.long_polling_timeout.FromSeconds(1)
+    got = [r.message for r in server.call("ReceiveMessage", receive, pb.ReceiveMessageResponse, stream=True)
+           if r.HasField("message")]
+    assert [m.body for m in got] == [b"m0"]
+    forward = pb.ForwardMessageToDeadLetterQueueRequest(
+        group=pb.Resource(name="Giver"), topic=pb.Resource(name="Pull"),
+        receipt_handle=got[0].system_properties.receipt_handle, message_id=got[0].system_properties.message_id)
+    reply = server.call("ForwardMessageToDeadLetterQueue", forward, pb.ForwardMessageToDeadLetterQueueResponse)
+    assert reply.status.code == pb.Code.OK
+    again = server.call("ForwardMessageToDeadLetterQueue", forward, pb.ForwardMessageToDeadLetterQueueResponse)
+    assert again.status.code == pb.Code.INVALID_RECEIPT_HANDLE  # done once: the handle is spent
+    time.sleep(0.5)
+    assert server.stop() == 0
+    assert any(line.startswith("sends/s") and "sent 3" in line for line in server.lines), server.lines
+    with MessageStore.open(tmp_path / "store", CONFIG, read_only=True) as store:
+        assert [m.body for m in store.get_message("%DLQ%Giver", 0, 0).messages] == [b"m0"]
+        assert store.query_offset("Puller", "Pull", queue.id) == 2
