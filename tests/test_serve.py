@@ -375,3 +375,107 @@ def test_pull_offsets_forward_to_dlq_and_the_metrics_line(served, tmp_path):
     with MessageStore.open(tmp_path / "store", CONFIG, read_only=True) as store:
         assert [m.body for m in store.get_message("%DLQ%Giver", 0, 0).messages] == [b"m0"]
         assert store.query_offset("Puller", "Pull", queue.id) == 2
+
+
+def rocketstore_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rocketstore.cli.app", *args], capture_output=True, text=True,
+                          check=False, timeout=120)
+
+
+def test_delayed_messages_arrive_at_their_time_and_are_findable_at_once(served, tmp_path):
+    server = served()
+    due_s = int(time.time()) + 4
+    due = due_s * 1000
+    later = message("Timed", b"later", keys="later-1")
+    later.delivery_timestamp = due_s  # documented as ms, sent as the Timestamp's seconds by client 5.1.2
+    send_all(server, "Timed", [later, message("Timed", b"now")])
+    deadline = time.monotonic() + 10  # the CLI's read-only commands work on the served store
+    while True:
+        found = rocketstore_cli("query-by-key", "--store", str(tmp_path / "store"), *SMALL, "-t", "Timed",
+                                "-k", "later-1", "--json")
+        if '"later-1"' in found.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert found.returncode == 0 and '"later-1"' in found.stdout, found.stderr
+    assert time.time() * 1000 < due, "found by key before it is due"
+    consumer = SimpleConsumer(server.config(), "Timers", {"Timed": FilterExpression()}, await_duration=1)
+    consumer.startup()
+    try:
+        first = receive_until(consumer, 1)
+        assert [m.body for m in first] == [b"now"]
+        consumer.ack(first[0])
+        second = receive_until(consumer, 1, timeout=20)
+        arrived = time.time() * 1000
+        assert [m.body for m in second] == [b"later"] and arrived >= due
+        assert second[0].delivery_timestamp == due and second[0].keys == {"later-1"}
+        assert second[0].message_type == pb.MessageType.DELAY
+        consumer.ack(second[0])
+    finally:
+        consumer.shutdown()
+    with grpc.insecure_channel(server.address):
+        bad = pb.SendMessageRequest(messages=[pb.Message(
+            topic=pb.Resource(name="Timed"), body=b"x", system_properties=pb.SystemProperties(
+                message_id="01ABC", message_type=pb.MessageType.DELAY,
+                delivery_timestamp=pb.Timestamp(seconds=int(time.time()) + 10 * 86_400)))])
+        reply = server.call("SendMessage", bad, pb.SendMessageResponse)
+        assert reply.status.code == pb.Code.ILLEGAL_DELIVERY_TIME, reply.status
+
+
+class Checker:
+    """A transaction checker that answers from a table and records what it was asked."""
+
+    def __init__(self, answers: dict[bytes, int]) -> None:
+        self.answers = answers
+        self.asked: list[tuple[bytes, str]] = []
+
+    def check(self, msg):
+        self.asked.append((msg.body, msg.topic))
+        return self.answers[msg.body]
+
+
+def test_transactions_commit_rollback_and_the_orphan_check(served, tmp_path):
+    from rocketmq.grpc_protocol import TransactionResolution
+    from rocketmq.v5.producer import TransactionChecker
+
+    class TableChecker(Checker, TransactionChecker):
+        pass
+
+    server = served("--transaction-check-seconds", "1")
+    checker = TableChecker({b"orphan-commit": TransactionResolution.COMMIT,
+                            b"orphan-rollback": TransactionResolution.ROLLBACK})
+    producer = Producer(server.config(), ("Pay",), checker)
+    producer.startup()
+    try:
+        for body, commit in ((b"committed", True), (b"rolled back", False)):
+            transaction = producer.begin_transaction()
+            receipt = producer.send(message("Pay", body, keys=body.decode().replace(" ", "-")), transaction)
+            assert receipt.transaction_id
+            transaction.commit() if commit else transaction.rollback()
+        for body in (b"orphan-commit", b"orphan-rollback"):  # neither committed nor rolled back: checked
+            producer.send(message("Pay", body), producer.begin_transaction())
+        consumer = SimpleConsumer(server.config(), "Payments", {"Pay": FilterExpression()}, await_duration=1)
+        consumer.startup()
+        try:
+            got = receive_until(consumer, 1)
+            assert [m.body for m in got] == [b"committed"]
+            assert got[0].message_type == pb.MessageType.TRANSACTION
+            consumer.ack(got[0])
+            orphan = receive_until(consumer, 1, timeout=20)
+            assert [m.body for m in orphan] == [b"orphan-commit"]
+            consumer.ack(orphan[0])
+            time.sleep(1.5)
+            assert consumer.receive(32, 1) == []
+        finally:
+            consumer.shutdown()
+        assert sorted(checker.asked) == [(b"orphan-commit", "Pay"), (b"orphan-rollback", "Pay")]
+        end = server.call("EndTransaction", pb.EndTransactionRequest(
+            topic=pb.Resource(name="Pay"), message_id="X", transaction_id="7F0000010000" + "0" * 20,
+            resolution=pb.TransactionResolution.COMMIT), pb.EndTransactionResponse)
+        assert end.status.code == pb.Code.INVALID_TRANSACTION_ID
+    finally:
+        producer.shutdown()
+    assert server.stop() == 0
+    with MessageStore.open(tmp_path / "store", CONFIG, read_only=True) as store:
+        bodies = sorted(m.body for q in store.queue_ids("Pay") for m in store.get_message("Pay", q, 0, 100).messages)
+        assert bodies == [b"committed", b"orphan-commit"]
+        assert [m.body for m in store.query_message("Pay", "committed")] == [b"committed"]

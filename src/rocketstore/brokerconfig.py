@@ -274,6 +274,7 @@ SUBSCRIPTION_GROUPS_SCHEMA = record({
 })
 CONSUMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(name_key, mapping(int_key(0, _I32_MAX), _OFFSET))})
 DELAY_OFFSETS_SCHEMA = record({"offsetTable": mapping(int_key(1, _I32_MAX), _OFFSET)})
+TIMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(int_key(0, 0), _OFFSET)})
 
 
 # --- reading and writing a file ------------------------------------------------------------------------
@@ -646,6 +647,14 @@ class DelayOffsetManager(OffsetTable):
         with self._lock:
             self.table[level] = offset
             self.dirty = True
+
+
+class TimerOffsetManager(DelayOffsetManager):
+    """timerOffset.json: the queue offset of ``rmq_sys_wheel_timer`` below which every timer message has been
+    delivered (rocketstore's own file: RocketMQ keeps its timer state in ``timerlog/`` and ``timerwheel``)."""
+
+    FILE = "timerOffset.json"
+    SCHEMA = staticmethod(TIMER_OFFSETS_SCHEMA)
 
 
 class SubscriptionGroupManager(ConfigFile):

@@ -73,7 +73,8 @@ class StoreConfig:
     auto_create_topic_enable: bool = True  # autoCreateTopicEnable
     default_topic_queue_nums: int = 8  # defaultTopicQueueNums
     flush_consumer_offset_interval: int = 5_000  # flushConsumerOffsetInterval (ms)
-    enable_schedule_message: bool = True  # deliver DELAY messages (ScheduleMessageService)
+    enable_schedule_message: bool = True  # deliver DELAY and timer messages (ScheduleMessageService, timer wheel)
+    timer_max_delay_sec: int = 259_200  # timerMaxDelaySec: how far ahead a TIMER_DELIVER_MS may be
 
     # --- retention
     file_reserved_time: int = 72  # fileReservedTime (hours)
@@ -103,6 +104,7 @@ class StoreConfig:
         _check_range("max_msgs_num_batch", self.max_msgs_num_batch, 1, 1_000_000)
         _check_range("disk_max_used_space_ratio", self.disk_max_used_space_ratio, 10, 95)
         _check_range("file_reserved_time", self.file_reserved_time, 0, 1_000_000)
+        _check_range("timer_max_delay_sec", self.timer_max_delay_sec, 1, 1 << 31)
         parse_store_host(self.store_host)
         object.__setattr__(self, "_delay_levels_ms", parse_delay_levels(self.message_delay_level))
 

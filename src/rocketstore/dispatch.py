@@ -29,7 +29,7 @@ from .codec.record import RecordLayout, read_layout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
-from .encoder import SCHEDULE_TOPIC
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, TIMER_TOPIC
 from .errors import CorruptDataError, StoreIOError
 from .health import StoreHealth
 from .index.service import IndexRequest, IndexService
@@ -84,15 +84,20 @@ def dispatch_request(buf, pos: int, layout: RecordLayout, config: StoreConfig) -
 
 
 def index_topic_of(topic: str, props: dict[str, str]) -> str:
-    """The topic a record's keys are indexed under: a scheduled message's real topic, so that it is
-    findable by key from the moment it is stored (RocketMQ indexes it under SCHEDULE_TOPIC_XXXX)."""
-    if topic == SCHEDULE_TOPIC:
+    """The topic a record's keys are indexed under: a delayed (scheduled or timer) message's real topic, so
+    that it is findable by key from the moment it is stored (RocketMQ indexes it under its parked topic)."""
+    if topic in PARKED_TOPICS:
         return props.get(PropertyName.REAL_TOPIC) or topic
     return topic
 
 
 def tags_code_of(topic: str, props: dict[str, str], store_timestamp: int, levels: tuple[int, ...]) -> int:
     """Tags code of a record: hash of TAGS, or the delivery time of a delayed message (``levels`` in ms)."""
+    if topic == TIMER_TOPIC:
+        try:
+            return int(props.get(PropertyName.TIMER_DELIVER_MS, "0"))
+        except ValueError:
+            return 0
     if topic == SCHEDULE_TOPIC and PropertyName.DELAY in props:
         try:
             level = int(props[PropertyName.DELAY])
@@ -201,7 +206,7 @@ class Dispatcher:
 
     def _apply(self, batch: DispatchBatch, mapped) -> None:
         """One decoded batch into consume-queue units and index entries, as the one-record path would put them,
-        with whole arrays per queue; slow rows (scheduled messages, text that is not UTF-8) one at a time in
+        with whole arrays per queue; slow rows (delayed messages, text that is not UTF-8) one at a time in
         their place."""
         if not batch.slow.any():
             self._apply_run(batch, 0, len(batch))

@@ -27,6 +27,7 @@ from .codec.record import (
 )
 from .config import StoreConfig
 from .errors import (
+    IllegalDeliveryTimeError,
     InvalidFlagError,
     InvalidPropertyError,
     InvalidTopicError,
@@ -38,6 +39,9 @@ from .message import Message, SysFlag
 
 TOPIC_MAX_LENGTH = 127  # TopicValidator.TOPIC_MAX_LENGTH
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+TIMER_TOPIC = "rmq_sys_wheel_timer"
+# where a message waits until it is due, its real topic and queue in REAL_TOPIC/REAL_QID
+PARKED_TOPICS = frozenset({SCHEDULE_TOPIC, TIMER_TOPIC})
 RETRY_TOPIC_MAX_LENGTH = 255
 RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
 _TOPIC_CHARS = re.compile(r"[%|a-zA-Z0-9_-]+")
@@ -170,22 +174,57 @@ class MessageEncoder:
         return PendingRecord(data, topic, queue_id, sys_flag, uniq_key, wait_store)
 
     def schedule(self, topic: str, queue_id: int, properties: dict[str, str]) -> tuple[str, int]:
-        """A DELAY message goes to SCHEDULE_TOPIC_XXXX, queue level-1, its real topic and queue kept in
-        REAL_TOPIC/REAL_QID (``CommitLog.asyncPutMessage``); a level past the last is the last."""
+        """Where a delayed message waits (``CommitLog.asyncPutMessage``, ``HookUtils.handleScheduleMessage``):
+        a DELAY level sends it to SCHEDULE_TOPIC_XXXX, queue level-1 (a level past the last is the last); a
+        TIMER_DELIVER_MS (or TIMER_DELAY_SEC/MS) in the future to rmq_sys_wheel_timer, queue 0. Its real
+        topic and queue are kept in REAL_TOPIC/REAL_QID. A delivery time already past stores it as it is."""
+        if topic in PARKED_TOPICS:
+            return topic, queue_id
         raw = properties.get(PropertyName.DELAY)
-        if raw is None or topic == SCHEDULE_TOPIC:
+        if raw is not None:
+            try:
+                level = int(raw)
+            except ValueError:
+                raise InvalidPropertyError(f"DELAY must be a delay level (an integer), not {raw!r}") from None
+            if level > 0:
+                level = min(level, len(self.config.delay_levels_ms))
+                properties[PropertyName.DELAY] = str(level)
+                for name in (PropertyName.TIMER_DELIVER_MS, PropertyName.TIMER_DELAY_SEC, PropertyName.TIMER_DELAY_MS):
+                    properties.pop(name, None)  # a delay level wins, as in RocketMQ
+                return self._park(topic, queue_id, properties, SCHEDULE_TOPIC, level - 1)
+        deliver_ms = self._timer_deliver_ms(properties)
+        if deliver_ms is None:
             return topic, queue_id
-        try:
-            level = int(raw)
-        except ValueError:
-            raise InvalidPropertyError(f"DELAY must be a delay level (an integer), not {raw!r}") from None
-        if level <= 0:
-            return topic, queue_id
-        level = min(level, len(self.config.delay_levels_ms))
-        properties[PropertyName.DELAY] = str(level)
+        properties[PropertyName.TIMER_DELIVER_MS] = str(deliver_ms)
+        return self._park(topic, queue_id, properties, TIMER_TOPIC, 0)
+
+    def _timer_deliver_ms(self, properties: dict[str, str]) -> int | None:
+        """The delivery time of a timer message when it is in the future, else None."""
+        now = time.time_ns() // 1_000_000
+        for name, scale, relative in ((PropertyName.TIMER_DELIVER_MS, 1, False),
+                                      (PropertyName.TIMER_DELAY_SEC, 1000, True),
+                                      (PropertyName.TIMER_DELAY_MS, 1, True)):
+            raw = properties.get(name)
+            if raw is None:
+                continue
+            try:
+                value = int(raw)
+            except ValueError:
+                raise IllegalDeliveryTimeError(f"{name} must be an integer, not {raw!r}") from None
+            deliver = now + value * scale if relative else value
+            if deliver <= now:
+                return None
+            if deliver - now > self.config.timer_max_delay_sec * 1000:
+                raise IllegalDeliveryTimeError(f"{name}={raw} is more than timer_max_delay_sec "
+                                               f"({self.config.timer_max_delay_sec} s) ahead")
+            return deliver
+        return None
+
+    @staticmethod
+    def _park(topic: str, queue_id: int, properties: dict[str, str], parked: str, parked_queue: int) -> tuple[str, int]:
         properties[PropertyName.REAL_TOPIC] = topic
         properties[PropertyName.REAL_QUEUE_ID] = str(queue_id)
-        return SCHEDULE_TOPIC, level - 1
+        return parked, parked_queue
 
     def properties_for(self, user: dict[str, str], tags: str | None, keys: list[str],
                        uniq_key: str | None = None) -> dict[str, str]:

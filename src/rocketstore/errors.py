@@ -96,6 +96,11 @@ class InvalidPropertyError(MessageIllegalError):
     """A property name or value is empty or contains a separator (\\x01 or \\x02)."""
 
 
+class IllegalDeliveryTimeError(InvalidPropertyError):
+    """A timer message's TIMER_DELIVER_MS (or TIMER_DELAY_SEC/MS) is not a number or lies further ahead than
+    ``timer_max_delay_sec`` (RocketMQ's WHEEL_TIMER_MSG_ILLEGAL)."""
+
+
 class TopicNotExistError(MessageIllegalError):
     """The topic is not configured and ``auto_create_topic_enable`` is off (RocketMQ's TOPIC_NOT_EXIST)."""
 

@@ -19,7 +19,7 @@ from .codec.msgid import decode_offset_msg_id
 from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import ConsumeQueueTable
-from .encoder import SCHEDULE_TOPIC
+from .encoder import PARKED_TOPICS
 from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError, SegmentDeletedError
 from .index.service import IndexService
 from .message import MessageExt
@@ -191,14 +191,14 @@ class StoreReader:
             msg = self._read_or_none(phy)
             if msg is None or not begin <= msg.store_timestamp <= end or not matches(msg):
                 continue
-            if msg.topic != topic and not (msg.topic == SCHEDULE_TOPIC and msg.properties.get("REAL_TOPIC") == topic):
+            if msg.topic != topic and not (msg.topic in PARKED_TOPICS and msg.properties.get("REAL_TOPIC") == topic):
                 continue
             found[phy] = msg
             if len(found) >= max_num:
                 break
-        delivered = {m.uniq_key for m in found.values() if m.topic != SCHEDULE_TOPIC}
-        return [found[phy] for phy in sorted(found)  # a delivered delay message hides its scheduled copy
-                if found[phy].topic != SCHEDULE_TOPIC or found[phy].uniq_key not in delivered]
+        delivered = {m.uniq_key for m in found.values() if m.topic not in PARKED_TOPICS}
+        return [found[phy] for phy in sorted(found)  # a delivered delay message hides its parked copy
+                if found[phy].topic not in PARKED_TOPICS or found[phy].uniq_key not in delivered]
 
     def _read_or_none(self, phy: int) -> MessageExt | None:
         try:

@@ -18,7 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .brokerconfig import ConsumerOffsetManager, DelayOffsetManager, SubscriptionGroupManager, TopicConfigManager
+from .brokerconfig import (
+    ConsumerOffsetManager,
+    DelayOffsetManager,
+    SubscriptionGroupManager,
+    TimerOffsetManager,
+    TopicConfigManager,
+)
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
 from .commitlog import CommitLog
@@ -26,7 +32,7 @@ from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
 from .consumer import Consumer
 from .dispatch import Dispatcher, dispatch_request
-from .encoder import SCHEDULE_TOPIC, MessageEncoder, PendingRecord
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder, PendingRecord
 from .errors import (
     CorruptDataError,
     InvalidQueueError,
@@ -78,6 +84,7 @@ class MessageStore:
         self.topic_config = TopicConfigManager(root, read_only=read_only)
         self.consumer_offsets = ConsumerOffsetManager(root, read_only=read_only)
         self.delay_offsets = DelayOffsetManager(root, read_only=read_only)
+        self.timer_offsets = TimerOffsetManager(root, read_only=read_only)
         self.subscription_groups = SubscriptionGroupManager(root, read_only=read_only)
         self.schedule: ScheduleMessageService | None = None
         self._topic_lock = threading.Lock()
@@ -129,7 +136,8 @@ class MessageStore:
             self._lock.acquire()
             _clear_staging(self.root / STAGING_DIR)
         abnormal = self._abort.exists()
-        for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.subscription_groups):
+        for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.timer_offsets,
+                            self.subscription_groups):
             config_file.load(empty_if_bad=self.read_only)  # a reader still serves the messages
         self.commit_log.load()
         self.queues.load()
@@ -167,7 +175,7 @@ class MessageStore:
             self.flusher.start()
             self.dispatcher.start()
             if self.config.enable_schedule_message:
-                self.schedule = ScheduleMessageService(self, self.delay_offsets)
+                self.schedule = ScheduleMessageService(self, self.delay_offsets, timer_offsets=self.timer_offsets)
                 self.schedule.start()
             self._maintenance = threading.Thread(target=self._maintain, name="rocketstore-maintenance",
                                                  daemon=True)
@@ -283,6 +291,7 @@ class MessageStore:
                 if "offsets" in due:
                     self.consumer_offsets.persist()
                     self.delay_offsets.persist()
+                    self.timer_offsets.persist()
                 if "retention" in due:
                     self.delete_expired_files()
             except Exception:  # never let housekeeping kill the store; the next pass retries
@@ -357,6 +366,7 @@ class MessageStore:
                 if not self.read_only:
                     step(self.consumer_offsets.persist)
                     step(self.delay_offsets.persist)
+                    step(self.timer_offsets.persist)
                 if not self.read_only and self.flusher is not None and self.dispatcher is not None:
                     step(self.flusher.shutdown)
                     step(self.dispatcher.shutdown)
@@ -471,13 +481,13 @@ class MessageStore:
         must be below the topic's write queue count."""
         config = self.topic_config.get(topic)
         if config is None:
-            if not self.config.auto_create_topic_enable and topic != SCHEDULE_TOPIC:
+            if not self.config.auto_create_topic_enable and topic not in PARKED_TOPICS:
                 raise TopicNotExistError(f"topic {topic} does not exist and auto_create_topic_enable is off")
             with self._topic_lock:
                 config = self.topic_config.get(topic)
                 if config is None:
-                    queues = len(self.config.delay_levels_ms) if topic == SCHEDULE_TOPIC else \
-                        max(self.config.default_topic_queue_nums, queue_id + 1)
+                    queues = len(self.config.delay_levels_ms) if topic == SCHEDULE_TOPIC else 1 \
+                        if topic in PARKED_TOPICS else max(self.config.default_topic_queue_nums, queue_id + 1)
                     config = self.topic_config.create_or_update(topic, write_queue_nums=queues)
         if queue_id >= config.write_queue_nums:
             raise InvalidQueueError(f"queue {queue_id} does not exist: topic {topic} has {config.write_queue_nums} "

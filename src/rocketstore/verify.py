@@ -41,7 +41,7 @@ from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import CQ_UNIT_SIZE, PRE_BLANK_SIZE, ConsumeQueueTable
 from .dispatch import DISPATCH_ROWS, index_topic_of, tags_code_of
-from .encoder import SCHEDULE_TOPIC
+from .encoder import PARKED_TOPICS
 from .errors import ConfigError, CorruptDataError
 from .index.bulk import ENTRY_DTYPE, index_key_hashes
 from .index.file import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
@@ -199,7 +199,7 @@ def _scan_segment(mapped: MappedFile, size: int, last: bool) -> tuple[list[Dispa
     problems: list[Problem] = []
     while pos < size:
         batch, stop = decode_dispatch(buf, pos, size, base=mapped.file_from_offset, limit=mapped.file_size,
-                                      path=path, check_crc=True, max_rows=VERIFY_ROWS, slow_topic=SCHEDULE_TOPIC)
+                                      path=path, check_crc=True, max_rows=VERIFY_ROWS, slow_topics=PARKED_TOPICS)
         if len(batch):
             batches.append(batch)
         if stop.kind is StopKind.LIMIT:

@@ -305,7 +305,8 @@ class DispatchBatch:
 
 
 def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None = None, path: str | None = None,
-                    max_rows: int = DEFAULT_MAX_ROWS, slow_topic: str = "SCHEDULE_TOPIC_XXXX",
+                    max_rows: int = DEFAULT_MAX_ROWS,
+                    slow_topics: Collection[str] = ("SCHEDULE_TOPIC_XXXX", "rmq_sys_wheel_timer"),
                     check_crc: bool = False) -> tuple[DispatchBatch, Stop]:
     """The dispatch fields of the records starting in ``buf[start:end]`` (``decode_range``'s walk, by default
     without body CRCs, as dispatch reads records recovery already validated; ``verify`` checks them), with
@@ -320,8 +321,9 @@ def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None =
         f = np.ascontiguousarray(f[:, :n])
         topics, topic_code = _intern_topics(buf, arr, f[k.F_TOPIC_POS], f[k.F_TOPIC_LEN])
         slow = ~k.text_ok(arr, f, n)
-        if slow_topic in topics:
-            slow |= topic_code == topics.index(slow_topic)
+        for slow_topic in slow_topics:
+            if slow_topic in topics:
+                slow |= topic_code == topics.index(slow_topic)
         fast = np.flatnonzero(~slow)
         g = f[:, fast] if len(fast) < n else f
         _pairs, _kp, _kl, _vp, _vl, found, found_len = k.parse_properties(

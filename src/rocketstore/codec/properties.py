@@ -46,6 +46,7 @@ class PropertyName:
     TIMER_DELIVER_MS = "TIMER_DELIVER_MS"
     TIMER_DELAY_SEC = "TIMER_DELAY_SEC"
     TIMER_DELAY_MS = "TIMER_DELAY_MS"
+    TIMER_OUT_MS = "TIMER_OUT_MS"
 
 
 def decode_properties(text: str) -> dict[str, str]:

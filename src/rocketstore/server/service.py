@@ -10,8 +10,10 @@ status in the response, with RocketMQ's codes; nothing is written for a refused 
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
+import queue
 import threading
 import time
 import zlib
@@ -23,6 +25,7 @@ from ..codec.hosts import Host
 from ..codec.properties import PropertyName
 from ..encoder import validate_topic
 from ..errors import (
+    IllegalDeliveryTimeError,
     InvalidPropertyError,
     InvalidQueueError,
     InvalidTopicError,
@@ -36,6 +39,7 @@ from ..errors import (
 )
 from ..message import Message, MessageExt, PutMessageStatus
 from ..store import MessageStore
+from ..transaction import TransactionLog, UnknownTransactionError
 from .pop import InvalidReceiptHandleError, PopGroups
 from .protocol import SERVICE, pb, service_methods
 
@@ -45,6 +49,7 @@ BROKER_NAME = "rocketstore"
 RESERVED_PROPERTIES = frozenset(v for k, v in vars(PropertyName).items() if k.isupper() and isinstance(v, str))
 DEFAULT_INVISIBLE_MS = 30_000
 MAX_LONG_POLL_S = 30.0
+ACCEPTED_TYPES = (pb.MessageType.NORMAL, pb.MessageType.FIFO, pb.MessageType.DELAY, pb.MessageType.TRANSACTION)
 
 
 class Status(Exception):
@@ -72,6 +77,10 @@ def status_of(exc: BaseException) -> Status:
         return Status(pb.Code.ILLEGAL_TOPIC, text)
     if isinstance(exc, TopicNotExistError):
         return Status(pb.Code.TOPIC_NOT_FOUND, text)
+    if isinstance(exc, IllegalDeliveryTimeError):
+        return Status(pb.Code.ILLEGAL_DELIVERY_TIME, text)
+    if isinstance(exc, UnknownTransactionError):
+        return Status(pb.Code.INVALID_TRANSACTION_ID, text)
     if isinstance(exc, InvalidPropertyError):
         return Status(pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY, text)
     if isinstance(exc, InvalidReceiptHandleError):
@@ -98,6 +107,7 @@ class Metrics:
         self.sent = 0
         self.received = 0
         self.acked = 0
+        self.checks = 0
         self._lock = threading.Lock()
 
     def add(self, name: str, n: int = 1) -> None:
@@ -105,17 +115,35 @@ class Metrics:
             setattr(self, name, getattr(self, name) + n)
 
 
+@dataclasses.dataclass
+class TelemetryClient:
+    """One client's telemetry stream: what it publishes, and what the server has to tell it."""
+
+    client_id: str
+    topics: set[str] = dataclasses.field(default_factory=set)
+    outbox: queue.Queue = dataclasses.field(default_factory=queue.Queue)
+
+
 class MessagingService:
     """The RPC handlers; ``handler()`` makes the grpc generic handler that routes to them."""
 
-    def __init__(self, store: MessageStore, *, auto_create_topics: bool = True, max_attempts: int = 16) -> None:
+    def __init__(self, store: MessageStore, *, auto_create_topics: bool = True, max_attempts: int = 16,
+                 transaction_check_ms: int = 6_000) -> None:
         self.store = store
         self.auto_create_topics = auto_create_topics
         self.pop = PopGroups(store, max_attempts=max_attempts)
+        self.transactions = TransactionLog(store, check_after_ms=transaction_check_ms)
         self.metrics = Metrics()
         self._round_robin: dict[str, int] = {}
         self._new_messages = threading.Condition()
         self._closing = threading.Event()
+        self._clients: dict[str, TelemetryClient] = {}  # client id -> its open telemetry stream
+        self._clients_lock = threading.Lock()
+        self._checker = threading.Thread(target=self._check_transactions, args=(max(transaction_check_ms, 100),),
+                                         name="rocketstore-transaction-check", daemon=True)
+
+    def start(self) -> None:
+        self._checker.start()
 
     # --- plumbing --------------------------------------------------------------------------------------
 
@@ -144,6 +172,11 @@ class MessagingService:
         self._closing.set()
         with self._new_messages:
             self._new_messages.notify_all()
+        with self._clients_lock:
+            for client in self._clients.values():
+                client.outbox.put(None)
+        if self._checker.is_alive():
+            self._checker.join()
 
     # --- routes -----------------------------------------------------------------------------------------
 
@@ -169,7 +202,7 @@ class MessagingService:
             return pb.QueryRouteResponse(status=status(exc.code, str(exc)))
         endpoints = request.endpoints if request.endpoints.addresses else self._endpoints(context)
         broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=endpoints)
-        types = [pb.MessageType.NORMAL, pb.MessageType.FIFO]
+        types = list(ACCEPTED_TYPES)
         queues = []
         for queue_id in range(max(read, write)):
             perm = (pb.Permission.READ if queue_id < read else 0) | (pb.Permission.WRITE if queue_id < write else 0)
@@ -191,17 +224,67 @@ class MessagingService:
         return pb.NotifyClientTerminationResponse(status=status())
 
     def Telemetry(self, requests, context) -> Iterator:
-        """The settings handshake: each Settings a client sends is answered with the server's view of it."""
-        client = _client_id(context)
-        log.info("client %s connected (%s)", client, context.peer())
+        """The settings handshake (each Settings a client sends is answered with the server's view of it), and
+        the server's own commands to the client (orphaned-transaction checks) on the same stream."""
+        client_id = _client_id(context)
+        client = TelemetryClient(client_id)
+        log.info("client %s connected (%s)", client_id, context.peer())
+
+        def read() -> None:
+            try:
+                for command in requests:
+                    if command.HasField("settings"):
+                        if command.settings.HasField("publishing"):
+                            client.topics = {t.name for t in command.settings.publishing.topics}
+                        client.outbox.put(pb.TelemetryCommand(status=status(),
+                                                              settings=self._settings(command.settings)))
+            except Exception as exc:  # the client went away mid-read
+                log.debug("telemetry stream of %s ended: %s", client_id, exc)
+            finally:
+                client.outbox.put(None)
+
+        with self._clients_lock:
+            self._clients[client_id] = client
+        reader = threading.Thread(target=read, name="rocketstore-telemetry", daemon=True)
+        reader.start()
         try:
-            for command in requests:
-                if command.HasField("settings"):
-                    yield pb.TelemetryCommand(status=status(), settings=self._settings(command.settings))
-                if self._closing.is_set():
+            while not self._closing.is_set():
+                try:
+                    item = client.outbox.get(timeout=0.5)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                if item is None:
                     return
+                yield item
         finally:
-            log.info("client %s disconnected", client)
+            with self._clients_lock:
+                if self._clients.get(client_id) is client:
+                    del self._clients[client_id]
+            log.info("client %s disconnected", client_id)
+
+    def _check_transactions(self, interval_ms: int) -> None:
+        """Ask a producer of the topic about every transaction left open longer than the check delay."""
+        while not self._closing.wait(min(interval_ms, 1_000) / 1000):
+            try:
+                due = self.transactions.due_for_check()
+            except RocketStoreError as exc:
+                log.error("transaction check failed: %s", exc)
+                continue
+            for msg, transaction_id in due:
+                with self._clients_lock:
+                    producers = [c for c in self._clients.values() if msg.topic in c.topics]
+                if not producers:
+                    log.info("transaction %s of topic %s is open and no producer of the topic is connected",
+                             transaction_id, msg.topic)
+                    continue
+                producer = producers[self.metrics.checks % len(producers)]
+                command = pb.RecoverOrphanedTransactionCommand(message=self._to_proto(msg, None, 1, 0),
+                                                               transaction_id=transaction_id)
+                producer.outbox.put(pb.TelemetryCommand(recover_orphaned_transaction_command=command))
+                self.metrics.add("checks")
+                log.info("asked %s about open transaction %s", producer.client_id, transaction_id)
 
     def _settings(self, client):
         settings = pb.Settings()
@@ -225,21 +308,29 @@ class MessagingService:
     def SendMessage(self, request, context):
         if not request.messages:
             return pb.SendMessageResponse(status=status(pb.Code.BAD_REQUEST, "no messages"))
+        transactional = [m.system_properties.message_type == pb.MessageType.TRANSACTION for m in request.messages]
+        transaction_ids = [""] * len(request.messages)
         try:
             messages = [self._to_store(m) for m in request.messages]
-            results = self.store.put_messages(messages)
+            if any(transactional):
+                if len(messages) > 1:
+                    raise Status(pb.Code.BAD_REQUEST, "a transactional message is sent on its own")
+                result, transaction_ids[0] = self.transactions.prepare(messages[0])
+                results = [result]
+            else:
+                results = self.store.put_messages(messages)
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             log.debug("send refused: %s", failure)
             return pb.SendMessageResponse(status=status(failure.code, str(failure)))
         entries = []
         code = pb.Code.OK
-        for msg, result in zip(request.messages, results, strict=True):
+        for msg, result, transaction_id in zip(request.messages, results, transaction_ids, strict=True):
             entry_code = pb.Code.OK if result.status is PutMessageStatus.PUT_OK else pb.Code.MASTER_PERSISTENCE_TIMEOUT
             code = code if entry_code == pb.Code.OK else entry_code
             entries.append(pb.SendResultEntry(status=status(entry_code, result.status.name),
                                               message_id=msg.system_properties.message_id or result.uniq_key or "",
-                                              offset=result.queue_offset))
+                                              offset=result.queue_offset, transaction_id=transaction_id))
         self.metrics.add("sent", len(results))
         with self._new_messages:
             self._new_messages.notify_all()
@@ -265,10 +356,12 @@ class MessagingService:
             queue_id = _java_hash(props.message_group) % write  # one queue per group: order kept
         else:
             queue_id = self._next_queue(topic, write)
-        if props.HasField("delivery_timestamp") or props.message_type == pb.MessageType.DELAY:
-            raise Status(pb.Code.UNSUPPORTED, "delayed messages are not supported by rocketstore serve yet")
-        if props.message_type == pb.MessageType.TRANSACTION:
-            raise Status(pb.Code.UNSUPPORTED, "transactional messages are not supported by rocketstore serve yet")
+        if props.HasField("delivery_timestamp"):
+            if props.HasField("message_group") or props.message_type == pb.MessageType.TRANSACTION:
+                raise Status(pb.Code.BAD_REQUEST, "a delayed message cannot be FIFO or transactional")
+            user[PropertyName.TIMER_DELIVER_MS] = str(_ms(props.delivery_timestamp))
+        elif props.message_type == pb.MessageType.DELAY:
+            raise Status(pb.Code.ILLEGAL_DELIVERY_TIME, "a DELAY message needs a delivery timestamp")
         if props.tag and ("|" in props.tag or props.tag.strip() != props.tag):
             raise Status(pb.Code.ILLEGAL_MESSAGE_TAG, f"tag {props.tag!r} may not contain '|' or blanks at its ends")
         for key in props.keys:
@@ -287,6 +380,25 @@ class MessagingService:
         self._round_robin[topic] = n + 1
         return n % queues
 
+    def EndTransaction(self, request, context):
+        resolution = request.resolution
+        try:
+            if resolution not in (pb.TransactionResolution.COMMIT, pb.TransactionResolution.ROLLBACK):
+                raise Status(pb.Code.BAD_REQUEST, "resolution must be COMMIT or ROLLBACK")
+            committed = self.transactions.end(request.transaction_id, request.message_id, request.topic.name,
+                                              resolution == pb.TransactionResolution.COMMIT)
+        except (RocketStoreError, Status) as exc:
+            failure = status_of(exc)
+            log.debug("end transaction refused: %s", failure)
+            return pb.EndTransactionResponse(status=status(failure.code, str(failure)))
+        if committed is not None:
+            if not committed.ok:
+                return pb.EndTransactionResponse(status=status(pb.Code.MASTER_PERSISTENCE_TIMEOUT,
+                                                               committed.status.name))
+            with self._new_messages:
+                self._new_messages.notify_all()
+        return pb.EndTransactionResponse(status=status())
+
     # --- consume ----------------------------------------------------------------------------------------
 
     def QueryAssignment(self, request, context):
@@ -298,7 +410,7 @@ class MessagingService:
         broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=endpoints)
         # One assignment for the whole topic: receives pop from every queue (the proxy's pop mode does the same).
         queue = pb.MessageQueue(topic=request.topic, id=-1, permission=pb.Permission.READ_WRITE, broker=broker,
-                                accept_message_types=[pb.MessageType.NORMAL, pb.MessageType.FIFO])
+                                accept_message_types=ACCEPTED_TYPES)
         return pb.QueryAssignmentResponse(status=status(), assignments=[pb.Assignment(message_queue=queue)])
 
     def ReceiveMessage(self, request, context) -> Iterator:
@@ -358,7 +470,10 @@ class MessagingService:
             born_timestamp=_stamp(msg.born_timestamp), born_host=str(msg.born_host.ip),
             store_timestamp=_stamp(msg.store_timestamp), store_host=str(msg.store_host),
             queue_id=msg.queue_id, queue_offset=msg.queue_offset, delivery_attempt=attempt,
-            message_type=pb.MessageType.FIFO if PropertyName.SHARDING_KEY in props else pb.MessageType.NORMAL)
+            message_type=_message_type(props))
+        due = props.get(PropertyName.TIMER_OUT_MS) or props.get(PropertyName.TIMER_DELIVER_MS)
+        if due and due.isdigit():
+            system.delivery_timestamp.CopyFrom(_stamp(int(due)))
         if msg.tags:
             system.tag = msg.tags
         system.keys.extend(msg.keys)
@@ -457,6 +572,16 @@ class MessagingService:
         for msg in found.messages:
             yield pb.PullMessageResponse(message=self._to_proto(msg, None, 1, 0))
         yield pb.PullMessageResponse(next_offset=found.next_begin_offset)
+
+
+def _message_type(props: dict[str, str]) -> int:
+    if PropertyName.SHARDING_KEY in props:
+        return pb.MessageType.FIFO
+    if props.get(PropertyName.TRANSACTION_PREPARED) == "true":
+        return pb.MessageType.TRANSACTION
+    if PropertyName.TIMER_OUT_MS in props or PropertyName.TIMER_DELIVER_MS in props or PropertyName.DELAY in props:
+        return pb.MessageType.DELAY
+    return pb.MessageType.NORMAL
 
 
 def _duration_ms(duration) -> int:

@@ -1,0 +1,109 @@
+"""Timer messages (TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS): any delivery time, not just a level.
+
+Delivery is driven with ``store.schedule.deliver_due(now_ms=...)`` and times far enough ahead that the
+store's own thread (on the real clock) never delivers them first.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.brokerconfig import parse_fastjson
+from rocketstore.encoder import TIMER_TOPIC
+from rocketstore.errors import IllegalDeliveryTimeError
+from rocketstore.verify import verify_store
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
+                     max_hash_slot_num=97, max_index_num=400, timer_max_delay_sec=3600)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def bodies(store: MessageStore, topic: str) -> list[bytes]:
+    out = []
+    for queue_id in store.queue_ids(topic):
+        out += [m.body for m in store.get_message(topic, queue_id, 0, 100).messages]
+    return sorted(out)
+
+
+def test_timer_messages_wait_in_the_timer_queue_and_are_delivered_in_time_order(tmp_path):
+    base = now_ms()
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        sent = {}
+        for body, ahead in ((b"third", 300_000), (b"first", 100_000), (b"second", 200_000)):
+            sent[body] = store.put_message(Message("Pay", body, keys=[f"k-{body.decode()}"], queue_id=2,
+                                                   properties={"TIMER_DELIVER_MS": str(base + ahead)}))
+        store.put_message(Message("Pay", b"relative", keys=["k-rel"], properties={"TIMER_DELAY_SEC": "250"}))
+        store.wait_for_dispatch()
+        assert store.get_max_offset_in_queue(TIMER_TOPIC, 0) == 4
+        assert bodies(store, "Pay") == [], "nothing is in the real topic before its time"
+        for body in (b"first", b"second", b"third"):  # findable by key at once, under the real topic
+            assert [m.body for m in store.query_message("Pay", f"k-{body.decode()}")] == [body]
+
+        assert store.schedule.deliver_due(now_ms=base + 150_000) == 1
+        store.wait_for_dispatch()
+        assert bodies(store, "Pay") == [b"first"]
+        assert store.schedule.deliver_due(now_ms=base + 500_000) == 3
+        store.wait_for_dispatch()
+        assert bodies(store, "Pay") == sorted([b"first", b"second", b"third", b"relative"])
+        assert store.schedule.deliver_due(now_ms=base + 900_000) == 0, "each is delivered once"
+
+        delivered = store.get_message("Pay", 2, 0, 10).messages
+        assert [m.body for m in delivered] == [b"first", b"second", b"third"], "in delivery-time order"
+        first = delivered[0]
+        assert first.uniq_key == sent[b"first"].uniq_key and first.keys == ["k-first"]
+        assert "REAL_TOPIC" not in first.properties and "REAL_QID" not in first.properties
+        assert first.properties["TIMER_OUT_MS"] == str(base + 100_000) and "TIMER_DELIVER_MS" not in first.properties
+        found = store.query_message("Pay", "k-second")
+        assert [(m.topic, m.body) for m in found] == [("Pay", b"second")], "the parked copy is hidden once delivered"
+    assert verify_store(tmp_path, CONFIG).clean
+    offsets = parse_fastjson((tmp_path / "config" / "timerOffset.json").read_text())["offsetTable"]
+    assert offsets == {0: 4}
+
+
+def test_a_restart_delivers_every_timer_message_not_yet_delivered(tmp_path):
+    base = now_ms()
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        for i, ahead in enumerate((100_000, 400_000, 200_000, 300_000)):
+            store.put_message(Message("Pay", f"m{i}".encode(), properties={"TIMER_DELIVER_MS": str(base + ahead)}))
+        store.wait_for_dispatch()
+        assert store.schedule.deliver_due(now_ms=base + 250_000) == 2  # m0 (offset 0) and m2 (offset 2)
+    offsets = parse_fastjson((tmp_path / "config" / "timerOffset.json").read_text())["offsetTable"]
+    assert offsets == {0: 1}, "the committed offset stops below the first one still waiting"
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.wait_for_dispatch()
+        assert store.schedule.deliver_due(now_ms=base + 500_000) == 3  # m1, m3, and m2 again (at least once)
+        store.wait_for_dispatch()
+        assert bodies(store, "Pay") == [b"m0", b"m1", b"m2", b"m2", b"m3"]
+    offsets = parse_fastjson((tmp_path / "config" / "timerOffset.json").read_text())["offsetTable"]
+    assert offsets == {0: 4}
+
+
+def test_timer_message_rules(tmp_path):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        for props in ({"TIMER_DELIVER_MS": "soon"}, {"TIMER_DELAY_SEC": "1.5"},
+                      {"TIMER_DELIVER_MS": str(now_ms() + 3_700_000)}, {"TIMER_DELAY_MS": str(3_601_000)}):
+            with pytest.raises(IllegalDeliveryTimeError):
+                store.put_message(Message("Pay", b"x", properties=props))
+        assert store.max_phy_offset == 0, "a refused timer message writes nothing"
+        past = store.put_message(Message("Pay", b"due", properties={"TIMER_DELIVER_MS": str(now_ms() - 5)}))
+        store.wait_for_dispatch()
+        assert past.ok and bodies(store, "Pay") == [b"due"], "a time already past is stored as it is"
+        level = store.put_message(Message("Pay", b"lvl", properties={"DELAY": "3", "TIMER_DELAY_SEC": "60"}))
+        assert store.look_message_by_offset(level.commit_log_offset).topic == "SCHEDULE_TOPIC_XXXX", \
+            "a delay level wins over a timer"
+        table = pa.table({"topic": ["Pay", "Pay"], "body": [b"now", b"later"],
+                          "properties": pa.array([[], [("TIMER_DELAY_SEC", "600")]],
+                                                 pa.map_(pa.string(), pa.string()))})
+        result = store.put_batch(table)
+        store.wait_for_dispatch()
+        parked = store.look_message_by_offset(int(result.commit_log_offsets[1]))
+        assert (parked.topic, parked.queue_id, parked.properties["REAL_TOPIC"]) == (TIMER_TOPIC, 0, "Pay")
+        assert int(parked.properties["TIMER_DELIVER_MS"]) >= now_ms() + 590_000
+        assert bodies(store, "Pay") == [b"due", b"now"]

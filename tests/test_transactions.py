@@ -1,0 +1,80 @@
+"""Transactional messages in the store: half messages, commit, rollback, reopen, checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.message import SysFlag
+from rocketstore.transaction import CHECK_MAX_TOPIC, HALF_TOPIC, OP_TOPIC, TransactionLog, UnknownTransactionError
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
+                     max_hash_slot_num=97, max_index_num=400, auto_create_topic_enable=False)
+
+
+def visible(store: MessageStore, topic: str) -> list[bytes]:
+    out = []
+    for queue_id in store.queue_ids(topic):
+        out += [m.body for m in store.get_message(topic, queue_id, 0, 100).messages]
+    return out
+
+
+def test_commit_rollback_and_what_a_reopen_finds_open(tmp_path):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("Orders", 4)
+        log = TransactionLog(store, check_after_ms=60_000)
+        kept, kept_id = log.prepare(Message("Orders", b"kept", keys=["o-1"], tags="paid", queue_id=3))
+        dropped, dropped_id = log.prepare(Message("Orders", b"dropped", queue_id=1))
+        _open, open_id = log.prepare(Message("Orders", b"undecided", properties={"who": "me"}))
+        store.wait_for_dispatch()
+        assert visible(store, "Orders") == [], "half messages are in no queue a consumer reads"
+        assert store.get_max_offset_in_queue(HALF_TOPIC, 0) == 3
+
+        for bad in (("not-an-id", kept.uniq_key, "Orders"), (kept_id, "OTHER", "Orders"),
+                    (kept_id, kept.uniq_key, "Other")):
+            with pytest.raises(UnknownTransactionError):
+                log.end(*bad, commit=True)
+        result = log.end(kept_id, kept.uniq_key, "Orders", commit=True)
+        assert log.end(dropped_id, dropped.uniq_key, "Orders", commit=False) is None
+        with pytest.raises(UnknownTransactionError):
+            log.end(kept_id, kept.uniq_key, "Orders", commit=False)  # already ended
+        store.wait_for_dispatch()
+        assert visible(store, "Orders") == [b"kept"]
+        msg = store.look_message_by_offset(result.commit_log_offset)
+        assert (msg.topic, msg.queue_id, msg.tags, msg.keys, msg.uniq_key) == ("Orders", 3, "paid", ["o-1"],
+                                                                              kept.uniq_key)
+        assert msg.sys_flag & SysFlag.TRANSACTION_MASK == SysFlag.TRANSACTION_COMMIT_TYPE
+        assert msg.prepared_transaction_offset == kept.commit_log_offset
+        assert "REAL_TOPIC" not in msg.properties and msg.properties["TRAN_MSG"] == "true"
+        assert [m.body for m in store.query_message("Orders", "o-1")] == [b"kept"]
+        assert store.get_max_offset_in_queue(OP_TOPIC, 0) == 2
+        assert log.open_count() == 1
+
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        log = TransactionLog(store, check_after_ms=0)
+        assert log.open_count() == 1, "the undecided half is open again after a reopen"
+        due = log.due_for_check()
+        assert [(m.topic, m.body, m.properties["who"], tid) for m, tid in due] == [("Orders", b"undecided", "me",
+                                                                                     open_id)]
+        log.end(open_id, due[0][0].uniq_key, "Orders", commit=True)
+        store.wait_for_dispatch()
+        assert sorted(visible(store, "Orders")) == [b"kept", b"undecided"]
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert TransactionLog(store).open_count() == 0
+
+
+def test_an_unanswered_transaction_is_parked_after_max_checks(tmp_path):
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("Orders", 1)
+        log = TransactionLog(store, check_after_ms=1_000, max_checks=2)
+        half, tid = log.prepare(Message("Orders", b"lost producer"))
+        start = half.store_timestamp
+        assert log.due_for_check(now_ms=start + 500) == []
+        assert len(log.due_for_check(now_ms=start + 1_000)) == 1
+        assert log.due_for_check(now_ms=start + 1_500) == [], "offered again only after the check delay"
+        assert len(log.due_for_check(now_ms=start + 2_000)) == 1
+        assert log.due_for_check(now_ms=start + 3_000) == [] and log.open_count() == 0
+        store.wait_for_dispatch()
+        assert visible(store, CHECK_MAX_TOPIC) == [b"lost producer"] and visible(store, "Orders") == []
+        with pytest.raises(UnknownTransactionError):
+            log.end(tid, half.uniq_key, "Orders", commit=True)
