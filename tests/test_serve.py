@@ -479,3 +479,59 @@ def test_transactions_commit_rollback_and_the_orphan_check(served, tmp_path):
         bodies = sorted(m.body for q in store.queue_ids("Pay") for m in store.get_message("Pay", q, 0, 100).messages)
         assert bodies == [b"committed", b"orphan-commit"]
         assert [m.body for m in store.query_message("Pay", "committed")] == [b"committed"]
+
+
+def test_access_control_refuses_unsigned_and_wrongly_signed_calls(served, tmp_path):
+    from rocketstore.server.auth import authorization
+
+    accounts = tmp_path / "accounts"
+    accounts.write_text("# team accounts\nci-bot s3cret-1\nops  s3cret-2  # the operators\n")
+    server = served("--accounts-file", str(accounts), "--access-key", "admin", "--secret-key", "adm1n")
+    for ak, sk in (("ops", "s3cret-2"), ("admin", "adm1n")):
+        signed = ClientConfiguration(server.address, Credentials(ak, sk), request_timeout=5)
+        producer = Producer(signed, ("Secure",))
+        producer.startup()
+        try:
+            producer.send(message("Secure", f"from {ak}".encode()))
+        finally:
+            producer.shutdown()
+    wrong = ClientConfiguration(server.address, Credentials("ops", "guess"), request_timeout=5)
+    producer = Producer(wrong, ("Secure",))
+    with pytest.raises(Exception, match=r"(?i)unauthori|route"):
+        producer.startup()  # the route query is refused (the client reports "failed to fetch topic route")
+        producer.send(message("Secure", b"intruder"))
+    producer.shutdown()
+    deadline = time.monotonic() + 5
+    while not any("refused: signature does not match" in line for line in server.lines):
+        assert time.monotonic() < deadline, "".join(server.lines)
+        time.sleep(0.1)
+
+    send = pb.SendMessageRequest(messages=[pb.Message(topic=pb.Resource(name="Secure"), body=b"raw",
+                                                      system_properties=pb.SystemProperties(message_id="01AB"))])
+    stamp = time.strftime("%Y%m%dT%H%M%SZ")
+    with grpc.insecure_channel(server.address) as channel:
+        rpc = channel.unary_unary(f"/{SERVICE}/SendMessage", request_serializer=pb.SendMessageRequest.SerializeToString,
+                                  response_deserializer=pb.SendMessageResponse.FromString)
+        for metadata in ([], authorization("ops", "nope", stamp), authorization("nobody", "s3cret-1", stamp),
+                         [("authorization", "Basic b3BzOnMzY3JldC0y")]):
+            assert rpc(send, metadata=metadata, timeout=10).status.code == pb.Code.UNAUTHORIZED
+        assert rpc(send, metadata=authorization("ci-bot", "s3cret-1", stamp), timeout=10).status.code == pb.Code.OK
+        telemetry = channel.stream_stream(f"/{SERVICE}/Telemetry",
+                                          request_serializer=pb.TelemetryCommand.SerializeToString,
+                                          response_deserializer=pb.TelemetryCommand.FromString)
+        replies = list(telemetry(iter([pb.TelemetryCommand(settings=pb.Settings())]), timeout=10))
+        assert [r.status.code for r in replies] == [pb.Code.UNAUTHORIZED]
+    assert server.stop() == 0
+    with MessageStore.open(tmp_path / "store", CONFIG, read_only=True) as store:
+        bodies = sorted(m.body for q in store.queue_ids("Secure")
+                        for m in store.get_message("Secure", q, 0, 100).messages)
+        assert bodies == [b"from admin", b"from ops", b"raw"], "refused calls wrote nothing"
+
+
+def test_bad_access_control_options_are_usage_errors(tmp_path):
+    bad = tmp_path / "accounts"
+    bad.write_text("only-one-word\n")
+    for args, expected in ((["--access-key", "a"], "go together"), (["--accounts-file", str(bad)], "line 1"),
+                           (["--accounts-file", str(tmp_path / "missing")], "cannot read")):
+        done = rocketstore_cli("serve", "--store", str(tmp_path / "s"), "--listen", "127.0.0.1:0", *args)
+        assert done.returncode in (1, 2) and expected in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -726,13 +726,17 @@ Clients: an official RocketMQ 5 client with endpoints 127.0.0.1:8081 (no TLS).
 @click.option("--max-attempts", type=click.IntRange(1, 1000), default=16, show_default=True,
               help="deliveries of a message before it goes to %DLQ%<group>")
 @click.option("--sync-flush", is_flag=True, help="acknowledge a send only once it is on disk (SYNC_FLUSH)")
+@click.option("--access-key", default=None, help="require calls signed with this access key (ACL) ...")
+@click.option("--secret-key", default=None, help="... and this secret key")
+@click.option("--accounts-file", type=click.Path(dir_okay=False), default=None,
+              help="require signed calls; one 'ACCESS_KEY SECRET_KEY' per line")
 @click.option("--transaction-check-seconds", type=click.FloatRange(0.1, 86_400), default=6.0, show_default=True,
               help="ask the producer about a transaction left open this long (then every as long again)")
 @click.option("--stats-interval", type=float, default=None,
               help="seconds between sends/s, receives/s, in-flight lines (default: 5 on a terminal, else off)")
 @fails_cleanly
-def serve(listen, auto_create_topics, max_attempts, sync_flush, transaction_check_seconds, stats_interval,
-          **kwargs) -> None:
+def serve(listen, auto_create_topics, max_attempts, sync_flush, access_key, secret_key, accounts_file,
+          transaction_check_seconds, stats_interval, **kwargs) -> None:
     """Speak RocketMQ 5's gRPC protocol over the store: official clients send to it and consume from it."""
     import logging
     import signal
@@ -744,12 +748,20 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, transaction_chec
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    from ..server import Accounts
+
+    if (access_key is None) != (secret_key is None):
+        raise click.UsageError("--access-key and --secret-key go together")
+    accounts = None
+    if accounts_file is not None or access_key is not None:
+        pairs = Accounts.from_file(accounts_file).secrets if accounts_file is not None else {}
+        accounts = Accounts({**pairs, **({access_key: secret_key} if access_key is not None else {})})
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     if sync_flush:
         config = config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
     with MessageStore.open(root, config) as store:
         server = Server(store, listen, auto_create_topics=auto_create_topics, max_attempts=max_attempts,
-                        transaction_check_ms=int(transaction_check_seconds * 1000)).start()
+                        transaction_check_ms=int(transaction_check_seconds * 1000), accounts=accounts).start()
         click.echo(f"rocketstore serve: listening on {server.address} (store {root})", err=True)
 
         def stop(signum, frame):

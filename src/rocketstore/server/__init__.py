@@ -13,6 +13,7 @@ import grpc
 
 from ..errors import ConfigError
 from ..store import MessageStore
+from .auth import Accounts
 from .service import MessagingService
 
 log = logging.getLogger("rocketstore.server")
@@ -25,12 +26,12 @@ class Server:
     """A gRPC server of ``MessagingService`` over ``store`` (which stays the caller's to close)."""
 
     def __init__(self, store: MessageStore, listen: str = "127.0.0.1:8081", *, auto_create_topics: bool = True,
-                 max_attempts: int = 16, transaction_check_ms: int = 6_000) -> None:
+                 max_attempts: int = 16, transaction_check_ms: int = 6_000, accounts: Accounts | None = None) -> None:
         if store.read_only:
             raise ConfigError("rocketstore serve needs a writable store (it stores what clients send)")
         self.store = store
         self.service = MessagingService(store, auto_create_topics=auto_create_topics, max_attempts=max_attempts,
-                                        transaction_check_ms=transaction_check_ms)
+                                        transaction_check_ms=transaction_check_ms, accounts=accounts)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="rocketstore-rpc"),
                                  options=[("grpc.max_receive_message_length", 64 << 20),
                                           ("grpc.max_send_message_length", 64 << 20),
@@ -72,4 +73,4 @@ class Server:
         self.stop()
 
 
-__all__ = ["Server"]
+__all__ = ["Accounts", "Server"]

@@ -40,6 +40,7 @@ from ..errors import (
 from ..message import Message, MessageExt, PutMessageStatus
 from ..store import MessageStore
 from ..transaction import TransactionLog, UnknownTransactionError
+from .auth import Accounts
 from .pop import InvalidReceiptHandleError, PopGroups
 from .protocol import SERVICE, pb, service_methods
 
@@ -108,6 +109,7 @@ class Metrics:
         self.received = 0
         self.acked = 0
         self.checks = 0
+        self.refused = 0
         self._lock = threading.Lock()
 
     def add(self, name: str, n: int = 1) -> None:
@@ -128,8 +130,9 @@ class MessagingService:
     """The RPC handlers; ``handler()`` makes the grpc generic handler that routes to them."""
 
     def __init__(self, store: MessageStore, *, auto_create_topics: bool = True, max_attempts: int = 16,
-                 transaction_check_ms: int = 6_000) -> None:
+                 transaction_check_ms: int = 6_000, accounts: Accounts | None = None) -> None:
         self.store = store
+        self.accounts = accounts
         self.auto_create_topics = auto_create_topics
         self.pop = PopGroups(store, max_attempts=max_attempts)
         self.transactions = TransactionLog(store, check_after_ms=transaction_check_ms)
@@ -153,6 +156,8 @@ class MessagingService:
             method = getattr(self, name, None)
             if method is None:
                 method = self._unsupported(name, response, server_streaming)
+            if self.accounts is not None:
+                method = self._signed_only(method, name, response, server_streaming)
             make = {(False, False): grpc.unary_unary_rpc_method_handler,
                     (False, True): grpc.unary_stream_rpc_method_handler,
                     (True, True): grpc.stream_stream_rpc_method_handler,
@@ -167,6 +172,20 @@ class MessagingService:
             reply = response(status=status(pb.Code.NOT_IMPLEMENTED, f"{name} is not supported by rocketstore serve"))
             return iter([reply]) if server_streaming else reply
         return refuse
+
+    def _signed_only(self, method, name: str, response: type, server_streaming: bool):
+        accounts = self.accounts
+        assert accounts is not None
+
+        def guarded(request, context):
+            refusal = accounts.refusal(context.invocation_metadata())
+            if refusal is None:
+                return method(request, context)
+            self.metrics.add("refused")
+            log.warning("%s from %s refused: %s", name, context.peer(), refusal)
+            reply = response(status=status(pb.Code.UNAUTHORIZED, refusal))
+            return iter([reply]) if server_streaming else reply
+        return guarded
 
     def close(self) -> None:
         self._closing.set()
