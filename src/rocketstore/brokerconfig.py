@@ -674,6 +674,25 @@ class SubscriptionGroupManager(ConfigFile):
         self.version = data.get("dataVersion", {}).get("counter", 0)
         self.extra = {k: v for k, v in data.items() if k not in ("subscriptionGroupTable", "dataVersion")}
 
+    def is_orderly(self, group: str) -> bool:
+        """consumeMessageOrderly: the group consumes FIFO (one message in flight per message group)."""
+        return bool(self.groups.get(group, {}).get("consumeMessageOrderly", False))
+
+    def set_orderly(self, group: str, orderly: bool) -> None:
+        """Set consumeMessageOrderly (adding the group if needed) and write the file; a failed write changes nothing."""
+        self.ensure(group)
+        with self._lock:
+            config = self.groups[group]
+            before = config.get("consumeMessageOrderly", False)
+            if before == orderly:
+                return
+            config["consumeMessageOrderly"] = orderly
+            try:
+                self.persist()
+            except BaseException:
+                config["consumeMessageOrderly"] = before
+                raise
+
     def ensure(self, group: str) -> None:
         """Add ``group`` (RocketMQ's defaults) and write the file, unless it is there; a failed write adds nothing."""
         if self.read_only or group in self.groups:

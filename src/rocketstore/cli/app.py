@@ -726,6 +726,8 @@ Clients: an official RocketMQ 5 client with endpoints 127.0.0.1:8081 (no TLS).
 @click.option("--max-attempts", type=click.IntRange(1, 1000), default=16, show_default=True,
               help="deliveries of a message before it goes to %DLQ%<group>")
 @click.option("--sync-flush", is_flag=True, help="acknowledge a send only once it is on disk (SYNC_FLUSH)")
+@click.option("--fifo-group", "fifo_groups", multiple=True, metavar="GROUP",
+              help="consume in order: one message in flight per message group (consumeMessageOrderly; kept)")
 @click.option("--access-key", default=None, help="require calls signed with this access key (ACL) ...")
 @click.option("--secret-key", default=None, help="... and this secret key")
 @click.option("--accounts-file", type=click.Path(dir_okay=False), default=None,
@@ -735,7 +737,7 @@ Clients: an official RocketMQ 5 client with endpoints 127.0.0.1:8081 (no TLS).
 @click.option("--stats-interval", type=float, default=None,
               help="seconds between sends/s, receives/s, in-flight lines (default: 5 on a terminal, else off)")
 @fails_cleanly
-def serve(listen, auto_create_topics, max_attempts, sync_flush, access_key, secret_key, accounts_file,
+def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, access_key, secret_key, accounts_file,
           transaction_check_seconds, stats_interval, **kwargs) -> None:
     """Speak RocketMQ 5's gRPC protocol over the store: official clients send to it and consume from it."""
     import logging
@@ -760,6 +762,8 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, access_key, secr
     if sync_flush:
         config = config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
     with MessageStore.open(root, config) as store:
+        for group in fifo_groups:
+            store.subscription_groups.set_orderly(group, True)
         server = Server(store, listen, auto_create_topics=auto_create_topics, max_attempts=max_attempts,
                         transaction_check_ms=int(transaction_check_seconds * 1000), accounts=accounts).start()
         click.echo(f"rocketstore serve: listening on {server.address} (store {root})", err=True)

@@ -7,6 +7,11 @@ of acknowledged (or filtered-out) offsets, so after a crash every message that w
 acknowledged is delivered again from it: the in-flight table itself needs no file. What a restart may
 deliver twice is an acknowledged message above an unacknowledged one (at-least-once, as RocketMQ).
 
+A FIFO group (consumeMessageOrderly in subscriptionGroup.json) has at most one message of each message
+group in flight: a message whose group has one in flight, or an earlier one held back, is held back too
+(remembered by offset, not re-read) and handed out, in order, once the one before it is acknowledged or
+dead-lettered. A message that is not acknowledged in time comes back before any later one of its group.
+
 A receipt handle names the queue, the offset and the delivery (a number that changes with every
 delivery and every ChangeInvisibleDuration), signed with a key made at server start: a forged handle, one
 from an earlier delivery of the same message, or one from before a restart is refused.
@@ -21,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..codec.properties import PropertyName
 from ..errors import RocketStoreError
 from ..message import MessageExt
 from ..reads import GetMessageStatus
@@ -28,6 +34,7 @@ from ..store import MessageStore
 
 DLQ_PREFIX = "%DLQ%"
 SCAN_MAX = 32  # messages read per queue per look (the store's get_message batch)
+HELD_MAX = 4096  # a FIFO queue stops reading ahead once this many messages wait behind their groups
 
 
 class InvalidReceiptHandleError(RocketStoreError):
@@ -39,6 +46,7 @@ class InFlight:
     deadline_ms: int
     attempt: int  # 1 for the first delivery
     delivery: int  # the number in the current receipt handle
+    group: str | None = None  # its message group, in a FIFO consumer group
 
 
 @dataclass(slots=True)
@@ -47,6 +55,22 @@ class QueueState:
     next: int
     inflight: dict[int, InFlight] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)  # acknowledged or filtered out, above committed
+    busy: dict[str, int] = field(default_factory=dict)  # FIFO: message group -> its offset in flight
+    held: dict[int, str] = field(default_factory=dict)  # FIFO: offset -> message group, read but waiting
+    held_groups: dict[str, int] = field(default_factory=dict)  # FIFO: message group -> how many are held
+
+    def hold(self, offset: int, message_group: str) -> None:
+        self.held[offset] = message_group
+        self.held_groups[message_group] = self.held_groups.get(message_group, 0) + 1
+
+    def release(self, offset: int) -> str:
+        message_group = self.held.pop(offset)
+        left = self.held_groups[message_group] - 1
+        if left:
+            self.held_groups[message_group] = left
+        else:
+            del self.held_groups[message_group]
+        return message_group
 
 
 @dataclass(slots=True)
@@ -60,9 +84,10 @@ class Delivery:
 class PopGroups:
     """In-flight state of every (group, topic); thread-safe (one lock: every operation is short)."""
 
-    def __init__(self, store: MessageStore, *, max_attempts: int = 16) -> None:
+    def __init__(self, store: MessageStore, *, max_attempts: int = 16, is_fifo=None) -> None:
         self.store = store
         self.max_attempts = max_attempts
+        self.is_fifo = is_fifo or (lambda group: False)
         self._key = secrets.token_bytes(32)
         self._lock = threading.Lock()
         self._queues: dict[tuple[str, str, int], QueueState] = {}
@@ -111,17 +136,22 @@ class PopGroups:
                     if len(out) >= batch:
                         break
                     self._redeliver(group, topic, queue_id, state, offset, now, invisible_ms, out)
+            fifo = self.is_fifo(group)
             for queue_id in queue_ids:
                 if len(out) >= batch:
                     break
                 state = self._state(group, topic, queue_id)
-                self._take_new(group, topic, queue_id, state, batch - len(out), now, invisible_ms, tags, out)
+                if fifo:
+                    self._take_held(group, topic, queue_id, state, batch - len(out), now, invisible_ms, out)
+                self._take_new(group, topic, queue_id, state, batch - len(out), now, invisible_ms, tags, out, fifo)
         return out
 
     def _deliver(self, group: str, topic: str, queue_id: int, state: QueueState, msg: MessageExt, attempt: int,
-                 now: int, invisible_ms: int, out: list[Delivery]) -> None:
+                 now: int, invisible_ms: int, out: list[Delivery], message_group: str | None = None) -> None:
         self._deliveries += 1
-        state.inflight[msg.queue_offset] = InFlight(now + invisible_ms, attempt, self._deliveries)
+        state.inflight[msg.queue_offset] = InFlight(now + invisible_ms, attempt, self._deliveries, message_group)
+        if message_group is not None:
+            state.busy[message_group] = msg.queue_offset
         handle = self._sign(group, topic, queue_id, msg.queue_offset, self._deliveries)
         out.append(Delivery(msg, handle, attempt, invisible_ms))
 
@@ -137,11 +167,28 @@ class PopGroups:
             self._dead_letter(group, msgs[0])
             self._finish(group, topic, queue_id, state, offset)
             return
-        self._deliver(group, topic, queue_id, state, msgs[0], flight.attempt + 1, now, invisible_ms, out)
+        self._deliver(group, topic, queue_id, state, msgs[0], flight.attempt + 1, now, invisible_ms, out, flight.group)
+
+    def _take_held(self, group: str, topic: str, queue_id: int, state: QueueState, room: int, now: int,
+                   invisible_ms: int, out: list[Delivery]) -> None:
+        """FIFO: held-back messages whose group is free again, oldest first, one per group."""
+        for offset in sorted(state.held):
+            if room <= 0:
+                return
+            if state.held[offset] in state.busy:
+                continue
+            message_group = state.release(offset)
+            found = [m for m in self.store.get_message(topic, queue_id, offset, 1).messages if m.queue_offset == offset]
+            if not found:  # gone (retention)
+                state.done.add(offset)
+                self._advance(group, topic, queue_id, state)
+                continue
+            self._deliver(group, topic, queue_id, state, found[0], 1, now, invisible_ms, out, message_group)
+            room -= 1
 
     def _take_new(self, group: str, topic: str, queue_id: int, state: QueueState, room: int, now: int,
-                  invisible_ms: int, tags: str | None, out: list[Delivery]) -> None:
-        while room > 0:
+                  invisible_ms: int, tags: str | None, out: list[Delivery], fifo: bool = False) -> None:
+        while room > 0 and not (fifo and len(state.held) >= HELD_MAX):
             found = self.store.get_message(topic, queue_id, state.next, min(SCAN_MAX, room), tags)
             if found.status is GetMessageStatus.OFFSET_TOO_SMALL:  # retention removed what we had not read
                 state.next = max(state.next, found.min_offset)
@@ -152,7 +199,11 @@ class PopGroups:
                 if offset not in delivered:
                     state.done.add(offset)  # filtered out by tag: consumed as far as this group goes
             for msg in found.messages:
-                self._deliver(group, topic, queue_id, state, msg, 1, now, invisible_ms, out)
+                message_group = msg.properties.get(PropertyName.SHARDING_KEY) if fifo else None
+                if message_group is not None and (message_group in state.busy or message_group in state.held_groups):
+                    state.hold(msg.queue_offset, message_group)  # waits for the one before it
+                    continue
+                self._deliver(group, topic, queue_id, state, msg, 1, now, invisible_ms, out, message_group)
                 room -= 1
             advanced = found.next_begin_offset > state.next
             state.next = max(state.next, found.next_begin_offset)
@@ -196,7 +247,9 @@ class PopGroups:
     # --- bookkeeping ----------------------------------------------------------------------------
 
     def _finish(self, group: str, topic: str, queue_id: int, state: QueueState, offset: int) -> None:
-        state.inflight.pop(offset, None)
+        flight = state.inflight.pop(offset, None)
+        if flight is not None and flight.group is not None and state.busy.get(flight.group) == offset:
+            del state.busy[flight.group]
         state.done.add(offset)
         self._advance(group, topic, queue_id, state)
 

@@ -134,7 +134,7 @@ class MessagingService:
         self.store = store
         self.accounts = accounts
         self.auto_create_topics = auto_create_topics
-        self.pop = PopGroups(store, max_attempts=max_attempts)
+        self.pop = PopGroups(store, max_attempts=max_attempts, is_fifo=store.subscription_groups.is_orderly)
         self.transactions = TransactionLog(store, check_after_ms=transaction_check_ms)
         self.metrics = Metrics()
         self._round_robin: dict[str, int] = {}
@@ -316,7 +316,7 @@ class MessagingService:
             settings.publishing.max_body_size = self.store.config.max_message_size
             settings.publishing.validate_message_type = True
         if client.HasField("subscription"):
-            settings.subscription.fifo = False
+            settings.subscription.fifo = self.store.subscription_groups.is_orderly(client.subscription.group.name)
             settings.subscription.receive_batch_size = 32
             if not client.subscription.HasField("long_polling_timeout"):
                 settings.subscription.long_polling_timeout.FromSeconds(20)
