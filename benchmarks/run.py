@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-BENCHMARKS = ["append", "index", "recovery", "scan", "tools", "spark", "peers"]
+BENCHMARKS = ["append", "index", "recovery", "scan", "tools", "spark", "peers", "serve"]
 
 sys.path.insert(0, str(HERE))
 

@@ -12,10 +12,12 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("name", ["append", "index", "recovery", "scan", "tools", "spark", "peers"])
+@pytest.mark.parametrize("name", ["append", "index", "recovery", "scan", "tools", "spark", "peers", "serve"])
 def test_benchmark_smoke(name):
     if name == "spark":
         pytest.importorskip("pyspark")
+    if name == "serve":
+        pytest.importorskip("rocketmq")
     done = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), "--quick", name], capture_output=True,
                           text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -7,6 +7,7 @@ some of them itself before sending), built from rocketstore's own protocol class
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -140,7 +141,8 @@ def receive_until(consumer: SimpleConsumer, count: int, invisible: int = 10, tim
     return got
 
 
-def test_producer_to_simple_consumer_round_trip_and_the_store_sees_it(served, tmp_path):
+def test_producer_to_simple_consumer_round_trip_and_the_store_sees_it(served, tmp_path, request):
+    spark = request.getfixturevalue("spark") if importlib.util.find_spec("pyspark") else None
     server = served()
     receipts = send_all(server, "Orders", [message("Orders", f"order {i}".encode(), keys=f"order-{i}",
                                                    tag="Paid" if i % 2 else "New", color="red", n=str(i))
@@ -166,6 +168,13 @@ def test_producer_to_simple_consumer_round_trip_and_the_store_sees_it(served, tm
         found = store.query_message("Orders", "order-3")
         assert [m.body for m in found] == [b"order 3"] and found[0].uniq_key == receipts[3].message_id
         assert sum(store.query_offset("Billing", "Orders", q) for q in store.queue_ids("Orders")) == 6
+    if spark is not None:  # and through Spark, as any broker store
+        from rocketstore.spark.jobs import read_store
+
+        rows = read_store(spark, tmp_path / "store").where("topic = 'Orders'").collect()
+        by_key = {tuple(r["keys"]): r for r in rows}
+        assert len(rows) == 6 and by_key[("order-3",)]["body"] == b"order 3"
+        assert by_key[("order-3",)]["tags"] == "Paid" and by_key[("order-3",)]["properties"]["color"] == "red"
 
 
 def test_redelivery_after_the_invisible_duration_counts_attempts(served):

@@ -761,6 +761,9 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     if sync_flush:
         config = config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    # A send is ~0.1 ms of Python; under the default 5 ms GIL switch interval a handler waiting behind the
+    # dispatcher or a long poll could wait 5 ms (p99 5.3 -> 1.6 ms for one producer thread here).
+    sys.setswitchinterval(0.0005)
     with MessageStore.open(root, config) as store:
         for group in fifo_groups:
             store.subscription_groups.set_orderly(group, True)

@@ -11,6 +11,7 @@ status in the response, with RocketMQ's codes; nothing is written for a refused 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import logging
 import queue
@@ -614,6 +615,7 @@ def _java_hash(text: str) -> int:
     return java_string_hash(text) & 0x7FFFFFFF
 
 
+@functools.lru_cache(maxsize=4096)
 def _host(text: str | None) -> Host | None:
     """The client's born host (an IP, no port); one that does not parse is stored as the store's own."""
     if not text:
