@@ -49,6 +49,15 @@ def delivered_copy(msg: MessageExt) -> Message | None:
                    born_host=msg.born_host, reconsume_times=msg.reconsume_times)
 
 
+def readable_copy(store, phy_offset: int) -> Message | None:
+    """The delivered copy of the parked record at ``phy_offset``; None (logged) if it cannot be read."""
+    try:
+        return delivered_copy(store.look_message_by_offset(phy_offset))
+    except RocketStoreError as exc:
+        log.error("skipping the delayed message at %d: %s", phy_offset, exc)
+        return None
+
+
 class TimerWheel:
     """Timer messages waiting in rmq_sys_wheel_timer queue 0, delivered when due."""
 
@@ -78,11 +87,7 @@ class TimerWheel:
         count = 0
         while self._waiting and self._waiting[0][0] <= now:
             entry = heapq.heappop(self._waiting)
-            try:
-                copy = delivered_copy(self.store.look_message_by_offset(entry[2]))
-            except RocketStoreError as exc:
-                log.error("skipping timer message at %d: %s", entry[2], exc)
-                copy = None
+            copy = readable_copy(self.store, entry[2])
             if copy is not None:
                 try:
                     self.store.put_message(copy)
@@ -138,11 +143,7 @@ class ScheduleMessageService:
                 unit = queue.get_unit(offset)
                 if unit is None or unit[2] > now:
                     break  # units of one level are in delivery-time order
-                try:
-                    copy = delivered_copy(self.store.look_message_by_offset(unit[0]))
-                except RocketStoreError as exc:
-                    log.error("skipping scheduled message at %d: %s", unit[0], exc)
-                    copy = None
+                copy = readable_copy(self.store, unit[0])
                 if copy is not None:
                     self.store.put_message(copy)
                     count += 1
