@@ -66,29 +66,28 @@ def status(code: int = pb.Code.OK, message: str = "OK"):
     return pb.Status(code=code, message=message)
 
 
+# the proxy's mapping of broker results, most specific first (subclasses before their bases)
+_CODES: tuple[tuple[type | tuple[type, ...], int], ...] = (
+    (MessageTooLargeError, pb.Code.MESSAGE_BODY_TOO_LARGE),
+    (PropertiesTooLargeError, pb.Code.MESSAGE_PROPERTIES_TOO_LARGE),
+    (InvalidTopicError, pb.Code.ILLEGAL_TOPIC),
+    (TopicNotExistError, pb.Code.TOPIC_NOT_FOUND),
+    (IllegalDeliveryTimeError, pb.Code.ILLEGAL_DELIVERY_TIME),
+    (UnknownTransactionError, pb.Code.INVALID_TRANSACTION_ID),
+    (InvalidPropertyError, pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY),
+    (InvalidReceiptHandleError, pb.Code.INVALID_RECEIPT_HANDLE),
+    ((MessageIllegalError, InvalidQueueError), pb.Code.BAD_REQUEST),
+)
+
+
 def status_of(exc: BaseException) -> Status:
-    """The RocketMQ status for a store error (the proxy's mapping of broker results)."""
+    """The RocketMQ status for a store error."""
     if isinstance(exc, Status):
         return exc
     text = str(exc)
-    if isinstance(exc, MessageTooLargeError):
-        return Status(pb.Code.MESSAGE_BODY_TOO_LARGE, text)
-    if isinstance(exc, PropertiesTooLargeError):
-        return Status(pb.Code.MESSAGE_PROPERTIES_TOO_LARGE, text)
-    if isinstance(exc, InvalidTopicError):
-        return Status(pb.Code.ILLEGAL_TOPIC, text)
-    if isinstance(exc, TopicNotExistError):
-        return Status(pb.Code.TOPIC_NOT_FOUND, text)
-    if isinstance(exc, IllegalDeliveryTimeError):
-        return Status(pb.Code.ILLEGAL_DELIVERY_TIME, text)
-    if isinstance(exc, UnknownTransactionError):
-        return Status(pb.Code.INVALID_TRANSACTION_ID, text)
-    if isinstance(exc, InvalidPropertyError):
-        return Status(pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY, text)
-    if isinstance(exc, InvalidReceiptHandleError):
-        return Status(pb.Code.INVALID_RECEIPT_HANDLE, text)
-    if isinstance(exc, MessageIllegalError | InvalidQueueError):
-        return Status(pb.Code.BAD_REQUEST, text)
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return Status(code, text)
     if isinstance(exc, StoreFailedError | StoreIOError):
         return Status(pb.Code.INTERNAL_SERVER_ERROR, f"the store cannot write: {text}")
     return Status(pb.Code.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {text}")
