@@ -269,11 +269,14 @@ def test_failed_background_flush_surfaces_at_the_next_put_flush_and_close(tmp_pa
         assert [m.keys for m in reopened.iter_messages()] == [["k0"]]
 
 
-@pytest.mark.parametrize("fail_at", [1, 2])  # the record bytes, or the commit point after them
-def test_failed_commit_log_write_is_an_error_and_writes_nothing(tmp_path, monkeypatch, fail_at):
-    """Commit-log appends go through pwrite(2): a failed one (EIO, ENOSPC) raises a StoreIOError for that put,
-    nothing of it is ever visible or recovered, and the next put lands where it would have."""
-    store = MessageStore.open(tmp_path, ASYNC)
+# the record bytes, or the commit point after them (8 bytes: a copy into a preallocated segment)
+@pytest.mark.parametrize(("case", "fail_at"), [("sparse", 1), ("sparse", 2), ("large", 1)])
+def test_failed_commit_log_write_is_an_error_and_writes_nothing(tmp_path, monkeypatch, fail_at, case):
+    """Appends to a sparse segment, and appends larger than COPY_LIMIT, go through pwrite(2): a failed one (EIO,
+    ENOSPC) raises a StoreIOError for that put, nothing of it is ever visible or recovered, and the next put
+    lands where it would have."""
+    config = ASYNC.replace(preallocate=False) if case == "sparse" else ASYNC
+    store = MessageStore.open(tmp_path, config)
     for i in range(3):
         store.put_message(message(i))
     real, calls = os.pwrite, [0]
@@ -285,16 +288,31 @@ def test_failed_commit_log_write_is_an_error_and_writes_nothing(tmp_path, monkey
         return real(fd, data, offset)
 
     monkeypatch.setattr(mapped_file.os, "pwrite", pwrite)
+    failing = message(3)
+    if case == "large":
+        failing.body = b"x" * (mapped_file.COPY_LIMIT + 1)
     with pytest.raises(StoreIOError, match="No space left"):
-        store.put_message(message(3))
+        store.put_message(failing)
+    assert calls[0] == fail_at
     monkeypatch.setattr(mapped_file.os, "pwrite", real)
     result = store.put_message(message(5))  # queue 1, like the failed put: its queue offset was not used up
     assert result.queue_offset == 1 and result.commit_log_offset == store.max_phy_offset - result.store_size
     store.wait_for_dispatch()
     assert [m.keys for m in store.get_message("T", 1, 0).messages] == [["k1"], ["k5"]]
     store.close()
-    with MessageStore.open(tmp_path, ASYNC) as reopened:
+    with MessageStore.open(tmp_path, config) as reopened:
         assert [m.keys for m in reopened.iter_messages()] == [["k0"], ["k1"], ["k2"], ["k5"]]
+
+
+def test_small_appends_copy_into_preallocated_segments_only(tmp_path):
+    """A copy into a mapping cannot report a full disk (the kernel sends SIGBUS instead), so only segments whose
+    blocks are all allocated take small appends that way; a broker's sparse segment keeps pwrite."""
+    with MessageStore.open(tmp_path / "reserved", ASYNC) as store:
+        store.put_message(message(0))
+        assert store.commit_log.mapped_files.last._reserved
+    with MessageStore.open(tmp_path / "sparse", ASYNC.replace(preallocate=False)) as store:
+        store.put_message(message(0))
+        assert not store.commit_log.mapped_files.last._reserved
 
 
 # --- 10. no temporary names where RocketMQ parses names ---------------------------------------------------------

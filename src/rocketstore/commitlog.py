@@ -10,6 +10,7 @@ process killed at any instant leaves either the complete append or nothing that 
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,6 @@ from .codec.record import (
     QUEUE_OFFSET_POS,
     RecordLayout,
     blank_record,
-    fill_in_place,
     message_from_layout,
     read_layout,
     seal_property_crc,
@@ -46,6 +46,7 @@ from .mapped.file_queue import MappedFileQueue
 from .message import MessageExt
 
 _BYTES_8 = np.arange(8, dtype=np.int64)
+_I64 = struct.Struct(">q")
 
 
 def _put_i64(data: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
@@ -117,7 +118,7 @@ class CommitLog:
 
     def append(self, records: list[PendingRecord]) -> list[AppendResult]:
         """Append records contiguously in one segment (``putMessage`` / ``putMessages``)."""
-        total = sum(r.size for r in records)
+        total = sum([len(r.data) for r in records])
         if total > self._batch_limit:
             raise MessageTooLargeError(
                 f"batch of {total} bytes does not fit one {self.config.mapped_file_size_commit_log}-byte segment")
@@ -133,23 +134,29 @@ class CommitLog:
                 raise
             pos = mapped.wrote_position
             phy = mapped.file_from_offset + pos
+            offsets = self.queue_offsets
             assigned: dict[tuple[str, int], int] = {}
             results = []
             for rec in records:
                 queue_offset = 0
                 if rec.takes_queue_offset:
                     key = (rec.topic, rec.queue_id)
-                    queue_offset = assigned.get(key, self.queue_offsets.get(key, 0))
+                    queue_offset = assigned.get(key)
+                    if queue_offset is None:
+                        queue_offset = offsets.get(key, 0)
                     assigned[key] = queue_offset + 1
-                fill_in_place(rec.data, 0, queue_offset=queue_offset, phy_offset=phy, store_timestamp=store_ts,
-                              sys_flag=rec.sys_flag)
+                data = rec.data
+                _I64.pack_into(data, QUEUE_OFFSET_POS, queue_offset)
+                _I64.pack_into(data, PHY_OFFSET_POS, phy)
+                _I64.pack_into(data, rec.store_ts_pos, store_ts)
+                size = len(data)
                 if seal:
-                    seal_property_crc(rec.data, 0, rec.size)
-                results.append(AppendResult(phy, queue_offset, store_ts, rec.size))
-                phy += rec.size
+                    seal_property_crc(data, 0, size)
+                results.append(AppendResult(phy, queue_offset, store_ts, size))
+                phy += size
             self._write_atomically(mapped, pos, records)
             mapped.wrote_position = pos + total
-            self.queue_offsets.update(assigned)
+            offsets.update(assigned)
             self.last_store_timestamp = store_ts
             self.last_append = (phy, store_ts)
         return results

@@ -278,7 +278,8 @@ class Dispatcher:
         self._thread.start()
 
     def wake(self) -> None:
-        self._work.set()
+        if not self._work.is_set():  # set() takes a lock and notifies; every put calls this
+            self._work.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .codec.hashing import body_crc
 from .codec.hosts import Host
 from .codec.msgid import UniqKeyGenerator
-from .codec.properties import KEY_SEPARATOR, PropertyName, check_property, encode_properties
+from .codec.properties import KEY_SEPARATOR, PropertyName, check_property, encode_properties, split_keys
 from .codec.record import (
     BLANK_RECORD_LEN,
     CRC32_RESERVED_LEN,
@@ -24,6 +24,7 @@ from .codec.record import (
     MAX_TOPIC_LEN_V1,
     encode_record,
     record_length,
+    store_timestamp_pos,
 )
 from .config import StoreConfig
 from .errors import (
@@ -47,6 +48,7 @@ RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
 _TOPIC_CHARS = re.compile(r"[%|a-zA-Z0-9_-]+")
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_CRC_RESERVE = b"\0" * CRC32_RESERVED_LEN
 _USER_SYS_FLAGS = (SysFlag.COMPRESSED | SysFlag.MULTI_TAGS | SysFlag.TRANSACTION_MASK
                    | SysFlag.COMPRESSION_TYPE_MASK)
 
@@ -67,6 +69,25 @@ def validate_topic(topic: object) -> str:
     return topic
 
 
+def _as_body(body: object) -> bytes:
+    if isinstance(body, str):
+        return body.encode("utf-8")
+    if body is None or not isinstance(body, bytes | bytearray | memoryview):
+        raise MessageIllegalError(f"body must be bytes, not {type(body).__name__}")
+    return bytes(body)
+
+
+def _check_numbers(queue_id: object, flag: object, sys_flag: object, reconsume: object, prepared: object) -> None:
+    _check_int("queue_id", queue_id, (0, _INT32[1]))
+    _check_int("flag", flag, _INT32)
+    _check_int("sys_flag", sys_flag, _INT32)
+    if sys_flag & ~_USER_SYS_FLAGS:  # type: ignore[operator]
+        raise InvalidFlagError(
+            f"sys_flag 0x{sys_flag:X} sets bits a message may not set (allowed: 0x{_USER_SYS_FLAGS:X})")
+    _check_int("reconsume_times", reconsume, _INT32)
+    _check_int("prepared_transaction_offset", prepared, _INT64)
+
+
 def _check_int(name: str, value: object, bounds: tuple[int, int]) -> int:
     if type(value) is int and bounds[0] <= value <= bounds[1]:  # the fast path of every put
         return value
@@ -85,16 +106,12 @@ class PendingRecord:
     sys_flag: int
     uniq_key: str | None
     wait_store: bool  # WAIT != false: a SYNC_FLUSH put waits for the disk
+    store_ts_pos: int  # where STORETIMESTAMP goes (after a 4- or 16-byte born host)
+    takes_queue_offset: bool  # PREPARED and ROLLBACK records get no queue offset (0 is written)
 
     @property
     def size(self) -> int:
         return len(self.data)
-
-    @property
-    def takes_queue_offset(self) -> bool:
-        """PREPARED and ROLLBACK records get no queue offset (0 is written)."""
-        return SysFlag.transaction_type(self.sys_flag) in (SysFlag.TRANSACTION_NOT_TYPE,
-                                                           SysFlag.TRANSACTION_COMMIT_TYPE)
 
 
 class MessageEncoder:
@@ -105,73 +122,127 @@ class MessageEncoder:
         self.store_host = Host.parse(config.store_host)
         self.store_host_raw = self.store_host.to_bytes()
         self.uniq_keys = UniqKeyGenerator(self.store_host.ip)
-        self._valid_topics: set[str] = set()  # topics that passed validate_topic
+        self._topics: dict[str, tuple[bytes, int]] = {}  # validated topics: UTF-8 bytes, record version
+        self._born_hosts: dict[object, tuple[bytes, int]] = {}
+        self._store_host_pair = (self.store_host_raw, SysFlag.BORNHOST_V6 if self.store_host.is_ipv6 else 0)
+        self._store_host_flag = SysFlag.STOREHOST_V6 if self.store_host.is_ipv6 else 0
         # The largest record one segment can take: it must leave room for the closing BLANK record.
         self.max_record_len = min(config.max_message_size + 65536,
                                   config.mapped_file_size_commit_log - BLANK_RECORD_LEN)
 
     def encode(self, msg: Message) -> PendingRecord:
-        """Check ``msg`` and encode it; raises a ``MessageIllegalError`` subclass when it is not storable."""
-        if not isinstance(msg, Message):
+        """Check ``msg`` and encode it; raises a ``MessageIllegalError`` subclass when it is not storable.
+
+        Every put goes through here, so the common case (known topic, bytes body, default numbers and
+        hosts, no user properties) costs a few dictionary lookups and one struct pack; anything else
+        takes the same checks the long way.
+        """
+        if type(msg) is not Message and not isinstance(msg, Message):
             raise MessageIllegalError(f"expected a rocketstore.Message, got {type(msg).__name__}")
         topic = msg.topic
-        if topic not in self._valid_topics:
-            validate_topic(topic)
-            if len(self._valid_topics) < 65536:
-                self._valid_topics.add(topic)
+        known = self._topics.get(topic) or self._learn_topic(topic)
         body = msg.body
-        if isinstance(body, str):
-            body = body.encode("utf-8")
-        if body is None or not isinstance(body, bytes | bytearray | memoryview):
-            raise MessageIllegalError(f"body must be bytes, not {type(body).__name__}")
-        body = bytes(body)
+        if type(body) is not bytes:
+            body = _as_body(body)
         if len(body) > self.config.max_message_size:
             raise MessageTooLargeError(
                 f"body is {len(body)} bytes; max_message_size is {self.config.max_message_size}")
-        queue_id = _check_int("queue_id", msg.queue_id, (0, _INT32[1]))
-        flag = _check_int("flag", msg.flag, _INT32)
-        sys_flag = _check_int("sys_flag", msg.sys_flag, _INT32)
-        if sys_flag & ~_USER_SYS_FLAGS:
-            raise InvalidFlagError(
-                f"sys_flag 0x{sys_flag:X} sets bits a message may not set (allowed: 0x{_USER_SYS_FLAGS:X})")
-        reconsume = _check_int("reconsume_times", msg.reconsume_times, _INT32)
-        prepared = _check_int("prepared_transaction_offset", msg.prepared_transaction_offset, _INT64)
+        queue_id, flag, sys_flag = msg.queue_id, msg.flag, msg.sys_flag
+        reconsume, prepared = msg.reconsume_times, msg.prepared_transaction_offset
+        if not (type(queue_id) is int and 0 <= queue_id <= _INT32[1] and type(flag) is int
+                and _INT32[0] <= flag <= _INT32[1] and type(sys_flag) is int and not sys_flag & ~_USER_SYS_FLAGS
+                and type(reconsume) is int and _INT32[0] <= reconsume <= _INT32[1]
+                and type(prepared) is int and _INT64[0] <= prepared <= _INT64[1]):
+            _check_numbers(queue_id, flag, sys_flag, reconsume, prepared)  # raises, naming the field
         born_ts = msg.born_timestamp
         if born_ts is None:
             born_ts = time.time_ns() // 1_000_000
-        born_ts = _check_int("born_timestamp", born_ts, _INT64)
-        born_host = self.store_host if msg.born_host is None else Host.parse(msg.born_host)
-        if born_host.is_ipv6:
-            sys_flag |= SysFlag.BORNHOST_V6
-        if self.store_host.is_ipv6:
-            sys_flag |= SysFlag.STOREHOST_V6
+        elif not (type(born_ts) is int and _INT64[0] <= born_ts <= _INT64[1]):
+            _check_int("born_timestamp", born_ts, _INT64)
+        born_host = self._store_host_pair if msg.born_host is None else self._born_host(msg.born_host)
+        sys_flag |= born_host[1] | self._store_host_flag
 
-        properties = self.properties_for(msg.properties or {}, msg.tags, msg.key_list())
-        topic, queue_id = self.schedule(topic, queue_id, properties)
+        user = msg.properties
+        if user:
+            properties = self.properties_for(user, msg.tags, msg.key_list())
+            topic, queue_id = self.schedule(topic, queue_id, properties)
+            wait_store = properties.get(PropertyName.WAIT, "true").lower() != "false"
+        else:
+            properties = self._plain_properties(msg.tags, msg.keys)
+            wait_store = True
         uniq_key = properties[PropertyName.UNIQ_KEY]
-        wait_store = properties.get(PropertyName.WAIT, "true").lower() != "false"
         props = encode_properties(properties, checked=True).encode("utf-8")
         if self.config.enabled_append_prop_crc:
-            props += b"\0" * CRC32_RESERVED_LEN
+            props += _CRC_RESERVE
         if len(props) > MAX_PROPERTIES_LEN:
             raise PropertiesTooLargeError(f"properties are {len(props)} bytes encoded; the limit is 32767")
 
+        if topic != msg.topic:  # parked until due
+            known = self._topics.get(topic) or self._learn_topic(topic)
+        topic_bytes, version = known
+        size = record_length(len(body), len(topic_bytes), len(props), sys_flag, version)
+        if size > self.max_record_len:
+            raise MessageTooLargeError(f"record is {size} bytes; at most {self.max_record_len} fit")
+        data = encode_record(
+            topic=topic_bytes, body=body, properties=props, queue_id=queue_id, flag=flag, sys_flag=sys_flag,
+            born_timestamp=born_ts, born_host=born_host[0], store_host=self.store_host_raw,
+            reconsume_times=reconsume, prepared_transaction_offset=prepared, version=version,
+            crc=body_crc(body),
+        )
+        return PendingRecord(data, topic, queue_id, sys_flag, uniq_key, wait_store, store_timestamp_pos(sys_flag),
+                             not sys_flag & SysFlag.TRANSACTION_PREPARED_TYPE)  # the bit PREPARED and ROLLBACK share
+
+    def _learn_topic(self, topic: str) -> tuple[bytes, int]:
+        """Validate a topic once: its UTF-8 bytes and the record version it needs."""
+        validate_topic(topic)
         topic_bytes = topic.encode("utf-8")
         version = MAGIC_V1
         if self.config.auto_message_version_on_topic_len and len(topic) > MAX_TOPIC_LEN_V1:
             version = MAGIC_V2
         elif len(topic_bytes) > MAX_TOPIC_LEN_V1:
             raise InvalidTopicError("topic longer than 127 bytes needs auto_message_version_on_topic_len")
-        size = record_length(len(body), len(topic_bytes), len(props), sys_flag, version)
-        if size > self.max_record_len:
-            raise MessageTooLargeError(f"record is {size} bytes; at most {self.max_record_len} fit")
-        data = encode_record(
-            topic=topic_bytes, body=body, properties=props, queue_id=queue_id, flag=flag, sys_flag=sys_flag,
-            born_timestamp=born_ts, born_host=born_host.to_bytes(), store_host=self.store_host_raw,
-            reconsume_times=reconsume, prepared_transaction_offset=prepared, version=version,
-            crc=body_crc(body),
-        )
-        return PendingRecord(data, topic, queue_id, sys_flag, uniq_key, wait_store)
+        if len(self._topics) < 65536:
+            self._topics[topic] = (topic_bytes, version)
+        return topic_bytes, version
+
+    def _born_host(self, host: object) -> tuple[bytes, int]:
+        """(raw bytes, sysflag bit) of a born host, parsed once per distinct value."""
+        known = self._born_hosts.get(host)
+        if known is None:
+            parsed = Host.parse(host)
+            known = parsed.to_bytes(), SysFlag.BORNHOST_V6 if parsed.is_ipv6 else 0
+            if len(self._born_hosts) < 4096:
+                self._born_hosts[host] = known
+        return known
+
+    def _plain_properties(self, tags: object, keys: object) -> dict[str, str]:
+        """TAGS, KEYS and a new UNIQ_KEY for a message without user properties."""
+        properties: dict[str, str] = {}
+        if tags is not None and tags != "":
+            if type(tags) is not str or "\x01" in tags or "\x02" in tags:
+                check_property(PropertyName.TAGS, tags)  # raises
+            properties[PropertyName.TAGS] = tags  # type: ignore[assignment]
+        if keys:
+            if type(keys) is list and len(keys) == 1 and type(keys[0]) is str:
+                joined = keys[0]
+                if not joined or KEY_SEPARATOR in joined or "\x01" in joined or "\x02" in joined:
+                    joined = self._joined_keys(keys)
+            else:
+                joined = self._joined_keys(split_keys(keys) if isinstance(keys, str) else list(keys))  # type: ignore[arg-type]
+            if joined:
+                properties[PropertyName.KEYS] = joined
+        properties[PropertyName.UNIQ_KEY] = self.uniq_keys.next()
+        return properties
+
+    @staticmethod
+    def _joined_keys(keys: list[str]) -> str:
+        for key in keys:
+            if not isinstance(key, str) or not key or KEY_SEPARATOR in key:
+                raise InvalidPropertyError(f"key {key!r} is empty or contains a space (the KEYS separator)")
+        joined = KEY_SEPARATOR.join(keys)
+        if joined:
+            check_property(PropertyName.KEYS, joined)
+        return joined
 
     def schedule(self, topic: str, queue_id: int, properties: dict[str, str]) -> tuple[str, int]:
         """Where a delayed message waits (``CommitLog.asyncPutMessage``, ``HookUtils.handleScheduleMessage``):
@@ -243,11 +314,7 @@ class MessageEncoder:
                 raise InvalidPropertyError("TAGS given both as tags= and in properties, with different values")
             properties[PropertyName.TAGS] = tags
         if keys:
-            for key in keys:
-                if not isinstance(key, str) or not key or KEY_SEPARATOR in key:
-                    raise InvalidPropertyError(f"key {key!r} is empty or contains a space (the KEYS separator)")
-            joined = KEY_SEPARATOR.join(keys)
-            check_property(PropertyName.KEYS, joined)
+            joined = self._joined_keys(keys)
             if properties.get(PropertyName.KEYS, joined) != joined:
                 raise InvalidPropertyError("KEYS given both as keys= and in properties, with different values")
             properties[PropertyName.KEYS] = joined

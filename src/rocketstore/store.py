@@ -32,7 +32,7 @@ from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
 from .consumer import Consumer
 from .dispatch import Dispatcher, dispatch_request
-from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder, PendingRecord
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder
 from .errors import (
     CorruptDataError,
     InvalidQueueError,
@@ -76,6 +76,7 @@ class MessageStore:
         self._lock: StoreLock | None = None
         self._abort = AbortFile(root)
         self.encoder = MessageEncoder(config)
+        self._store_host_hex = self.encoder.store_host_raw.hex().upper()  # offset msgIds: this + the offset
         self._batch = None  # the column-wise encoder, made on the first put_batch (it imports pyarrow)
         self.health = StoreHealth()  # why puts are refused, if they are (RocketMQ's RunningFlags)
         self.commit_log = CommitLog(root, config, read_only=read_only, health=self.health)
@@ -417,7 +418,8 @@ class MessageStore:
         self._check_open(write=True)
         self.health.check_writable()
         msgs = list(msgs)
-        records = [self.encoder.encode(m) for m in msgs]
+        encode = self.encoder.encode
+        records = [encode(m) for m in msgs]
         if not records:
             return []
         for msg, rec in zip(msgs, records, strict=True):
@@ -434,8 +436,10 @@ class MessageStore:
             if not self.flusher.wait_flushed(end):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
-        return [_result(status, rec, res, self.encoder.store_host_raw) for rec, res in zip(records, appended,
-                                                                                              strict=True)]
+        host = self._store_host_hex
+        return [PutMessageResult(status, f"{host}{res.phy_offset:016X}", rec.uniq_key, res.phy_offset,
+                                 res.queue_offset, res.store_timestamp, res.size)
+                for rec, res in zip(records, appended, strict=True)]
 
     def put_batch(self, table) -> PutBatchResult:
         """Store a ``pyarrow.Table``/``RecordBatch`` of messages, encoded column-wise (the fast way in).
@@ -695,9 +699,4 @@ def _clear_staging(staging: Path) -> None:
         elif entry.is_dir(follow_symlinks=False) and entry.name.startswith("rebuild-"):
             shutil.rmtree(entry.path, ignore_errors=True)  # a rebuild killed before it was complete
 
-
-def _result(status: PutMessageStatus, rec: PendingRecord, res, store_host_raw: bytes) -> PutMessageResult:
-    msg_id = (store_host_raw + res.phy_offset.to_bytes(8, "big")).hex().upper()
-    return PutMessageResult(status=status, msg_id=msg_id, uniq_key=rec.uniq_key, commit_log_offset=res.phy_offset,
-                            queue_offset=res.queue_offset, store_timestamp=res.store_timestamp, store_size=res.size)
 

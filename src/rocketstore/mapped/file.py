@@ -37,6 +37,9 @@ def parse_segment_name(name: str) -> int | None:
     return int(name)
 
 
+COPY_LIMIT = 16384  # bytes; see MappedFile.write
+
+
 class MappedFile:
     """A fixed-size file mapped into memory, with RocketMQ's write/flush positions.
 
@@ -45,7 +48,7 @@ class MappedFile:
     mapped again on the next access; the positions stay in memory, and dirty pages are msynced first.
     """
 
-    __slots__ = ("_budget", "_deleted", "_evicted", "_fd", "_mm", "file_from_offset", "file_size", "flushed_position",
+    __slots__ = ("_budget", "_deleted", "_evicted", "_fd", "_mm", "_reserved", "file_from_offset", "file_size", "flushed_position",
                  "path", "path_text", "read_only", "wrote_position")
 
     def __init__(self, path: Path, file_size: int, *, read_only: bool = False,
@@ -65,6 +68,7 @@ class MappedFile:
         self._deleted = False
         self._mm: mmap.mmap | None = None
         self._fd = -1  # kept for pwrite by a writable file that is never evicted (see write)
+        self._reserved = False  # every block allocated: a store into the mapping cannot meet a full disk
         self._map()
 
     def _map(self) -> None:
@@ -84,6 +88,8 @@ class MappedFile:
             except OSError as exc:
                 raise StoreIOError(exc.errno, f"cannot map segment {self.path}: {exc.strerror}") from exc
             if not self.read_only and self._budget is None:
+                blocks = os.fstat(fd).st_blocks
+                self._reserved = blocks * 512 >= self.file_size
                 self._fd, fd = fd, -1
         finally:
             if fd >= 0:
@@ -151,11 +157,15 @@ class MappedFile:
         A file that is never evicted (the commit log's) writes with pwrite(2) into the page cache its mapping
         shares: a copy into the mapping takes a page fault per fresh page while holding the GIL (ingest ran 30%
         slower) and stalls every thread while the page is under a SYNC_FLUSH writer's msync; pwrite does
-        neither. A file that may be evicted copies into its mapping: its descriptor could be closed and
-        its number reused by another file between two writes.
+        neither, and reports a full disk as ENOSPC. Writes of at most ``COPY_LIMIT`` bytes to a file whose
+        blocks are all allocated (preallocated segments; a sparse one could SIGBUS on a full disk) copy into
+        the mapping all the same: a system call releases the GIL, and getting it back from the dispatcher
+        thread cost a single put more than the copy's rare page fault. A file that may be evicted always
+        copies into its mapping: its descriptor could be closed and its number reused by another file
+        between two writes.
         """
         fd = self._fd
-        if fd < 0:
+        if fd < 0 or (len(data) <= COPY_LIMIT and self._reserved):
             try:
                 self.buffer[pos : pos + len(data)] = data
             except (OSError, ValueError) as exc:  # pragma: no cover - mapping errors are rare
