@@ -243,7 +243,7 @@ def test_import_stores_each_row_once_and_reads_back_equal(spark, tmp_path):
             for i in range(300)]
     df = spark.createDataFrame(rows, "topic string, body binary, keys array<string>, tags string, "
                                      "properties map<string,string>, queueId int").repartition(3)
-    report = import_messages(df, tmp_path / "s", config=CONFIG, batch_size=64)
+    report = import_messages(df, tmp_path / "s", config=CONFIG)
     assert report.rows == 300
     back = read_store(spark, tmp_path / "s").collect()
     assert len(back) == 300
@@ -253,7 +253,30 @@ def test_import_stores_each_row_once_and_reads_back_equal(spark, tmp_path):
         assert store.query_message("Imp1", "ik7")[0].body == b"payload 7"
     bad = spark.createDataFrame([("ok", b"x"), ("bad/topic", b"y")], "topic string, body binary").coalesce(1)
     with pytest.raises(Exception, match="row 1"):
-        import_messages(bad, tmp_path / "s", config=CONFIG, batch_size=1)
+        import_messages(bad, tmp_path / "s", config=CONFIG)
+
+
+def test_import_names_the_bad_row_of_a_batch_and_keeps_the_batches_before(spark, tmp_path):
+    """Rows go in as one put_batch per Arrow batch (here 64 rows): a bad row is named by its place in the
+    DataFrame, nothing of its batch is stored, every batch before it is. String bodies and keys work."""
+    rows = [(f"Imp{i % 2}" if i != 70 else "bad/topic", f"text {i}", f"a{i} b{i}") for i in range(100)]
+    df = spark.createDataFrame(rows, "topic string, body string, keys string").coalesce(1)
+    old = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "64")
+    try:
+        with pytest.raises(Exception, match=r"row 70: .*nothing of rows 64\.\.99 stored; the 64 rows before them"):
+            import_messages(df, tmp_path / "s", config=CONFIG)
+        report = import_messages(df.where("topic != 'bad/topic'").repartition(3), tmp_path / "t", config=CONFIG)
+    finally:
+        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", old)
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        stored = list(store.iter_messages())
+        assert [m.body for m in stored] == [f"text {i}".encode() for i in range(64)]
+        assert stored[5].keys == ["a5", "b5"] and store.query_message("Imp1", "b63")[0].body == b"text 63"
+    assert report.rows == 99 and report.batches >= 3
+    with MessageStore.open(tmp_path / "t", CONFIG) as store:
+        assert sorted(m.body for m in store.iter_messages()) == sorted(f"text {i}".encode() for i in range(100)
+                                                                        if i != 70)
 
 
 def test_find_keys_across_stores(spark, tmp_path):

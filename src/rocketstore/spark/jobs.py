@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..checkpoint import StoreCheckpoint
+from ..codec.properties import split_keys
 from ..commitlog import CommitLog
 from ..config import StoreConfig, detect_config
 from ..consumequeue import CONSUMEQUEUE_DIR, ConsumeQueueTable
@@ -32,7 +34,7 @@ from ..errors import ConfigError, RocketStoreError
 from ..index.service import INDEX_DIR, IndexService
 from ..lifecycle import ABORT_FILE, StoreLock
 from ..mapped.file import STAGING_DIR, fsync_dir
-from ..message import Message, SysFlag
+from ..message import SysFlag
 from ..recovery import RECOVERY_DIR, recover_commit_log
 from ..store import MessageStore
 from .failures import in_task
@@ -263,58 +265,93 @@ class ImportReport:
     last_offset: int | None = None
 
 
-def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, batch_size: int = 256,
-                    progress: Progress | None = None) -> ImportReport:
+IMPORT_COLUMNS = ("topic", "body", "keys", "tags", "properties", "queueId")
+IMPORT_CHUNK_BYTES = 64 << 20  # one Arrow chunk sent to the driver holds at most about this much
+_ROW = re.compile(r"row (\d+): ")  # how put_batch names the first bad row of its table
+
+
+def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, progress: Progress | None = None
+                    ) -> ImportReport:
     """Append every row of ``df`` to the store through its single writer, each exactly once.
 
     Columns: ``topic`` and ``body`` (binary or string) are required; ``keys`` (array or
-    space-separated string), ``tags``, ``properties`` (map) and ``queueId`` are optional. Rows
-    stream to the driver in partition order; each batch is one all-or-nothing append. A bad row
-    stops the import with an error naming it; the rows before it stay stored (the report says how many).
+    space-separated string), ``tags``, ``properties`` (map) and ``queueId`` are optional, others are
+    not read. Rows reach the driver as Arrow batches (Spark's Arrow batch size, at most
+    ``IMPORT_CHUNK_BYTES`` each), one partition ahead, in partition order; each batch is one
+    ``put_batch`` (all or nothing). A bad row stops the import with an error naming its place in
+    the DataFrame; the batches before it stay stored (the report says how many rows).
     """
-    columns = set(df.columns)
-    missing = {"topic", "body"} - columns
+    present = set(df.columns)
+    columns = [c for c in IMPORT_COLUMNS if c in present]
+    missing = {"topic", "body"} - present
     if missing:
         raise ConfigError(f"import needs columns topic and body; missing {sorted(missing)}")
     report = ImportReport()
     root = Path(root)
     config = detect_config(root, config) if (root / "commitlog").is_dir() else (config or StoreConfig())
     with MessageStore.open(root, config) as store:
-        batch: list[Message] = []
-        for row in df.toLocalIterator(prefetchPartitions=True):
-            batch.append(_row_message(row.asDict(), report.rows + len(batch)))
-            if len(batch) >= batch_size:
-                _put(store, batch, report, progress)
-        _put(store, batch, report, progress)
+        for chunk in _arrow_chunks(df.select(*columns)):
+            if chunk.num_rows:
+                _put(store, _batch_columns(chunk), report, progress)
     return report
 
 
-def _row_message(row: dict, index: int) -> Message:
-    body = row.get("body")
-    if isinstance(body, bytearray | memoryview):
-        body = bytes(body)
-    keys = row.get("keys") or ()
-    try:
-        return Message(topic=row["topic"], body=body, tags=row.get("tags"), keys=keys,
-                       properties=dict(row["properties"]) if row.get("properties") else None,
-                       queue_id=int(row.get("queueId") or 0))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"row {index} is not a message: {exc}") from None
+def _arrow_chunks(df) -> Iterator[pa.Table]:
+    """``df`` on the driver as Arrow tables, in order, holding one partition at a time: each executor batch
+    travels as one binary cell of Arrow IPC (``toLocalIterator`` of plain rows moved ~20,000 rows/s)."""
+    limit = IMPORT_CHUNK_BYTES
+
+    def to_ipc(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            parts = max(1, -(-batch.nbytes // limit))
+            step = max(1, -(-batch.num_rows // parts))
+            for start in range(0, batch.num_rows, step):
+                sink = pa.BufferOutputStream()
+                piece = batch.slice(start, step)
+                with pa.ipc.new_stream(sink, piece.schema) as writer:
+                    writer.write_batch(piece)
+                yield pa.RecordBatch.from_arrays([pa.array([sink.getvalue().to_pybytes()], pa.binary())], ["ipc"])
+
+    for row in df.mapInArrow(to_ipc, "ipc binary").toLocalIterator(prefetchPartitions=True):
+        yield pa.ipc.open_stream(pa.py_buffer(row.ipc)).read_all()
 
 
-def _put(store: MessageStore, batch: list[Message], report: ImportReport, progress: Progress | None) -> None:
-    if not batch:
-        return
+def _batch_columns(chunk: pa.Table) -> pa.Table:
+    """A chunk of the import's columns as the columns ``put_batch`` takes."""
     try:
-        results = store.put_messages(batch)
+        data = {"topic": chunk.column("topic").cast(pa.string()), "body": chunk.column("body").cast(pa.binary())}
+        names = set(chunk.column_names)
+        if "keys" in names:
+            keys = chunk.column("keys")
+            if pa.types.is_string(keys.type) or pa.types.is_large_string(keys.type):
+                keys = pa.array([split_keys(k) for k in keys.to_pylist()], pa.list_(pa.string()))
+            data["keys"] = keys.cast(pa.list_(pa.string()))
+        if "tags" in names:
+            data["tags"] = chunk.column("tags").cast(pa.string())
+        if "properties" in names:
+            data["properties"] = chunk.column("properties").cast(pa.map_(pa.string(), pa.string()))
+        if "queueId" in names:
+            data["queue_id"] = pc.fill_null(chunk.column("queueId").cast(pa.int32()), 0)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise ConfigError(f"import columns cannot be read as messages: {exc}") from None
+    return pa.table(data)
+
+
+def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: Progress | None) -> None:
+    try:
+        result = store.put_batch(table)
     except RocketStoreError as exc:
-        raise type(exc)(f"row {report.rows}..{report.rows + len(batch) - 1} rejected ({report.rows} rows "
-                        f"stored before it): {exc}") from exc
-    report.rows += len(batch)
+        text = str(exc)
+        found = _ROW.match(text)
+        where = (f"row {report.rows + int(found[1])}: {text[found.end():]}" if found else
+                 f"rows {report.rows}..{report.rows + table.num_rows - 1}: {text}")
+        raise type(exc)(f"{where} (nothing of rows {report.rows}..{report.rows + table.num_rows - 1} stored; "
+                        f"the {report.rows} rows before them are)") from exc
+    report.rows += table.num_rows
     report.batches += 1
-    report.first_offset = results[0].commit_log_offset if report.first_offset is None else report.first_offset
-    report.last_offset = results[-1].commit_log_offset
-    batch.clear()
+    offsets = result.commit_log_offsets
+    report.first_offset = int(offsets[0]) if report.first_offset is None else report.first_offset
+    report.last_offset = int(offsets[-1])
     if progress is not None:
         progress("importing", report.rows, 0)
 
