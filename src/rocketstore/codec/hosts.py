@@ -29,7 +29,7 @@ class Host(NamedTuple):
 
     @classmethod
     def from_bytes(cls, raw: bytes | bytearray | memoryview) -> Host:
-        return _host_of(bytes(raw))
+        return host_of(bytes(raw))
 
     @classmethod
     def _decode(cls, raw: bytes) -> Host:
@@ -71,6 +71,6 @@ class Host(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def _host_of(raw: bytes) -> Host:
+def host_of(raw: bytes) -> Host:
     """Hosts repeat (one store host, a few producers): every read decodes the same few bytes."""
     return Host._decode(raw)

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from ..errors import (
     BadMagicError,
@@ -29,7 +28,7 @@ from ..errors import (
 )
 from ..message import MessageExt, SysFlag
 from .hashing import body_crc
-from .hosts import Host
+from .hosts import host_of
 from .properties import PropertyName, decode_properties
 
 MAGIC_V1: Final = -626843481  # 0xDAA320A7
@@ -58,6 +57,7 @@ _SIZE_MAGIC = struct.Struct(">ii")
 _V4_FIXED = struct.Struct(">iiiiiqqiq8sq8siqi")  # the 88 fixed bytes of a record with two IPv4 hosts
 assert _HEAD.size == 48 and _TAIL.size == 16 and _V4_FIXED.size == FIXED_PART_LEN
 
+_V6_BITS = SysFlag.BORNHOST_V6 | SysFlag.STOREHOST_V6
 _CRC_PREFIX = f"{PropertyName.CRC32}\x01".encode()
 
 
@@ -161,9 +161,11 @@ def seal_property_crc(buf: bytearray | memoryview, pos: int, size: int) -> None:
 
 # --- decoding ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class RecordLayout:
-    """Where the variable parts of a validated record are (absolute positions in its buffer)."""
+class RecordLayout(NamedTuple):
+    """Where the variable parts of a validated record are (absolute positions in its buffer).
+
+    A tuple rather than a frozen dataclass: every read builds one, and a frozen dataclass's ``__init__``
+    costs a ``object.__setattr__`` per field."""
 
     size: int
     magic: int
@@ -275,14 +277,19 @@ def decode_record(buf, pos: int = 0, limit: int | None = None, *, check_crc: boo
 def message_from_layout(buf, pos: int, layout: RecordLayout, *, read_body: bool = True,
                         decompress: bool = False, max_body_size: int = 64 << 20,
                         path: str | None = None, base: int = 0) -> MessageExt:
-    (size, _magic, crc, queue_id, flag, queue_offset, phy_offset, sys_flag, born_ts) = _HEAD.unpack_from(buf, pos)
-    born_len, store_len = host_lengths(sys_flag)
-    born_host = Host.from_bytes(buf[pos + BORN_HOST_POS : pos + BORN_HOST_POS + born_len])
-    p = pos + BORN_HOST_POS + born_len
-    store_ts = _I64.unpack_from(buf, p)[0]
-    store_host_raw = bytes(buf[p + 8 : p + 8 + store_len])
-    p += 8 + store_len
-    reconsume, prepared, _body_len = _TAIL.unpack_from(buf, p)
+    if layout.sys_flag & _V6_BITS:
+        (size, _magic, crc, queue_id, flag, queue_offset, phy_offset, sys_flag, born_ts) = _HEAD.unpack_from(buf, pos)
+        born_len, store_len = host_lengths(sys_flag)
+        born_raw = bytes(buf[pos + BORN_HOST_POS : pos + BORN_HOST_POS + born_len])
+        p = pos + BORN_HOST_POS + born_len
+        store_ts = _I64.unpack_from(buf, p)[0]
+        store_host_raw = bytes(buf[p + 8 : p + 8 + store_len])
+        p += 8 + store_len
+        reconsume, prepared, _body_len = _TAIL.unpack_from(buf, p)
+    else:  # two IPv4 hosts: the 88 fixed bytes in one call
+        (size, _magic, crc, queue_id, flag, queue_offset, phy_offset, sys_flag, born_ts, born_raw, store_ts,
+         store_host_raw, reconsume, prepared, _body_len) = _V4_FIXED.unpack_from(buf, pos)
+    born_host = host_of(born_raw)
     body = bytes(buf[layout.body_pos : layout.body_pos + layout.body_len]) if read_body else b""
     if read_body and decompress and sys_flag & SysFlag.COMPRESSED:
         body = decompress_body(body, sys_flag, max_body_size, path, base + pos)
@@ -290,13 +297,9 @@ def message_from_layout(buf, pos: int, layout: RecordLayout, *, read_body: bool 
     topic = bytes(buf[layout.topic_pos : layout.topic_pos + layout.topic_len]).decode("utf-8", "replace")
     props = bytes(buf[layout.props_pos : layout.props_pos + layout.props_len]).decode("utf-8", "replace")
     msg_id = (store_host_raw + bytes(buf[pos + PHY_OFFSET_POS : pos + PHY_OFFSET_POS + 8])).hex().upper()
-    return MessageExt(
-        topic=topic, body=body, queue_id=queue_id, flag=flag, queue_offset=queue_offset,
-        commit_log_offset=phy_offset, sys_flag=sys_flag, born_timestamp=born_ts, born_host=born_host,
-        store_timestamp=store_ts, store_host=Host.from_bytes(store_host_raw), reconsume_times=reconsume,
-        prepared_transaction_offset=prepared, body_crc=crc, properties=decode_properties(props),
-        store_size=size, msg_id=msg_id, magic_code=layout.magic,
-    )
+    return MessageExt(topic, body, queue_id, flag, queue_offset, phy_offset, sys_flag, born_ts, born_host, store_ts,
+                      host_of(store_host_raw), reconsume, prepared, crc, decode_properties(props), size, msg_id,
+                      layout.magic)  # positional: MessageExt's field order
 
 
 def decompress_body(body: bytes, sys_flag: int, max_size: int, path: str | None = None,

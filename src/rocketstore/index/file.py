@@ -208,13 +208,28 @@ class IndexFile:
                 break
         return result
 
-    def iter_phy_offsets(self, key: str, begin: int = 0) -> Iterator[int]:
-        """Every offset in the key's chain with an equal hash, newest first, stopping as RocketMQ
-        does at the first entry older than ``begin`` (no count limit, no upper time bound)."""
-        key_hash, slot = self.slot_of(key)
-        for hash_read, phy, _time_read in self._walk(slot, begin):
+    def phy_offsets_of(self, key_hash: int, begin: int = 0) -> list[int]:
+        """Every offset in the chain of ``key_hash`` (``index_key_hash``) with that hash, newest first, stopping
+        as RocketMQ does at the first entry older than ``begin`` (no count limit, no upper time bound).
+        ``_walk``'s rules in one loop: a query's candidates are read on every call."""
+        buf, count, entries_at = self.buffer, self.index_count, self._entries_at
+        n = _I32.unpack_from(buf, INDEX_HEADER_SIZE + key_hash % self.hash_slot_num * HASH_SLOT_SIZE)[0]
+        found: list[int] = []
+        if n <= INVALID_INDEX or n > count or count <= 1:
+            return found
+        begin_ts, index_num, unpack = self.begin_timestamp, self.index_num, _ENTRY.unpack_from
+        for _ in range(count):
+            if n >= index_num:
+                break
+            hash_read, phy_read, time_diff, prev = unpack(buf, entries_at + n * INDEX_ENTRY_SIZE)
+            if time_diff < 0:
+                break
             if hash_read == key_hash:
-                yield phy
+                found.append(phy_read)
+            if prev <= INVALID_INDEX or prev > count or prev == n or begin_ts + time_diff * 1000 < begin:
+                break
+            n = prev
+        return found
 
     def _walk(self, slot: int, begin: int) -> Iterator[tuple[int, int, int]]:
         """(keyHash, phyOffset, decoded time) of each entry of a slot's chain, with RocketMQ's stop rules."""

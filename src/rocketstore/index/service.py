@@ -299,13 +299,13 @@ class IndexService:
         The time window is widened by the index's one-second rounding; callers check the real
         store time and the real key.
         """
-        full_key = build_key(topic, key)
+        key_hash = index_key_hash(build_key(topic, key))
         with self.lock:
             files = list(self.files)
         widened_begin = max(0, begin - 1000)
         for index in reversed(files):
             if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
-                yield from index.iter_phy_offsets(full_key, widened_begin)
+                yield from index.phy_offsets_of(key_hash, widened_begin)
             if index.begin_timestamp < widened_begin:
                 return
 

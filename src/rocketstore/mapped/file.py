@@ -48,8 +48,8 @@ class MappedFile:
     mapped again on the next access; the positions stay in memory, and dirty pages are msynced first.
     """
 
-    __slots__ = ("_budget", "_deleted", "_evicted", "_fd", "_mm", "_reserved", "file_from_offset", "file_size", "flushed_position",
-                 "path", "path_text", "read_only", "wrote_position")
+    __slots__ = ("_budget", "_deleted", "_evicted", "_fd", "_mm", "_reserved", "file_from_offset", "file_size",
+                 "flushed_position", "path", "path_text", "read_only", "wrote_position")
 
     def __init__(self, path: Path, file_size: int, *, read_only: bool = False,
                  budget: FileBudget | None = None) -> None:
