@@ -147,6 +147,14 @@ def blank_record(remaining: int) -> bytes:
     return _SIZE_MAGIC.pack(remaining, BLANK_MAGIC)
 
 
+def fill_in_place(buf: bytearray | memoryview, pos: int, *, queue_offset: int, phy_offset: int,
+                  store_timestamp: int, sys_flag: int) -> None:
+    """Write the three fields only known under the put lock (``MessageExtEncoder`` leaves them 0)."""
+    _I64.pack_into(buf, pos + QUEUE_OFFSET_POS, queue_offset)
+    _I64.pack_into(buf, pos + PHY_OFFSET_POS, phy_offset)
+    _I64.pack_into(buf, pos + store_timestamp_pos(sys_flag), store_timestamp)
+
+
 def property_crc_suffix(crc: int) -> bytes:
     """``__CRC32#\\x01`` + the 10 decimal digits of ``crc`` least-significant first + ``\\x02``."""
     return _CRC_PREFIX + f"{crc:010d}"[::-1].encode() + b"\x02"
