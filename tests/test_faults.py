@@ -24,6 +24,7 @@ from rocketstore import FlushDiskType, Message, MessageStore, PutMessageStatus, 
 from rocketstore.checkpoint import StoreCheckpoint
 from rocketstore.errors import StoreFailedError, StoreIOError
 from rocketstore.mapped import file as mapped_file
+from rocketstore.mapped.file_queue import MappedFileQueue
 
 SYNC = StoreConfig(flush_disk_type=FlushDiskType.SYNC_FLUSH, mapped_file_size_commit_log=65536,
                    mapped_file_size_consume_queue=20 * 50, max_hash_slot_num=97, max_index_num=400)
@@ -313,6 +314,52 @@ def test_small_appends_copy_into_preallocated_segments_only(tmp_path):
     with MessageStore.open(tmp_path / "sparse", ASYNC.replace(preallocate=False)) as store:
         store.put_message(message(0))
         assert not store.commit_log.mapped_files.last._reserved
+
+
+def _written_queue(tmp_path: Path, segments: int) -> MappedFileQueue:
+    queue = MappedFileQueue(tmp_path / "log", 4096)
+    for i in range(segments):
+        mapped = queue.create_file(i * 4096)
+        mapped.write(0, b"x" * 4096)
+        mapped.wrote_position = 4096 if i < segments - 1 else 100
+    return queue
+
+
+def test_flush_goes_on_after_segments_retention_deleted_before_they_were_flushed(tmp_path):
+    """Retention (immediately, or on a full disk) may delete segments nobody flushed yet: the flush continues
+    at the oldest segment left instead of stalling below the log start for good."""
+    queue = _written_queue(tmp_path, 3)
+    queue.delete_first(2)
+    assert queue.flush() == 2 * 4096 + 100
+    assert queue.files[0].flushed_position == 100
+    queue.close()
+
+
+def test_a_segment_deleted_while_it_is_flushed_is_skipped_not_a_flush_failure(tmp_path, monkeypatch):
+    """The window where retention unmaps a segment the flusher is about to msync: msync meets a closed mapping.
+    That is no lost write (the bytes were being deleted), so it must not fail-stop the store; a closed mapping
+    that was not deleted is still an error."""
+    queue = _written_queue(tmp_path, 2)
+    real = mapped_file.msync
+
+    def retention_strikes(mm, start, length):
+        queue.files[0].destroy()  # retention's destroy(), before it takes the segment out of the list
+        return real(mm, start, length)
+
+    monkeypatch.setattr(mapped_file, "msync", retention_strikes)
+    assert queue.flush() == 4096 + 100
+    assert queue.files[1].flushed_position == 100 and queue.files[0].deleted
+
+    def closed(mm, start, length):
+        raise ValueError("mmap closed or invalid")
+
+    other = _written_queue(tmp_path / "other", 2)
+    monkeypatch.setattr(mapped_file, "msync", closed)
+    with pytest.raises(ValueError):
+        other.flush()
+    monkeypatch.setattr(mapped_file, "msync", real)
+    queue.close()
+    other.close()
 
 
 # --- 10. no temporary names where RocketMQ parses names ---------------------------------------------------------

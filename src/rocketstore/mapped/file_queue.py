@@ -124,12 +124,28 @@ class MappedFileQueue:
     # --- durability --------------------------------------------------------------------------
 
     def flush(self, least_pages: int = 0) -> int:
-        """Flush from ``flushed_where`` on; returns the new flushed offset."""
+        """Flush from ``flushed_where`` on; returns the new flushed offset.
+
+        Retention may delete a segment before it was flushed (``immediately``, a full disk) or while this
+        flushes it: its bytes need no flush any more, so the flush goes on after it instead of stalling
+        below the log start or failing on the closed mapping (which would fail-stop the store).
+        """
         while True:
             mapped = self.find(self.flushed_where)
             if mapped is None:
+                files = self.files
+                if files and self.flushed_where < files[0].file_from_offset:
+                    self.flushed_where = files[0].file_from_offset
+                    continue
                 return self.flushed_where
-            mapped.flush(least_pages)
+            try:
+                mapped.flush(least_pages)
+            except ValueError:  # "mmap closed or invalid"
+                if not mapped.deleted:
+                    raise
+            if mapped.deleted:
+                self.flushed_where = max(self.flushed_where, mapped.file_end_offset)
+                continue
             self.flushed_where = mapped.file_from_offset + mapped.flushed_position
             if mapped.flushed_position < mapped.file_size or mapped is self.last:
                 return self.flushed_where
