@@ -82,7 +82,8 @@ class OpsWriter:
         assert self.proc.poll() is None, f"the writer exited: {self.proc.returncode}: {self.log.read_text()[-3000:]}"
         time.sleep(seconds)  # the random kill moment itself, not a wait for something
         alive = self.proc.poll() is None
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it died on its own: the assert below shows its log
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
         self._reader.join(30)
         assert alive, f"the writer died on its own: {self.log.read_text()[-3000:]}"

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import CorruptDataError, StoreIOError
+from ..errors import CorruptDataError, FlushError, StoreIOError
 from .file import FileBudget, MappedFile, fsync_dir, parse_segment_name, segment_name
 
 
@@ -140,7 +140,7 @@ class MappedFileQueue:
                 return self.flushed_where
             try:
                 mapped.flush(least_pages)
-            except ValueError:  # "mmap closed or invalid"
+            except (ValueError, FlushError):  # "mmap closed or invalid", or ENOMEM: unmapped during the msync
                 if not mapped.deleted:
                     raise
             if mapped.deleted:
