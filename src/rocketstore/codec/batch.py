@@ -94,7 +94,7 @@ def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True
     if not 0 <= start <= end or max_rows < 1 or max_bytes < 1:
         raise OffsetOutOfRangeError(f"cannot decode the range [{start}, {end}) with max_rows={max_rows}, "
                                     f"max_bytes={max_bytes}")
-    arr = _as_array(buf)
+    arr = as_array(buf)
     try:
         limit = len(arr) if limit is None else min(limit, len(arr))
         f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max_rows, max_bytes)
@@ -139,7 +139,7 @@ def validate_records(buf, pos: int, end: int, *, check_crc: bool = True) -> tupl
     the last accepted one or -1). The caller asks ``read_layout`` at that position why the run ended."""
     if not 0 <= pos <= end:
         raise OffsetOutOfRangeError(f"cannot validate the range [{pos}, {end})")
-    arr = _as_array(buf)
+    arr = as_array(buf)
     try:
         stop, count, last = k.validate(arr, pos, min(end, len(arr)), check_crc)
     finally:
@@ -147,7 +147,7 @@ def validate_records(buf, pos: int, end: int, *, check_crc: bool = True) -> tupl
     return int(stop), int(count), int(last)
 
 
-def _as_array(buf) -> np.ndarray:
+def as_array(buf) -> np.ndarray:
     """One read-only uint8 view, so every kernel compiles (and is cached) for a single array type."""
     arr = np.frombuffer(buf, dtype=np.uint8)
     if arr.flags.writeable:
@@ -313,7 +313,7 @@ def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None =
     ``Stop`` saying where it ended."""
     if not 0 <= start <= end or max_rows < 1:
         raise OffsetOutOfRangeError(f"cannot decode the range [{start}, {end}) with max_rows={max_rows}")
-    arr = _as_array(buf)
+    arr = as_array(buf)
     try:
         limit = len(arr) if limit is None else min(limit, len(arr))
         f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max_rows, DEFAULT_MAX_BYTES)

@@ -83,7 +83,7 @@ def _first_true(mask) -> int | None:
     return int(hits[0]) if len(hits) else None
 
 
-def _as_array(column) -> pa.Array:
+def as_array(column) -> pa.Array:
     return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
 
 
@@ -108,7 +108,7 @@ class BatchEncoder:
             raise MessageIllegalError(f"put_batch does not know the column(s) {sorted(unknown)}; "
                                       f"known: topic, body, {', '.join(OPTIONAL_COLUMNS)}")
         n = table.num_rows
-        col = {name: _as_array(table.column(name)) for name in table.column_names
+        col = {name: as_array(table.column(name)) for name in table.column_names
                if not (pa.types.is_null(table.column(name).type) and name in OPTIONAL_COLUMNS)}
         topics_in, topic_codes = self._topics(col["topic"])
         bodies = self._bodies(col["body"])

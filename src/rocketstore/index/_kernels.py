@@ -1,0 +1,140 @@
+"""numba kernels of the index: the loops that are sequential by nature.
+
+Putting entries is a chain of dependent steps (each entry's predecessor is whatever its slot held a
+moment before), a lookup walks a linked list, and ``String.hashCode`` is Horner's rule over UTF-16
+units: each is one compiled loop here, with ``IndexFile.put_hash``'s and ``IndexFile._walk``'s rules
+in the same order, so the bytes written and the offsets found are those of the one-at-a-time
+methods (``tests/test_index_bulk.py`` holds them equal). Kernels take the file as one ``uint8``
+array and release the GIL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..codec._kernels import _be32, _be64  # installs the stable cache locator before the kernels below
+
+_INT_MAX = 2147483647
+_ENTRY = 20
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_be32(buf, p, v):
+    buf[p] = (v >> 24) & 0xFF
+    buf[p + 1] = (v >> 16) & 0xFF
+    buf[p + 2] = (v >> 8) & 0xFF
+    buf[p + 3] = v & 0xFF
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_be64(buf, p, v):
+    u = np.uint64(v)
+    for k in range(8):
+        buf[p + 7 - k] = np.uint8(u & np.uint64(0xFF))
+        u = u >> np.uint64(8)
+
+
+@njit(cache=True, nogil=True)
+def put_entries(buf, slot_num, index_num, count, begin_ts, hashes, phys, stamps):
+    """``put_hash`` for each entry in order until the file is full: returns (entries put, slots newly used,
+    the begin timestamp after them). The caller writes the header fields from these."""
+    entries_at = 40 + slot_num * 4
+    put = 0
+    new_slots = 0
+    for i in range(hashes.size):
+        if count >= index_num:
+            break
+        h = hashes[i]
+        slot_pos = 40 + (h % slot_num) * 4
+        prev = _be32(buf, slot_pos)
+        if prev <= 0 or prev > count:
+            prev = 0
+        diff = np.int64(0)
+        if begin_ts > 0:
+            d = stamps[i] - begin_ts
+            diff = 0 if d < 0 else min(d // 1000, _INT_MAX)
+        p = entries_at + count * _ENTRY
+        _put_be32(buf, p, h)
+        _put_be64(buf, p + 4, phys[i])
+        _put_be32(buf, p + 12, diff)
+        _put_be32(buf, p + 16, prev)
+        _put_be32(buf, slot_pos, count)
+        if count <= 1:
+            begin_ts = stamps[i]
+        if prev == 0:
+            new_slots += 1
+        count += 1
+        put += 1
+    return put, new_slots, begin_ts
+
+
+@njit(cache=True, nogil=True)
+def chain_offsets(buf, slot_num, index_num, count, begin_ts, hashes, limits, begin, end, time_filter):
+    """Walk each hash's chain with ``_walk``'s stop rules: (query number, phyOffset) of the entries with that
+    hash (and, with ``time_filter``, a decoded time in [begin, end]), each query's newest first, at most
+    ``limits[q]`` per query. Without ``time_filter`` it is ``phy_offsets_of``: hash only, stop at the first
+    entry older than ``begin``."""
+    entries_at = 40 + slot_num * 4
+    cap = max(16, hashes.size * 2)
+    out_q = np.empty(cap, dtype=np.int64)
+    out_phy = np.empty(cap, dtype=np.int64)
+    m = 0
+    if count <= 1:
+        return out_q[:0], out_phy[:0]
+    for q in range(hashes.size):
+        h = hashes[q]
+        limit = limits[q]
+        if limit <= 0:
+            continue
+        n = _be32(buf, 40 + (h % slot_num) * 4)
+        if n <= 0 or n > count:
+            continue
+        found = 0
+        for _ in range(count):
+            if n >= index_num:
+                break
+            p = entries_at + n * _ENTRY
+            diff = _be32(buf, p + 12)
+            if diff < 0:
+                break
+            when = begin_ts + diff * 1000
+            if _be32(buf, p) == h and (not time_filter or (begin <= when <= end)):
+                if m == cap:
+                    cap *= 2
+                    grown_q = np.empty(cap, dtype=np.int64)
+                    grown_phy = np.empty(cap, dtype=np.int64)
+                    grown_q[:m] = out_q[:m]
+                    grown_phy[:m] = out_phy[:m]
+                    out_q, out_phy = grown_q, grown_phy
+                out_q[m] = q
+                out_phy[m] = _be64(buf, p + 4)
+                m += 1
+                found += 1
+                if found >= limit:
+                    break
+            prev = _be32(buf, p + 16)
+            if prev <= 0 or prev > count or prev == n or when < begin:
+                break
+            n = prev
+    return out_q[:m], out_phy[:m]
+
+
+@njit(cache=True, nogil=True)
+def java_hashes(units, offsets):
+    """``String.hashCode`` (int32) of each text ``units[offsets[i]:offsets[i+1]]`` of code points (any unsigned
+    width; a code point above U+FFFF counts as its two UTF-16 surrogates, as in Java)."""
+    n = offsets.size - 1
+    out = np.empty(n, dtype=np.int32)
+    for i in range(n):
+        h = np.int64(0)
+        for j in range(offsets[i], offsets[i + 1]):
+            cp = np.int64(units[j])
+            if cp >= 0x10000:
+                cp -= 0x10000
+                h = (h * 31 + (0xD800 + (cp >> 10))) & 0xFFFFFFFF
+                h = (h * 31 + (0xDC00 + (cp & 0x3FF))) & 0xFFFFFFFF
+            else:
+                h = (h * 31 + cp) & 0xFFFFFFFF
+        out[i] = h - 0x100000000 if h & 0x80000000 else h
+    return out
