@@ -176,3 +176,22 @@ def test_select_batch_equals_select_phy_offsets(tmp_path_factory, puts, slots, m
     for i, key in enumerate(KEYS):
         assert phys[queries == i].tolist() == index.select_phy_offsets(key, max_num, begin, end), key
     index.close()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(puts=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(0, 3000)), min_size=0, max_size=60),
+       slots=st.integers(1, 13), begin_s=st.integers(0, 60))
+def test_candidates_batch_equals_phy_offsets_of(tmp_path_factory, puts, slots, begin_s):
+    from rocketstore.index.bulk import candidates_batch
+
+    index = IndexFile.create(tmp_path_factory.mktemp("cand") / "f", slots, 70)
+    ts = 1_700_000_000_000
+    for i, (key, step) in enumerate(puts):
+        ts += step
+        index.put_key(key, i * 10, ts)
+    begin = 1_700_000_000_000 + begin_s * 1000
+    hashes = index_key_hashes(KEYS)
+    queries, phys = candidates_batch(index, hashes, begin)
+    for i, key_hash in enumerate(hashes.tolist()):
+        assert phys[queries == i].tolist() == index.phy_offsets_of(key_hash, begin), KEYS[i]
+    index.close()

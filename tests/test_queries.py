@@ -6,8 +6,10 @@ import shutil
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from rocketstore import Message, MessageStore
+from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.checkpoint import StoreCheckpoint
 from rocketstore.errors import InvalidMessageIdError, MessageNotFoundError
 from rocketstore.index import IndexFile
@@ -245,3 +247,73 @@ def test_a_torn_batch_of_index_puts_is_relinked_to_the_counted_entries(tmp_path,
     with MessageStore.open(tmp_path, small_config) as store:
         store.wait_for_dispatch()
         assert [m.commit_log_offset for m in store.query_message("T", "x")] == [r.commit_log_offset for r in older]
+
+
+# --- many keys at once: query_messages_arrow == one query_message per pair ----------------------------------
+
+POOL_TOPICS = ["TopicA", "Ea", "FB", "T2"]
+POOL_KEYS = ["Aa", "BB", "20231001123456", "订单-7", "😀", "common", "k0", "k5", "k17", "none", ""]
+
+
+@pytest.fixture(scope="module")
+def many_keys_store(tmp_path_factory):
+    """Colliding keys and topics, several keys per message, more matches than max_num, rolled index files,
+    a delay message (parked, then delivered), a damaged record, and store times spread over ~1.5 s."""
+    root = tmp_path_factory.mktemp("many-keys")
+    config = StoreConfig(mapped_file_size_commit_log=8192, mapped_file_size_consume_queue=20 * 50,
+                         max_hash_slot_num=31, max_index_num=60, flush_interval_commit_log=10)
+    stamps = []
+    store = MessageStore.open(root, config)
+    for i in range(90):
+        topic = POOL_TOPICS[i % 4]
+        keys = [POOL_KEYS[i % 7], "common", f"k{i % 20}"] + (["BB", "Aa"] if i % 11 == 0 else [])
+        props = {"DELAY": "1"} if i == 3 else None
+        r = store.put_message(Message(topic, f"m{i}".encode(), keys=keys, properties=props))
+        stamps.append(r.store_timestamp)
+        if i % 30 == 29:
+            time.sleep(0.5)
+    store.wait_for_dispatch()
+    time.sleep(1.2)  # the delay message comes out of SCHEDULE_TOPIC_XXXX into its real topic
+    damaged = store.query_message("T2", "k7")[0]
+    assert damaged.body == b"m7"
+    mapped = store.commit_log.mapped_files.find(damaged.commit_log_offset)
+    body_at = damaged.commit_log_offset - mapped.file_from_offset + store.commit_log.get_record_bytes(
+        damaged.commit_log_offset).index(b"m7")
+    store.close()
+    with open(mapped.path, "r+b") as f:  # its body no longer matches its CRC
+        f.seek(body_at)
+        f.write(b"X")
+    store = MessageStore.open(root, config, read_only=True)
+    yield store, stamps
+    store.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.tuples(st.sampled_from([*POOL_TOPICS, "SCHEDULE_TOPIC_XXXX"]), st.sampled_from(POOL_KEYS)),
+                      max_size=12),
+       max_num=st.integers(0, 70), window=st.tuples(st.integers(-1, 90), st.integers(-1, 90)))
+def test_query_messages_arrow_equals_query_message_per_pair(many_keys_store, picks, max_num, window):
+    store, stamps = many_keys_store
+    lo, hi = sorted(window)
+    begin = 0 if lo < 0 else stamps[lo]
+    end = None if hi < 0 else stamps[hi]
+    batch = store.query_messages_arrow(picks, max_num, begin, end)
+    got = batch.to_pydict()
+    rows = list(zip(got["queryTopic"], got["queryKey"], got["commitLogOffset"], got["body"], got["msgId"],
+                    got["keys"], got["topic"], strict=True))
+    expected = [(topic, key, m.commit_log_offset, m.body, m.msg_id, m.keys, m.topic) for topic, key in picks
+                for m in store.query_message(topic, key, max_num, begin, end)]
+    assert rows == expected
+
+
+def test_query_messages_arrow_reads_each_record_once_and_skips_damage(many_keys_store):
+    store, _stamps = many_keys_store
+    batch = store.query_messages_arrow([("T2", "k7"), ("TopicA", "common"), ("TopicA", "common")], 64)
+    got = batch.to_pydict()
+    t2 = [b for t, b in zip(got["queryTopic"], got["body"], strict=True) if t == "T2"]
+    assert t2 == [m.body for m in store.query_message("T2", "k7")] == [b"m27", b"m47", b"m67", b"m87"], \
+        "the damaged record (m7) is returned by neither"
+    common = [o for t, o in zip(got["queryTopic"], got["commitLogOffset"], strict=True) if t == "TopicA"]
+    assert len(common) == 2 * len(store.query_message("TopicA", "common")) > 0
+    assert store.query_messages_arrow([], 64).num_rows == 0
+    assert batch.schema.names[-2:] == ["queryTopic", "queryKey"]

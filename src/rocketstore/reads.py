@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .codec.hashing import java_string_hash
@@ -21,7 +21,7 @@ from .config import StoreConfig
 from .consumequeue import ConsumeQueueTable
 from .encoder import PARKED_TOPICS
 from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError, SegmentDeletedError
-from .index.service import IndexService
+from .index.service import IndexService, build_key
 from .message import MessageExt
 
 LONG_MAX = (1 << 63) - 1
@@ -199,6 +199,97 @@ class StoreReader:
         delivered = {m.uniq_key for m in found.values() if m.topic not in PARKED_TOPICS}
         return [found[phy] for phy in sorted(found)  # a delivered delay message hides its parked copy
                 if found[phy].topic not in PARKED_TOPICS or found[phy].uniq_key not in delivered]
+
+    def query_many(self, queries: Sequence[tuple[str, str]], max_num: int = 64, begin: int = 0,
+                   end: int | None = None, *, include_body: bool = True, broker_name: str | None = None):
+        """``query_message`` for many (topic, key) pairs at once, as one ``pyarrow.RecordBatch``: the message
+        columns plus ``queryTopic`` and ``queryKey``, each query's messages oldest first, queries in order.
+
+        The same answers as one ``query_message`` per pair (``tests/test_queries.py`` holds them equal), in
+        batches: the keys are hashed in one compiled loop, every index file walks all chains in one, the
+        candidate records are decoded together by the batch codec, and the checks (store time, topic or
+        parked topic, the key among KEYS, the newest ``max_num``) are array operations.
+        """
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from .codec.batch import MESSAGE_FIELDS, decode_at
+        from .index.bulk import candidates_batch, index_key_hashes
+
+        schema = pa.schema([*MESSAGE_FIELDS, ("queryTopic", pa.string()), ("queryKey", pa.string())])
+        max_num = min(max_num, self.config.max_msgs_num_batch)
+        end = LONG_MAX if end is None else end
+        topics = [t for t, _k in queries]
+        keys = [k for _t, k in queries]
+        if self.index is None or max_num <= 0 or not queries:
+            return pa.RecordBatch.from_pylist([], schema=schema)
+        hashes = index_key_hashes([build_key(t, k) for t, k in queries])
+        widened_begin = max(0, begin - 1000)
+        with self.index.lock:
+            files = list(self.index.files)
+        found_q, found_phy = [], []
+        for index in reversed(files):  # newest first, as iter_candidates
+            if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
+                q, phy = candidates_batch(index, hashes, widened_begin)
+                found_q.append(q)
+                found_phy.append(phy)
+            if index.begin_timestamp < widened_begin:
+                break
+        q = np.concatenate(found_q) if found_q else np.empty(0, np.int64)
+        phy = np.concatenate(found_phy) if found_phy else np.empty(0, np.int64)
+        rank = np.arange(len(q))
+        by_pair = np.lexsort((rank, phy, q))  # the first time a query meets an offset is the one that counts
+        repeat = np.zeros(len(q), dtype=bool)
+        repeat[1:] = (q[by_pair][1:] == q[by_pair][:-1]) & (phy[by_pair][1:] == phy[by_pair][:-1])
+        kept = np.sort(by_pair[~repeat])
+        q, phy, rank = q[kept], phy[kept], rank[kept]
+        order = np.lexsort((rank, q))  # each query's candidates newest first
+        q, phy = q[order], phy[order]
+
+        check = self.config.check_crc_on_read
+        records = decode_at(self.commit_log, phy, check_crc=check,
+                            verify_prop_crc=check and self.config.force_verify_prop_crc,
+                            include_body=include_body, broker_name=broker_name)
+        record_phy = records.column("commitLogOffset").to_numpy()
+        row = np.minimum(np.searchsorted(record_phy, phy), max(len(record_phy) - 1, 0))
+        readable = (record_phy[row] == phy) if len(record_phy) else np.zeros(len(phy), dtype=bool)
+        q, phy, row = q[readable], phy[readable], row[readable]
+
+        rows = pa.array(row)
+        query_topic = pa.array(topics, pa.string()).take(pa.array(q))
+        stamp = pc.cast(records.column("storeTimestamp").take(rows), pa.int64()).to_numpy(zero_copy_only=False)
+        in_time = (stamp >= begin * 1000) & (stamp <= min(end, LONG_MAX // 1000) * 1000)
+        topic = records.column("topic").take(rows)
+        topic_ok = pc.equal(topic, query_topic).to_numpy(zero_copy_only=False)
+        parked = pc.is_in(topic, value_set=pa.array(sorted(PARKED_TOPICS), pa.string())).to_numpy(
+            zero_copy_only=False)
+        if parked.any():
+            real = pc.map_lookup(records.column("properties").take(rows), "REAL_TOPIC", "first")
+            topic_ok |= parked & pc.fill_null(pc.equal(real, query_topic), False).to_numpy(zero_copy_only=False)
+        key_lists = records.column("keys").take(rows)
+        owner = pc.list_parent_indices(key_lists).to_numpy()
+        same_key = pc.equal(pc.list_flatten(key_lists), pa.array(keys, pa.string()).take(pa.array(q[owner])))
+        key_ok = np.zeros(len(q), dtype=bool)
+        key_ok[owner[pc.fill_null(same_key, False).to_numpy(zero_copy_only=False)]] = True
+
+        good = in_time & topic_ok & key_ok
+        q, phy, row, parked = q[good], phy[good], row[good], parked[good]
+        first_of_query = np.searchsorted(q, q)  # q is sorted: where each query's run starts
+        within = np.arange(len(q)) - first_of_query < max_num
+        q, phy, row, parked = q[within], phy[within], row[within], parked[within]
+        if parked.any():  # a delivered delay message hides its parked copy
+            uniq = records.column("uniqKey").take(pa.array(row)).to_pylist()
+            delivered = {(qq, u) for qq, u, p in zip(q.tolist(), uniq, parked.tolist(), strict=True) if not p}
+            hidden = np.array([p and (qq, u) in delivered for qq, u, p in zip(q.tolist(), uniq, parked.tolist(),
+                                                                            strict=True)], dtype=bool)
+            q, phy, row = q[~hidden], phy[~hidden], row[~hidden]
+        order = np.lexsort((phy, q))  # oldest first within each query
+        q, row = q[order], row[order]
+        picked = records.take(pa.array(row))
+        return pa.RecordBatch.from_arrays(
+            [*picked.columns, pa.array(topics, pa.string()).take(pa.array(q)),
+             pa.array(keys, pa.string()).take(pa.array(q))], schema=schema)
 
     def _read_or_none(self, phy: int) -> MessageExt | None:
         try:

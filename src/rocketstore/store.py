@@ -13,7 +13,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -608,6 +608,15 @@ class MessageStore:
         """
         self._check_open()
         return self._reader().query_message(topic, key, max_num, begin, end)
+
+    def query_messages_arrow(self, queries: Sequence[tuple[str, str]], max_num: int = 64, begin: int = 0,
+                             end: int | None = None, *, include_body: bool = True, broker_name: str | None = None):
+        """``query_message`` for many ``(topic, key)`` pairs in one call, as a ``pyarrow.RecordBatch`` (the
+        ``scan_arrow`` columns plus ``queryTopic`` and ``queryKey``): each query's messages oldest first, in
+        query order, exactly what one ``query_message`` per pair returns, found and checked in batches."""
+        self._check_open()
+        return self._reader().query_many(queries, max_num, begin, end, include_body=include_body,
+                                         broker_name=broker_name)
 
     def query_message_by_uniq_key(self, topic: str, uniq_key: str) -> list[MessageExt]:
         """Messages of ``topic`` whose UNIQ_KEY (the producer's msgId) is ``uniq_key``; a producer

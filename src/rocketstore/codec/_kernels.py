@@ -172,31 +172,59 @@ def walk(buf, pos, end, limit, check_crc, max_rows, max_bytes):
          props_len, size) = _parse(buf, pos, limit, check_crc)
         if stop < 0:
             break
-        store_ts_pos = pos + 48 + 8 + born_extra
-        f[F_POS, n] = pos
-        f[F_SIZE, n] = size
-        f[F_MAGIC, n] = magic
-        f[F_CRC, n] = crc
-        f[F_QUEUE_ID, n] = _be32(buf, pos + 12)
-        f[F_FLAG, n] = _be32(buf, pos + 16)
-        f[F_QUEUE_OFFSET, n] = _be64(buf, pos + 20)
-        f[F_PHY_OFFSET, n] = _be64(buf, pos + PHY_OFFSET_POS)
-        f[F_SYS_FLAG, n] = sys_flag
-        f[F_BORN_TS, n] = _be64(buf, pos + 40)
-        f[F_BORN_HOST, n] = pos + 48
-        f[F_STORE_TS, n] = _be64(buf, store_ts_pos)
-        f[F_STORE_HOST, n] = store_ts_pos + 8
-        f[F_RECONSUME, n] = _be32(buf, body_len_pos - 12)
-        f[F_PREPARED, n] = _be64(buf, body_len_pos - 8)
-        f[F_BODY_POS, n] = body_len_pos + 4
-        f[F_BODY_LEN, n] = body_len
-        f[F_TOPIC_POS, n] = topic_pos
-        f[F_TOPIC_LEN, n] = topic_len
-        f[F_PROPS_POS, n] = props_pos
-        f[F_PROPS_LEN, n] = props_len
+        _fill(f, n, buf, pos, magic, crc, sys_flag, born_extra, body_len_pos, body_len, topic_pos, topic_len,
+              props_pos, props_len, size)
         n += 1
         pos = stop
     return f, n, pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fill(f, n, buf, pos, magic, crc, sys_flag, born_extra, body_len_pos, body_len, topic_pos, topic_len, props_pos,
+          props_len, size):
+    """Column ``n`` of the field matrix for the record ``_parse`` accepted at ``pos``."""
+    store_ts_pos = pos + 48 + 8 + born_extra
+    f[F_POS, n] = pos
+    f[F_SIZE, n] = size
+    f[F_MAGIC, n] = magic
+    f[F_CRC, n] = crc
+    f[F_QUEUE_ID, n] = _be32(buf, pos + 12)
+    f[F_FLAG, n] = _be32(buf, pos + 16)
+    f[F_QUEUE_OFFSET, n] = _be64(buf, pos + 20)
+    f[F_PHY_OFFSET, n] = _be64(buf, pos + PHY_OFFSET_POS)
+    f[F_SYS_FLAG, n] = sys_flag
+    f[F_BORN_TS, n] = _be64(buf, pos + 40)
+    f[F_BORN_HOST, n] = pos + 48
+    f[F_STORE_TS, n] = _be64(buf, store_ts_pos)
+    f[F_STORE_HOST, n] = store_ts_pos + 8
+    f[F_RECONSUME, n] = _be32(buf, body_len_pos - 12)
+    f[F_PREPARED, n] = _be64(buf, body_len_pos - 8)
+    f[F_BODY_POS, n] = body_len_pos + 4
+    f[F_BODY_LEN, n] = body_len
+    f[F_TOPIC_POS, n] = topic_pos
+    f[F_TOPIC_LEN, n] = topic_len
+    f[F_PROPS_POS, n] = props_pos
+    f[F_PROPS_LEN, n] = props_len
+
+
+@njit(cache=True, nogil=True)
+def parse_at(buf, positions, limit, base, check_crc):
+    """``walk`` for scattered records (``CommitLog.locate`` at each position): the field matrix of those that
+    ``read_layout`` accepts and whose PHYSICALOFFSET field says ``base + position``; others are left out."""
+    f = np.empty((N_FIELDS, positions.size), dtype=np.int64)
+    n = 0
+    for i in range(positions.size):
+        pos = positions[i]
+        if pos < 0 or pos >= limit:
+            continue
+        (stop, magic, crc, sys_flag, born_extra, body_len_pos, body_len, topic_pos, topic_len, props_pos,
+         props_len, size) = _parse(buf, pos, limit, check_crc)
+        if stop < 0 or _be64(buf, pos + PHY_OFFSET_POS) != base + pos:
+            continue
+        _fill(f, n, buf, pos, magic, crc, sys_flag, born_extra, body_len_pos, body_len, topic_pos, topic_len,
+              props_pos, props_len, size)
+        n += 1
+    return f, n
 
 
 @njit(cache=True, nogil=True)

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import CorruptDataError, OffsetOutOfRangeError
+from ..errors import CorruptDataError, OffsetOutOfRangeError, SegmentDeletedError
 from ..message import MessageExt, SysFlag
 from . import _kernels as k
 from .properties import PropertyName
@@ -362,6 +362,56 @@ def scan_arrow(commit_log: CommitLog, topics: Collection[str] | None = None, beg
                             broker_name=broker_name, path=str(mapped.path), max_rows=max_rows)
 
     return _walk_log(commit_log, begin, end, decode)
+
+
+def decode_at(commit_log: CommitLog, offsets, *, check_crc: bool = True, verify_prop_crc: bool = False,
+              include_body: bool = True, broker_name: str | None = None) -> pa.RecordBatch:
+    """The records that start at ``offsets``, as one batch in offset order (duplicates once): what
+    ``CommitLog.get_message`` reads at each, with the same checks. An offset where no readable record starts
+    (outside the log, inside a record, damaged, a BLANK, a segment retention deleted) is left out, as the
+    lookups that read candidates from the index leave it out."""
+    wanted = np.unique(np.asarray(offsets, dtype=np.int64))
+    wanted = wanted[(wanted >= commit_log.min_offset) & (wanted < commit_log.max_offset)]
+    batches: list[pa.RecordBatch] = []
+    i = 0
+    while i < len(wanted):
+        mapped = commit_log.mapped_files.find(int(wanted[i]))
+        if mapped is None:
+            i += 1
+            continue
+        j = int(np.searchsorted(wanted, mapped.file_end_offset))
+        base = mapped.file_from_offset
+        try:
+            buf = mapped.buffer
+            arr = as_array(buf)
+        except (ValueError, SegmentDeletedError):  # retention deleted it: those messages are gone
+            i = j
+            continue
+        try:
+            limit = min(mapped.wrote_position, mapped.file_size)
+            f, n = k.parse_at(arr, wanted[i:j] - base, limit, base, check_crc)
+            f = np.ascontiguousarray(f[:, :n])
+            if verify_prop_crc and n:  # forceVerifyPropCRC: the record codec checks it (rarely on)
+                f = f[:, [_prop_crc_ok(buf, int(p), limit, base) for p in f[k.F_POS]]]
+            batches.append(_batch(buf, arr, np.ascontiguousarray(f), include_body=include_body, topics=None,
+                                  limit=limit, decompress=False, broker_name=broker_name, path=str(mapped.path),
+                                  base=base))
+        finally:
+            del arr
+        i = j
+    if not batches:
+        return pa.RecordBatch.from_pylist([], schema=MESSAGE_SCHEMA)
+    if len(batches) == 1:
+        return batches[0]
+    table = pa.Table.from_batches(batches).combine_chunks()
+    return pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns], schema=MESSAGE_SCHEMA)
+
+
+def _prop_crc_ok(buf, pos: int, limit: int, base: int) -> bool:
+    try:
+        return read_layout(buf, pos, limit, check_crc=False, verify_prop_crc=True, base=base) is not None
+    except CorruptDataError:
+        return False
 
 
 def scan_dispatch(commit_log: CommitLog, begin: int | None = None, end: int | None = None, *,

@@ -39,11 +39,7 @@ from ..recovery import RECOVERY_DIR, recover_commit_log
 from ..store import MessageStore
 from .failures import in_task
 from .partitions import (
-    ARROW_FIELDS,
     MESSAGE_DDL,
-    MessageColumns,
-    ScanOptions,
-    append_message,
     broker_name_of,
     require_visible,
     resolve_roots,
@@ -358,7 +354,6 @@ def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: P
 
 # --- keys at scale ---------------------------------------------------------------------------------
 
-QUERY_FIELDS = [("queryTopic", pa.string()), ("queryKey", pa.string())]
 
 
 def find_keys(paths, keys, *, spark=None, master: str | None = None, begin: int = 0, end: int | None = None,
@@ -378,29 +373,25 @@ def find_keys(paths, keys, *, spark=None, master: str | None = None, begin: int 
     stores = spark.createDataFrame([(r,) for r in roots], "root string")
     pairs = stores.crossJoin(keys_df).repartition(partitions or max(2, spark.sparkContext.defaultParallelism))
     base = config or StoreConfig()
-    schema = pa.schema(ARROW_FIELDS + QUERY_FIELDS)
 
     def lookup(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         stores_open: dict[str, MessageStore] = {}
         with in_task():
             try:
                 for batch in batches:
-                    out = MessageColumns(False)
-                    query_topics, query_keys = [], []
+                    pairs_of: dict[str, list[tuple[str, str]]] = {}
                     for root, topic, key in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
+                        pairs_of.setdefault(root, []).append((topic, key))
+                    for root, pairs in pairs_of.items():
                         store = stores_open.get(root)
                         if store is None:
                             require_visible(root)
                             store = stores_open[root] = MessageStore.open(
                                 root, detect_config(root, base.replace(check_crc_on_recover=False)), read_only=True)
-                        for msg in store.query_message(topic, key, max_num, begin, end):
-                            append_message(out, msg, broker_name_of(Path(root)), ScanOptions())
-                            query_topics.append(topic)
-                            query_keys.append(key)
-                    if len(out):
-                        found = out.batch()
-                        yield pa.RecordBatch.from_arrays(
-                            [*found.columns, pa.array(query_topics), pa.array(query_keys)], schema=schema)
+                        found = store.query_messages_arrow(pairs, max_num, begin, end,
+                                                           broker_name=broker_name_of(Path(root)))
+                        if found.num_rows:
+                            yield found
             finally:
                 for store in stores_open.values():
                     store.close()
