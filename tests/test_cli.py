@@ -357,3 +357,22 @@ def test_topics_consumer_progress_and_reset_offset(store, tmp_path):
     assert bad.returncode == 1 and "does not exist" in bad.stderr
     bad = cli("consumer-progress", "--store", str(root), "-g", "nobody", check=False)
     assert bad.returncode == 1 and "no committed offsets" in bad.stderr
+
+
+def test_query_by_key_with_a_keys_file_equals_one_query_per_key(store, tmp_path):
+    root, _results = store
+    keys = ["order-7", "order-9", "shared", "missing", "order-7"]
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("\n".join(keys) + "\n\n")
+    lines = cli("query-by-key", "--store", str(root), "-t", "Topic1", "--keys-file", str(keys_file), "-m", "3",
+                "--json").stdout.splitlines()
+    got = [json.loads(x) for x in lines]
+    singles = [json.loads(x) | {"queryTopic": "Topic1", "queryKey": key} for key in keys
+               for x in cli("query-by-key", "--store", str(root), "-t", "Topic1", "-k", key, "-m", "3",
+                            "--json").stdout.splitlines()]
+    assert got == singles and len(got) == 1 + 1 + 3 + 0 + 1
+    table = cli("query-by-key", "--store", str(root), "-t", "Topic1", "--keys-file", "-", stdin="order-9\n")
+    assert table.stdout.splitlines()[1].split()[0] == "order-9"
+    both = cli("query-by-key", "--store", str(root), "-t", "Topic1", "-k", "x", "--keys-file", str(keys_file),
+               check=False)
+    assert both.returncode != 0 and "one of" in both.stderr and "Traceback" not in both.stderr

@@ -466,8 +466,10 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
         service.close()
     if not config.message_index_enable or index_min is None:
         return
-    done = _sorted_unique(np.concatenate(covered))
-    uncovered = records.key_pairs[~np.isin(records.key_pairs, done, assume_unique=True)]
+    done = _sorted_unique(np.concatenate(covered))  # a subset of key_pairs: each was found there
+    is_covered = np.zeros(len(records.key_pairs), dtype=bool)
+    is_covered[np.searchsorted(records.key_pairs, done)] = True  # sorted probes: one cheap pass, not np.isin
+    uncovered = records.key_pairs[~is_covered]
     missing_keys = np.bincount(uncovered >> 32, minlength=len(records.phy))
     rollback = (records.sys_flag & SysFlag.TRANSACTION_MASK) == SysFlag.TRANSACTION_ROLLBACK_TYPE
     want = (missing_keys > 0) & (records.phy >= index_min) & ~rollback & (records.phy < index_frontier)

@@ -21,7 +21,16 @@ from .. import Message, MessageStore, StoreConfig
 from ..config import detect_config
 from ..errors import MessageNotFoundError, RocketStoreError
 from ..reads import GetMessageStatus
-from .render import body_text, dump_json, emit_json, human_time, message_block, message_json, parse_time
+from .render import (
+    arrow_message_rows,
+    body_text,
+    dump_json,
+    emit_json,
+    human_time,
+    message_block,
+    message_json,
+    parse_time,
+)
 
 DEFAULT_STORE = "~/store"
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -222,19 +231,30 @@ def _stdin_messages() -> Iterator[Message]:
 Examples:
   rocketstore query-by-key -t TopicTest -k order-1
   rocketstore query-by-key -t TopicTest -k order-1 -b 2026-11-21T09:00 -e 2026-11-21T10:00 --json
+  rocketstore query-by-key -t TopicTest --keys-file orders.txt --json     # one key per line; - is stdin
 """)
 @store_options
 @click.option("-t", "--topic", required=True, help="topic")
-@click.option("-k", "--key", "msg_key", required=True, help="message key")
+@click.option("-k", "--key", "msg_key", help="message key")
+@click.option("--keys-file", type=click.File("r", encoding="utf-8"),
+              help="many keys, one per line ('-': stdin), looked up together in batches")
 @click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
 @click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
 @click.option("-m", "--max", "max_num", type=click.IntRange(1, 64), default=64, show_default=True,
-              help="most messages")
+              help="most messages per key")
 @json_option
 @fails_cleanly
-def query_by_key(topic, msg_key, begin, end, max_num, as_json, **kwargs) -> None:
+def query_by_key(topic, msg_key, keys_file, begin, end, max_num, as_json, **kwargs) -> None:
     """Messages with a key (like mqadmin queryMsgByKey), matched exactly: no hash collisions."""
+    if (msg_key is None) == (keys_file is None):
+        raise Failure("give one of -k/--key and --keys-file")
     start, stop = parse_time(begin, "--begin") or 0, parse_time(end, "--end")
+    if keys_file is not None:
+        keys = [line.strip() for line in keys_file if line.strip()]
+        with read_only_store(_store_args(kwargs)) as store:
+            found = store.query_messages_arrow([(topic, key) for key in keys], max_num, start, stop)
+        _print_found(found, as_json)
+        return
     with read_only_store(_store_args(kwargs)) as store:
         found = store.query_message(topic, msg_key, max_num, start, stop)
     if as_json:
@@ -244,6 +264,20 @@ def query_by_key(topic, msg_key, begin, end, max_num, as_json, **kwargs) -> None
     click.echo(f"{'#Message ID':<50} {'#QID':>4} {'#Offset':>40}")
     for msg in found:
         click.echo(f"{msg.uniq_key or msg.msg_id:<50} {msg.queue_id:>4} {msg.queue_offset:>40}")
+
+
+def _print_found(found, as_json: bool) -> None:
+    """``query_messages_arrow``'s batch: the one-key table with the key in front, or ``message_json`` lines
+    with ``queryKey``."""
+    rows = arrow_message_rows(found)
+    if as_json:
+        for row in rows:
+            emit_json(row)
+        return
+    click.echo(f"{'#Key':<32} {'#Message ID':<50} {'#QID':>4} {'#Offset':>20}")
+    for row in rows:
+        uniq = row["properties"].get("UNIQ_KEY") or row["msgId"]
+        click.echo(f"{row['queryKey']:<32} {uniq:<50} {row['queueId']:>4} {row['queueOffset']:>20}")
 
 
 def _print_messages(messages, as_json: bool, body: bool) -> None:

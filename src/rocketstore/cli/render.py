@@ -97,6 +97,39 @@ def message_json(msg: MessageExt, *, body: bool = True) -> dict:
     }
 
 
+_JSON_OF_COLUMN = {"msgId": "msgId", "topic": "topic", "queueId": "queueId", "flag": "flag",
+                   "queueOffset": "queueOffset", "commitLogOffset": "commitLogOffset", "sysFlag": "sysFlag",
+                   "bornHost": "bornHost", "storeHost": "storeHost", "reconsumeTimes": "reconsumeTimes",
+                   "preparedTransactionOffset": "preparedTransactionOffset", "bodyCRC": "bodyCRC",
+                   "storeSize": "storeSize"}
+
+
+def arrow_message_rows(batch) -> list[dict]:
+    """``message_json`` for every row of a batch in the Arrow message columns (``scan_arrow``,
+    ``query_messages_arrow``), plus ``queryTopic``/``queryKey`` when the batch has them: read column-wise."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = batch.num_rows
+    columns = {name: batch.column(name).to_pylist() for name in _JSON_OF_COLUMN}
+    for name in ("bornTimestamp", "storeTimestamp"):
+        micros = pc.cast(batch.column(name), pa.int64()).to_numpy(zero_copy_only=False)
+        columns[name] = (micros // 1000).tolist()
+    bodies = batch.column("body").to_pylist()
+    properties = batch.column("properties").to_pylist()
+    extra = [name for name in ("queryTopic", "queryKey") if name in batch.schema.names]
+    for name in extra:
+        columns[name] = batch.column(name).to_pylist()
+    rows = []
+    for i in range(n):
+        row = {name: columns[name][i] for name in columns}
+        body = bodies[i]
+        row["body"] = base64.b64encode(body).decode() if body else None
+        row["properties"] = dict(properties[i] or ())
+        rows.append(row)
+    return rows
+
+
 def dump_json(msg: MessageExt, pos: int) -> dict:
     """One ``dump-log --json`` line: the fields of ``decode.jsonl`` from RocketMQ's own decoder."""
     out = {"pos": pos, "msgId": msg.msg_id, "magicCode": msg.magic_code or MAGIC_V1}
