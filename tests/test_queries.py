@@ -291,7 +291,7 @@ def many_keys_store(tmp_path_factory):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(picks=st.lists(st.tuples(st.sampled_from([*POOL_TOPICS, "SCHEDULE_TOPIC_XXXX"]), st.sampled_from(POOL_KEYS)),
                       max_size=12),
-       max_num=st.integers(0, 70), window=st.tuples(st.integers(-1, 90), st.integers(-1, 90)))
+       max_num=st.integers(0, 70), window=st.tuples(st.integers(-1, 89), st.integers(-1, 89)))
 def test_query_messages_arrow_equals_query_message_per_pair(many_keys_store, picks, max_num, window):
     store, stamps = many_keys_store
     lo, hi = sorted(window)
