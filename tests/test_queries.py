@@ -317,3 +317,14 @@ def test_query_messages_arrow_reads_each_record_once_and_skips_damage(many_keys_
     assert len(common) == 2 * len(store.query_message("TopicA", "common")) > 0
     assert store.query_messages_arrow([], 64).num_rows == 0
     assert batch.schema.names[-2:] == ["queryTopic", "queryKey"]
+
+
+def test_query_messages_arrow_refuses_what_is_not_a_list_of_pairs(many_keys_store):
+    from rocketstore.errors import InvalidQueryError
+
+    store, _stamps = many_keys_store
+    for bad in ("Tk", [("T2",)], [("T2", 5)], [None], [("T2", "k7", "x")], 7):
+        with pytest.raises(InvalidQueryError):
+            store.query_messages_arrow(bad)
+    assert store.query_messages_arrow(iter([("T2", "k27")])).num_rows == 0, "any iterable of pairs"
+    assert store.query_messages_arrow([["T2", "k7"]]).num_rows == 4

@@ -127,6 +127,10 @@ class SegmentDeletedError(OffsetOutOfRangeError):
     """Retention deleted the file a read was using while it read: the message is gone, not damaged."""
 
 
+class InvalidQueryError(RocketStoreError, ValueError):
+    """A lookup asked with arguments that do not form a query (e.g. a pair that is not two strings)."""
+
+
 class InvalidMessageIdError(RocketStoreError, ValueError):
     """A message id or UNIQ_KEY string is not of RocketMQ's form."""
 

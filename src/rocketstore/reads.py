@@ -20,7 +20,13 @@ from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import ConsumeQueueTable
 from .encoder import PARKED_TOPICS
-from .errors import CorruptDataError, InvalidMessageIdError, MessageNotFoundError, SegmentDeletedError
+from .errors import (
+    CorruptDataError,
+    InvalidMessageIdError,
+    InvalidQueryError,
+    MessageNotFoundError,
+    SegmentDeletedError,
+)
 from .index.service import IndexService, build_key
 from .message import MessageExt
 
@@ -220,11 +226,10 @@ class StoreReader:
         schema = pa.schema([*MESSAGE_FIELDS, ("queryTopic", pa.string()), ("queryKey", pa.string())])
         max_num = min(max_num, self.config.max_msgs_num_batch)
         end = LONG_MAX if end is None else end
-        topics = [t for t, _k in queries]
-        keys = [k for _t, k in queries]
-        if self.index is None or max_num <= 0 or not queries:
+        topics, keys = _query_columns(queries)
+        if self.index is None or max_num <= 0 or not topics:
             return pa.RecordBatch.from_pylist([], schema=schema)
-        hashes = index_key_hashes([build_key(t, k) for t, k in queries])
+        hashes = index_key_hashes([build_key(t, k) for t, k in zip(topics, keys, strict=True)])
         widened_begin = max(0, begin - 1000)
         with self.index.lock:
             files = list(self.index.files)
@@ -325,6 +330,21 @@ class StoreReader:
                                      GetMessageStatus.OFFSET_TOO_SMALL):
                 return
             offset = result.next_begin_offset
+
+
+def _query_columns(queries) -> tuple[list[str], list[str]]:
+    """(topics, keys) of a sequence of (topic, key) string pairs; ``InvalidQueryError`` names the first bad one."""
+    if isinstance(queries, str | bytes) or not isinstance(queries, Iterable):
+        raise InvalidQueryError(f"queries must be a sequence of (topic, key) pairs, not {type(queries).__name__}")
+    topics: list[str] = []
+    keys: list[str] = []
+    for n, pair in enumerate(queries):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)
+                and isinstance(pair[1], str)):
+            raise InvalidQueryError(f"query {n} is {pair!r}, not a (topic, key) pair of strings")
+        topics.append(pair[0])
+        keys.append(pair[1])
+    return topics, keys
 
 
 def _int32(value: int) -> int:
