@@ -121,6 +121,27 @@ def test_print_msg_walks_every_queue_with_filters(store):
     assert len(bodies) >= sum(1 for r in results[100:120] if r.store_timestamp >= results[100].store_timestamp) // 2
 
 
+def test_print_msg_lines_are_javas_message_ext_to_string(store):
+    """Each line is mqadmin printMsg's: the message id, Java's ``MessageExt.toString()``, the body."""
+    root, _results = store
+    out = [line for line in cli("print-msg", "--store", str(root), "-t", "Topic1", "--body").stdout.splitlines()
+           if line.startswith("MSGID:")]
+    with MessageStore.open(root, CONFIG, read_only=True) as opened:
+        expected = []
+        for queue_id in opened.queue_ids("Topic1"):
+            for m in opened.get_message("Topic1", queue_id, 0, 1000).messages:
+                props = ", ".join(f"{k}={v}" for k, v in m.properties.items())
+                expected.append(
+                    f"MSGID: {m.msg_id} MessageExt [queueId={m.queue_id}, storeSize={m.store_size}, "
+                    f"queueOffset={m.queue_offset}, sysFlag={m.sys_flag}, bornTimestamp={m.born_timestamp}, "
+                    f"bornHost=/{m.born_host}, storeTimestamp={m.store_timestamp}, storeHost=/{m.store_host}, "
+                    f"msgId={m.msg_id}, commitLogOffset={m.commit_log_offset}, bodyCRC={m.body_crc}, "
+                    f"reconsumeTimes={m.reconsume_times}, preparedTransactionOffset={m.prepared_transaction_offset}, "
+                    f"toString()=Message{{topic='{m.topic}', flag={m.flag}, properties={{{props}}}, "
+                    f"body=[{len(m.body)} bytes]}}] BODY: {m.body.decode()}")
+    assert out == expected and len(out) == 60
+
+
 def test_dump_log_json_matches_rocketmqs_decoder(vectors):
     segment = vectors / "v4_commitlog" / "00000000000000000000"
     got = [json.loads(x) for x in cli("dump-log", str(segment), "--json").stdout.splitlines()]

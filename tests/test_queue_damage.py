@@ -41,6 +41,10 @@ def bodies(store: MessageStore, topic: str) -> list[bytes]:
     return [m.body for m in store.get_message(topic, 0, 0, max_msgs=100).messages]
 
 
+def batch_bodies(store: MessageStore, topic: str) -> list[bytes]:
+    return [body for batch in store.queue_arrow(topic, 0, max_rows=3) for body in batch.column("body").to_pylist()]
+
+
 def test_a_unit_pointing_at_another_topics_record_is_never_served(tmp_path):
     where = build(tmp_path)
     point_unit(tmp_path, "B", 3, *where["A"][7])  # B-3 now points at A's 8th record
@@ -49,6 +53,17 @@ def test_a_unit_pointing_at_another_topics_record_is_never_served(tmp_path):
         assert b"A-7" not in got
         assert got == [f"B-{i}".encode() for i in range(10) if i != 3]
         assert ("B", 0, 3) in store.reader.damaged_units
+
+
+def test_the_batch_queue_read_never_serves_a_foreign_message_either(tmp_path):
+    where = build(tmp_path)
+    point_unit(tmp_path, "B", 3, *where["A"][7])
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
+        assert batch_bodies(store, "B") == [f"B-{i}".encode() for i in range(10) if i != 3]
+        assert store.reader.damaged_units == {("B", 0, 3): where["A"][7][0]}
+    with MessageStore.open(tmp_path, CONFIG) as store:  # a writer finds B-3 again and serves it in its place
+        assert batch_bodies(store, "B") == [f"B-{i}".encode() for i in range(10)]
+        assert store.queue_units_repaired == 1
 
 
 def test_print_msg_never_prints_the_foreign_message(tmp_path):

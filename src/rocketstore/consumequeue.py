@@ -296,6 +296,19 @@ class ConsumeQueue:
             return [_UNIT.unpack_from(buf, p) for p in range(pos, end, CQ_UNIT_SIZE)], None
 
     @retry_evicted
+    def units_array(self, queue_offset: int, max_units: int) -> tuple[np.ndarray, int | None]:
+        """``units_from`` as one ``UNIT_DTYPE`` array (a copy: it outlives the mapping), for batch reads."""
+        logical = queue_offset * CQ_UNIT_SIZE
+        mapped = self.mapped_files.find(logical)
+        if mapped is None:
+            nxt = logical - logical % self.file_size + self.file_size
+            return np.zeros(0, dtype=UNIT_DTYPE), nxt // CQ_UNIT_SIZE
+        pos = logical - mapped.file_from_offset
+        count = max(0, min(mapped.wrote_position - pos, max_units * CQ_UNIT_SIZE) // CQ_UNIT_SIZE)
+        with reading(mapped):
+            return np.frombuffer(mapped.buffer, dtype=UNIT_DTYPE, count=count, offset=pos).copy(), None
+
+    @retry_evicted
     def offset_by_time(self, timestamp: int, upper: bool, store_time: StoreTimeLookup, log_min: int) -> int:
         """``getOffsetInQueueByTime`` (spec 4.5); the caller clamps to [min, max]."""
         files = self.mapped_files.files

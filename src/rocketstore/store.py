@@ -672,6 +672,14 @@ class MessageStore:
 
         return scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body, max_rows=max_rows)
 
+    def queue_arrow(self, topic: str, queue_id: int, begin: int | None = None, end: int | None = None,
+                    tags: str | Iterable[str] | None = None, *, include_body: bool = True, max_rows: int = 8192):
+        """The messages of one queue from queue offset ``begin`` up to ``end`` as ``pyarrow.RecordBatch``es
+        (``scan_arrow``'s columns), queue order: ``get_message``'s answers without a message object each."""
+        self._check_open()
+        return self._reader().queue_arrow(topic, queue_id, begin, end, tags, include_body=include_body,
+                                          max_rows=max_rows)
+
     @property
     def min_phy_offset(self) -> int:
         return self.commit_log.min_offset

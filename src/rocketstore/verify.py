@@ -39,7 +39,7 @@ from .codec.properties import PropertyName
 from .codec.record import message_from_layout, read_layout
 from .commitlog import CommitLog
 from .config import StoreConfig
-from .consumequeue import CQ_UNIT_SIZE, PRE_BLANK_SIZE, ConsumeQueueTable
+from .consumequeue import CQ_UNIT_SIZE, PRE_BLANK_SIZE, UNIT_DTYPE, ConsumeQueueTable
 from .dispatch import DISPATCH_ROWS, index_topic_of, tags_code_of
 from .encoder import PARKED_TOPICS
 from .errors import ConfigError, CorruptDataError
@@ -52,8 +52,6 @@ from .message import SysFlag
 from .recovery import recovered_log_end
 
 Progress = Callable[[str, int, int], None]
-UNIT_DTYPE = np.dtype([("phy", ">i8"), ("size", ">i4"), ("tags", ">i8")])  # consumequeue.UNIT_FMT as numpy
-assert UNIT_DTYPE.itemsize == CQ_UNIT_SIZE
 _NOT_LIVE = 1 << 62  # a frontier past any offset: on a dead store every record must be in place
 
 

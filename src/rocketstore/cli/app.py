@@ -23,10 +23,11 @@ from ..errors import MessageNotFoundError, RocketStoreError
 from ..reads import GetMessageStatus
 from .render import (
     arrow_message_rows,
-    body_text,
+    arrow_messages,
     dump_json,
     emit_json,
     human_time,
+    java_message_lines,
     message_block,
     message_json,
     parse_time,
@@ -386,32 +387,15 @@ def print_msg(topic, begin, end, sub_expression, body, as_json, **kwargs) -> Non
                 high = store.get_offset_in_queue_by_time(topic, queue_id, stop)
             if not as_json:
                 click.echo(f"minOffset={low}, maxOffset={high}, MessageQueue [topic={topic}, queueId={queue_id}]")
-            offset = low
-            while offset < high:
-                result = store.get_message(topic, queue_id, offset, 32, sub_expression)
-                for msg in result.messages:
-                    if msg.queue_offset >= high:
-                        break
-                    if as_json:
-                        emit_json(message_json(msg, body=body))
-                    else:
-                        shown = body_text(msg.body) if body else "NOT PRINT BODY"
-                        click.echo(f"MSGID: {msg.msg_id} {_java_message(msg)} BODY: {shown}")
-                if result.next_begin_offset <= offset:
-                    break
-                offset = result.next_begin_offset
+            read_body = body or not as_json  # the text form shows the body's length
+            for batch in store.queue_arrow(topic, queue_id, low, high, sub_expression, include_body=read_body):
+                if as_json:
+                    rows = arrow_message_rows(batch) if body else arrow_messages(batch)
+                    click.echo("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))
+                else:
+                    click.echo("\n".join(java_message_lines(batch, body=body)))
             if not as_json:
                 click.echo("-" * 56)
-
-
-def _java_message(msg) -> str:
-    props = ", ".join(f"{k}={v}" for k, v in msg.properties.items())
-    return (f"MessageExt [queueId={msg.queue_id}, storeSize={msg.store_size}, queueOffset={msg.queue_offset}, "
-            f"sysFlag={msg.sys_flag}, bornTimestamp={msg.born_timestamp}, bornHost=/{msg.born_host}, "
-            f"storeTimestamp={msg.store_timestamp}, storeHost=/{msg.store_host}, msgId={msg.msg_id}, "
-            f"commitLogOffset={msg.commit_log_offset}, bodyCRC={msg.body_crc}, reconsumeTimes={msg.reconsume_times}, "
-            f"preparedTransactionOffset={msg.prepared_transaction_offset}, toString()=Message{{topic='{msg.topic}', "
-            f"flag={msg.flag}, properties={{{props}}}, body=[{len(msg.body)} bytes]}}]")
 
 
 # --- files -----------------------------------------------------------------------------------------

@@ -104,9 +104,23 @@ _JSON_OF_COLUMN = {"msgId": "msgId", "topic": "topic", "queueId": "queueId", "fl
                    "storeSize": "storeSize"}
 
 
+_JSON_ORDER = ("msgId", "topic", "queueId", "flag", "queueOffset", "commitLogOffset", "sysFlag", "bornTimestamp",
+               "bornHost", "storeTimestamp", "storeHost", "reconsumeTimes", "preparedTransactionOffset", "bodyCRC",
+               "body", "properties", "storeSize")
+
+
 def arrow_message_rows(batch) -> list[dict]:
     """``message_json`` for every row of a batch in the Arrow message columns (``scan_arrow``,
     ``query_messages_arrow``), plus ``queryTopic``/``queryKey`` when the batch has them: read column-wise."""
+    rows = arrow_messages(batch)
+    for row in rows:
+        body = row["body"]
+        row["body"] = base64.b64encode(body).decode() if body else None
+    return rows
+
+
+def arrow_messages(batch) -> list[dict]:
+    """The rows of a batch in the Arrow message columns as dicts with ``message_json``'s names, bodies raw."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -120,14 +134,41 @@ def arrow_message_rows(batch) -> list[dict]:
     extra = [name for name in ("queryTopic", "queryKey") if name in batch.schema.names]
     for name in extra:
         columns[name] = batch.column(name).to_pylist()
-    rows = []
-    for i in range(n):
-        row = {name: columns[name][i] for name in columns}
-        body = bodies[i]
-        row["body"] = base64.b64encode(body).decode() if body else None
-        row["properties"] = dict(properties[i] or ())
-        rows.append(row)
-    return rows
+    columns["body"] = bodies
+    columns["properties"] = [dict(p or ()) for p in properties]
+    names = [name for name in _JSON_ORDER if name in columns] + extra
+    return [{name: columns[name][i] for name in names} for i in range(n)]
+
+
+def java_message_lines(batch, *, body: bool) -> list[str]:
+    """mqadmin printMsg's line for every row of a batch in the Arrow message columns: ``MSGID: <id>``, Java's
+    ``MessageExt.toString()`` and the body (or ``NOT PRINT BODY``), joined column by column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def text(name: str):
+        return pc.cast(batch.column(name), pa.string())
+
+    def millis(name: str):
+        return pc.cast(pc.divide(pc.cast(batch.column(name), pa.int64()), 1000), pa.string())
+
+    props = batch.column("properties")
+    pairs = pc.binary_join_element_wise(props.keys, props.items, "=")
+    props_text = pc.binary_join(pa.ListArray.from_arrays(props.offsets, pairs), ", ").fill_null("")
+    body_len = pc.cast(pc.binary_length(batch.column("body")).fill_null(0), pa.string())
+    if body:
+        bodies = pa.array([body_text(b or b"") for b in batch.column("body").to_pylist()], pa.string())
+    else:
+        bodies = pa.scalar("NOT PRINT BODY")
+    pieces = ["MSGID: ", text("msgId"), " MessageExt [queueId=", text("queueId"), ", storeSize=", text("storeSize"),
+              ", queueOffset=", text("queueOffset"), ", sysFlag=", text("sysFlag"), ", bornTimestamp=",
+              millis("bornTimestamp"), ", bornHost=/", text("bornHost"), ", storeTimestamp=", millis("storeTimestamp"),
+              ", storeHost=/", text("storeHost"), ", msgId=", text("msgId"), ", commitLogOffset=",
+              text("commitLogOffset"), ", bodyCRC=", text("bodyCRC"), ", reconsumeTimes=", text("reconsumeTimes"),
+              ", preparedTransactionOffset=", text("preparedTransactionOffset"), ", toString()=Message{topic='",
+              text("topic"), "', flag=", text("flag"), ", properties={", props_text, "}, body=[", body_len,
+              " bytes]}] BODY: ", bodies]
+    return pc.binary_join_element_wise(*[pa.scalar(p) if isinstance(p, str) else p for p in pieces], "").to_pylist()
 
 
 def dump_json(msg: MessageExt, pos: int) -> dict:
