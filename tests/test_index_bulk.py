@@ -140,13 +140,20 @@ def test_index_service_batches_write_what_buildindex_writes(tmp_path_factory, re
 
 
 @settings(max_examples=300, deadline=None)
-@given(keys=st.lists(st.text(max_size=30), max_size=40))
-def test_vectorised_hashes_equal_java_string_hash(keys):
+@given(keys=st.lists(st.text(max_size=30), max_size=40), prefix=st.text(max_size=8), skip=st.integers(0, 3))
+def test_vectorised_hashes_equal_java_string_hash(keys, prefix, skip):
+    import pyarrow as pa
+
     from rocketstore.codec import index_key_hash, java_string_hash
     from rocketstore.index.bulk import java_string_hashes
 
     assert java_string_hashes(keys).tolist() == [java_string_hash(k) for k in keys]
     assert index_key_hashes(keys).tolist() == [index_key_hash(k) for k in keys]
+    expected = [index_key_hash(prefix + k) for k in keys]
+    assert index_key_hashes(keys, prefix).tolist() == expected
+    column = pa.array(["x"] * skip + keys, pa.string()).slice(skip)  # UTF-8 where it lies, an offset slice too
+    assert index_key_hashes(column, prefix).tolist() == expected
+    assert index_key_hashes(pa.chunked_array([column], pa.string()), prefix).tolist() == expected
 
 
 def test_vectorised_hashes_on_the_spec_examples():

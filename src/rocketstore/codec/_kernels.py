@@ -582,6 +582,18 @@ def dispatch_hashes(buf, topic_pos, topic_len, uniq_pos, uniq_len, tags_pos, tag
 
 
 @njit(cache=True, nogil=True)
+def index_hashes_utf8(data, offsets, prefix):
+    """``indexKeyHashMethod`` of ``prefix`` + each UTF-8 text ``data[offsets[i]:offsets[i+1]]`` (an Arrow string
+    column's buffers): Java's ``hashCode`` over UTF-16 units, |h|, Integer.MIN_VALUE -> 0."""
+    n = offsets.size - 1
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        s = _signed32(_java_hash_utf8(data, offsets[i], offsets[i + 1] - offsets[i], prefix))
+        out[i] = 0 if s == -0x80000000 else abs(s)
+    return out
+
+
+@njit(cache=True, nogil=True)
 def text_hashes(buf, pos, length):
     """64-bit FNV-1a of each ``buf[pos:pos+length]``: grouping keys for short texts (topics) without Python."""
     n = pos.size

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import pyarrow as pa
 
+from ..codec import _kernels as _ck
 from ..codec.batch import as_array
 from . import _kernels as _k
 from .file import INDEX_ENTRY_SIZE, INT_MAX, IndexFile
@@ -39,8 +41,30 @@ def java_string_hashes(keys: Sequence[str]) -> np.ndarray:
     return _k.java_hashes(units, offsets)
 
 
-def index_key_hashes(keys: Iterable[str]) -> np.ndarray:
-    """``indexKeyHashMethod`` of every key: |hashCode|, Integer.MIN_VALUE -> 0; as int64."""
+def index_key_hashes(keys: Iterable[str] | pa.Array, prefix: str = "") -> np.ndarray:
+    """``indexKeyHashMethod`` of every ``prefix + key``: |hashCode|, Integer.MIN_VALUE -> 0; as int64.
+
+    ``keys`` may be an Arrow string column: its UTF-8 bytes are hashed where they lie (one compiled loop, no
+    Python string per key), as dispatch hashes keys inside the records.
+    """
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    if isinstance(keys, pa.Array):
+        if keys.null_count:
+            raise ValueError("index keys cannot be null")
+        if pa.types.is_large_string(keys.type):
+            keys = keys.cast(pa.string())
+        if not pa.types.is_string(keys.type):
+            raise TypeError(f"index keys must be strings, not {keys.type}")
+        offsets = np.frombuffer(keys.buffers()[1], dtype=np.int32, count=len(keys) + 1, offset=keys.offset * 4)
+        data_buf = keys.buffers()[2]
+        data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
+        start = 0  # the prefix's hash: Java's hashCode is Horner's rule over UTF-16 units, so it continues
+        for unit in np.frombuffer(prefix.encode("utf-16-le", "surrogatepass"), dtype="<u2").tolist():
+            start = (start * 31 + unit) & 0xFFFFFFFF
+        return _ck.index_hashes_utf8(data, offsets.astype(np.int64), np.int64(start))
+    if prefix:
+        keys = [prefix + k for k in keys]
     h = java_string_hashes(keys if isinstance(keys, list) else list(keys)).astype(np.int64)
     return np.where(h == -(1 << 31), 0, np.abs(h))
 
