@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..checkpoint import StoreCheckpoint
-from ..codec.batch import MESSAGE_FIELDS, StopKind, decode_range, message_row
+from ..codec.batch import MESSAGE_FIELDS, DispatchBatch, StopKind, decode_dispatch, decode_range, message_row
 from ..codec.properties import PropertyName
 from ..codec.record import find_record_start
 from ..commitlog import COMMITLOG_DIR, CommitLog
@@ -261,8 +261,12 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
                                    topics=options.topics, broker_name=r.broker_name, path=r.segment,
                                    max_rows=BATCH_ROWS)
         batch = _in_time_window(batch, options)
+        if batch.num_rows and options.dispatch_info:  # the dispatcher's own kernels over the same records
+            dispatch, _ = decode_dispatch(buf, pos, halt.pos, base=r.segment_start, limit=min(limit, r.segment_size),
+                                          path=r.segment, max_rows=2 * BATCH_ROWS)
+            batch = with_dispatch_info(batch, dispatch, options)
         if batch.num_rows:
-            yield with_dispatch_info(batch, options) if options.dispatch_info else batch
+            yield batch
         if halt.kind is StopKind.LIMIT:
             pos = halt.pos
             continue
@@ -296,26 +300,53 @@ def _in_time_window(batch: pa.RecordBatch, options: ScanOptions) -> pa.RecordBat
     return batch if keep.all() else batch.filter(pa.array(keep))
 
 
-def with_dispatch_info(batch: pa.RecordBatch, options: ScanOptions) -> pa.RecordBatch:
-    """Add tagsCode and indexKeyHashes: what the dispatcher derives from each record (for rebuilds)."""
-    topics = batch.column("topic").to_pylist()
-    properties = batch.column("properties").to_pylist()
-    stamps = (batch.column("storeTimestamp").cast(pa.int64()).to_numpy() // 1000).tolist()
-    sys_flags = batch.column("sysFlag").to_pylist()
-    tags_codes, keys = [], []
-    for topic, pairs, stamp, sys_flag in zip(topics, properties, stamps, sys_flags, strict=True):
-        props = dict(pairs)
-        tags_codes.append(tags_code_of(topic, props, stamp, options.delay_levels_ms))
-        rollback = SysFlag.transaction_type(sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE
-        row_keys = [] if rollback else index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))
-        index_topic = index_topic_of(topic, props)
-        keys.append([build_key(index_topic, k) for k in row_keys])
-    offsets = np.zeros(len(keys) + 1, dtype=np.int32)
-    np.cumsum([len(row) for row in keys], out=offsets[1:])
-    hashes = index_key_hashes([k for row in keys for k in row])
+def with_dispatch_info(batch: pa.RecordBatch, dispatch: DispatchBatch, options: ScanOptions) -> pa.RecordBatch:
+    """Add tagsCode and indexKeyHashes, what the dispatcher derives from each record (for rebuilds): taken from
+    ``dispatch``, the same records through the dispatcher's compiled decode; its ``slow`` rows (scheduled
+    messages, text that is not UTF-8) one at a time, as the dispatcher takes them."""
+    n = batch.num_rows
+    at = np.searchsorted(dispatch.phy, batch.column("commitLogOffset").to_numpy())
+    assert np.array_equal(dispatch.phy[np.minimum(at, len(dispatch.phy) - 1)], batch.column("commitLogOffset")
+                          .to_numpy()), "the dispatch decode must see every record of the batch"
+    tags_codes = dispatch.tags_code[at]
+    row_of = np.full(len(dispatch.phy), -1, dtype=np.int64)
+    row_of[at] = np.arange(n)
+    entry_row = row_of[dispatch.entry_owner]
+    rollback = (dispatch.sys_flag & SysFlag.TRANSACTION_MASK) == SysFlag.TRANSACTION_ROLLBACK_TYPE
+    keep = (entry_row >= 0) & ~rollback[dispatch.entry_owner]
+    rows, hashes = entry_row[keep], dispatch.entry_hash[keep]
+    slow = np.flatnonzero(dispatch.slow[at])
+    if len(slow):
+        topics = batch.column("topic").take(pa.array(slow)).to_pylist()
+        properties = batch.column("properties").take(pa.array(slow)).to_pylist()
+        stamps = (batch.column("storeTimestamp").cast(pa.int64()).to_numpy()[slow] // 1000).tolist()
+        sys_flags = batch.column("sysFlag").to_numpy()[slow].tolist()
+        slow_rows, slow_keys = [], []
+        for row, topic, pairs, stamp, sys_flag in zip(slow.tolist(), topics, properties, stamps, sys_flags,
+                                                      strict=True):
+            tags_codes[row], keys = _dispatch_info_of(topic, dict(pairs), stamp, sys_flag, options)
+            slow_rows += [row] * len(keys)
+            slow_keys += keys
+        rows = np.concatenate([rows, np.array(slow_rows, dtype=np.int64)])
+        hashes = np.concatenate([hashes, index_key_hashes(slow_keys)])
+        order = np.argsort(rows, kind="stable")
+        rows, hashes = rows[order], hashes[order]
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.bincount(rows, minlength=n), out=offsets[1:])
     columns = [*batch.columns, pa.array(tags_codes, pa.int64()),
                pa.ListArray.from_arrays(pa.array(offsets), pa.array(hashes, type=pa.int64()))]
     return pa.RecordBatch.from_arrays(columns, names=[*batch.schema.names, *(n for n, _ in DISPATCH_FIELDS)])
+
+
+def _dispatch_info_of(topic: str, props: dict[str, str], store_timestamp: int, sys_flag: int,
+                      options: ScanOptions) -> tuple[int, list[str]]:
+    """One record's tags code and index keys (``topic#key``), the dispatcher's rules one at a time."""
+    tags_code = tags_code_of(topic, props, store_timestamp, options.delay_levels_ms)
+    if SysFlag.transaction_type(sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE:
+        return tags_code, []
+    index_topic = index_topic_of(topic, props)
+    return tags_code, [build_key(index_topic, k) for k in index_keys(props.get(PropertyName.UNIQ_KEY),
+                                                                     props.get(PropertyName.KEYS))]
 
 
 def _write_corrupt_log(directory: str, r: LogRange, skipped: list[dict]) -> None:
@@ -337,14 +368,10 @@ def corrupt_report(directory: str | Path) -> list[dict]:
 
 
 def append_message(columns: MessageColumns, msg, broker: str, options: ScanOptions) -> None:
-    """Add one decoded message to ``columns`` (record-at-a-time callers such as ``find_keys``)."""
+    """Add one decoded message to ``columns`` (the record-at-a-time reference the tests hold ``read_range`` to)."""
     values = message_row(msg, options.include_body, broker)
     if options.dispatch_info:
-        values.append(tags_code_of(msg.topic, msg.properties, msg.store_timestamp, options.delay_levels_ms))
-        rollback = SysFlag.transaction_type(msg.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE
-        props = msg.properties
-        keys = [] if rollback else index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))
-        topic = index_topic_of(msg.topic, props)
-        values.append([build_key(topic, k) for k in keys])  # hashed per batch in MessageColumns.batch
+        tags_code, keys = _dispatch_info_of(msg.topic, msg.properties, msg.store_timestamp, msg.sys_flag, options)
+        values += [tags_code, keys]  # hashed per batch in MessageColumns.batch
     for column, value in zip(columns.data, values, strict=True):
         column.append(value)
