@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
 from rocketstore.errors import ConfigError
@@ -150,3 +154,40 @@ def test_verify_while_a_writer_runs_checks_a_snapshot_without_false_problems(tmp
         writer.wait()
     report = verify_store(root, config)
     assert not report.live and report.clean and report.records == written, report.problems[:5]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 400), min_size=0, max_size=60, unique=True), st.data())
+def test_the_index_entry_check_equals_a_lookup_per_entry(offsets, data):
+    """``check_entries`` walks records with a cursor; entries out of order, far ahead, expired, after the
+    snapshot, with or without their key, must get what a search per entry gives."""
+    from rocketstore.index import _kernels as ik
+
+    rec_phy = np.array(sorted(o * 10 for o in offsets), dtype=np.int64)
+    keys = [sorted(set(data.draw(st.lists(st.integers(0, 6), max_size=3)))) for _ in rec_phy]
+    key_pairs = np.array([(r << 32) | h for r, hs in enumerate(keys) for h in hs], dtype=np.int64)
+    pair_start = np.zeros(len(rec_phy) + 1, dtype=np.int64)
+    np.cumsum([len(hs) for hs in keys], out=pair_start[1:])
+    entries = data.draw(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 4100)), max_size=80))
+    end, log_min = data.draw(st.integers(0, 4200)), int(rec_phy[0]) if len(rec_phy) else 0
+    entries_at = 8
+    buf = np.zeros(entries_at + (len(entries) + 1) * 20, dtype=np.uint8)
+    for i, (h, phy) in enumerate(entries):
+        buf[entries_at + (i + 1) * 20: entries_at + (i + 1) * 20 + 12] = np.frombuffer(struct.pack(">iq", h, phy),
+                                                                                       np.uint8)
+    covered = np.zeros(len(key_pairs), dtype=bool)
+    status = ik.check_entries(buf, entries_at, len(entries), end, log_min, rec_phy, pair_start, key_pairs, covered)
+    expected, want_covered = [], set()
+    where = {int(p): r for r, p in enumerate(rec_phy)}
+    for h, phy in entries:
+        if phy >= end:
+            expected.append(ik.ENTRY_AFTER_SNAPSHOT)
+        elif phy in where:
+            fine = h in keys[where[phy]]
+            expected.append(ik.ENTRY_FINE if fine else ik.ENTRY_WRONG_KEY)
+            if fine:
+                want_covered.add((where[phy] << 32) | h)
+        else:
+            expected.append(ik.ENTRY_EXPIRED if phy < log_min else ik.ENTRY_NO_RECORD)
+    assert status.tolist() == expected
+    assert {int(p) for p in key_pairs[covered]} == want_covered

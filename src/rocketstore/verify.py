@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import os
+import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import StoreCheckpoint
-from .codec.batch import DispatchBatch, StopKind, decode_dispatch
+from .codec.batch import DispatchBatch, StopKind, as_array, decode_dispatch
 from .codec.properties import PropertyName
 from .codec.record import message_from_layout, read_layout
 from .commitlog import CommitLog
@@ -43,7 +44,8 @@ from .consumequeue import CQ_UNIT_SIZE, PRE_BLANK_SIZE, UNIT_DTYPE, ConsumeQueue
 from .dispatch import DISPATCH_ROWS, index_topic_of, tags_code_of
 from .encoder import PARKED_TOPICS
 from .errors import ConfigError, CorruptDataError
-from .index.bulk import ENTRY_DTYPE, index_key_hashes
+from .index import _kernels as _ik
+from .index.bulk import index_key_hashes
 from .index.file import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
 from .index.service import IndexService, build_key, index_keys
 from .lifecycle import is_locked
@@ -119,14 +121,6 @@ class _Records:
             return np.zeros(len(phys), np.int64), np.zeros(len(phys), bool)
         at = np.minimum(np.searchsorted(self.phy, phys), len(self.phy) - 1)
         return at, self.phy[at] == phys
-
-    def has_key_pairs(self, pairs: np.ndarray) -> np.ndarray:
-        """Whether each (record number << 32 | hash) is a key of that record: a binary search per pair,
-        not ``np.isin``, which would sort every key of the store again for each index file."""
-        if not len(self.key_pairs):
-            return np.zeros(len(pairs), bool)
-        at = np.minimum(np.searchsorted(self.key_pairs, pairs), len(self.key_pairs) - 1)
-        return self.key_pairs[at] == pairs
 
 
 @dataclass(slots=True)
@@ -414,6 +408,11 @@ def _unit_problem(records: _Records, i: int, queue_number: int, phy: int, size: 
     return f"tags code {tags} but the record's is {records.tags_code[i]}"
 
 
+def _entry(index, entries_at: int, number: int) -> tuple[int, int]:
+    """(key hash, commit-log offset) of entry ``number`` of an index file."""
+    return struct.unpack_from(">iq", index.buffer, entries_at + number * INDEX_ENTRY_SIZE)
+
+
 def _check_index(root: Path, config: StoreConfig, records: _Records, report: VerifyReport,
                  progress: Progress | None, snapshot: _Snapshot | None) -> None:
     service = IndexService(root, config, StoreCheckpoint(root / "checkpoint", read_only=True), read_only=True)
@@ -422,52 +421,47 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
     except CorruptDataError as exc:
         report.add(Problem("index", exc.path or str(root / "index"), exc.offset or 0, exc.reason))
         return
-    covered: list[np.ndarray] = []
+    covered = np.zeros(len(records.key_pairs), dtype=bool)  # key pairs some entry was found for
+    pair_start = np.zeros(len(records.phy) + 1, dtype=np.int64)  # each record's run in key_pairs
+    np.cumsum(np.bincount(records.key_pairs >> 32, minlength=len(records.phy)), out=pair_start[1:])
     index_min = None
     index_frontier = _NOT_LIVE  # a live store: records from here on may not be indexed yet
     log_min = int(records.phy[0]) if len(records.phy) else 0
+    end = snapshot.end if snapshot else _NOT_LIVE
     try:
         for n, index in enumerate(service.files):
             entries_at = INDEX_HEADER_SIZE + index.hash_slot_num * 4
             count = index.index_count - 1
-            entries = np.frombuffer(index.buffer, dtype=ENTRY_DTYPE, count=count,
-                                    offset=entries_at + INDEX_ENTRY_SIZE)
-            hashes, phys = entries["hash"].astype(np.int64), entries["phy"].astype(np.int64)
-            del entries
-            if count and index_min is None:
-                index_min = int(phys[0])
-            if count and snapshot:
-                index_frontier = int(phys[-1])  # the count was read when the file was opened, after the snapshot
-            numbers = np.arange(1, count + 1, dtype=np.int64)
-            if snapshot:
-                keep = phys < snapshot.end  # entries of records written after the snapshot
-                hashes, phys, numbers = hashes[keep], phys[keep], numbers[keep]
-            report.index_entries += len(phys)
-            at, found = records.find(phys)
-            pairs = (at << 32) | hashes
-            matches = found & records.has_key_pairs(pairs)
-            covered.append(pairs[matches])
-            bad = (~found & (phys >= log_min)) | (found & ~matches)
+            buf = as_array(index.buffer)
+            try:
+                status = _ik.check_entries(buf, entries_at, count, end, log_min, records.phy, pair_start,
+                                           records.key_pairs, covered)
+            finally:
+                del buf
+            if count:
+                first, last = _entry(index, entries_at, 1), _entry(index, entries_at, count)
+                index_min = first[1] if index_min is None else index_min
+                if snapshot:
+                    index_frontier = last[1]  # the count was read when the file was opened, after the snapshot
+            report.index_entries += count - int(np.count_nonzero(status == _ik.ENTRY_AFTER_SNAPSHOT))
             path = str(index.path)
 
-            def make(i: int, path=path, entries_at=entries_at, found=found, phys=phys, hashes=hashes,
-                     numbers=numbers) -> Problem:
-                phy = int(phys[i])
-                detail = (f"entry hash {int(hashes[i])} matches no key of the record at {phy}" if found[i] else
+            def make(i: int, path=path, entries_at=entries_at, status=status, index=index) -> Problem:
+                number = i + 1
+                key_hash, phy = _entry(index, entries_at, number)
+                detail = (f"entry hash {key_hash} matches no key of the record at {phy}"
+                          if status[i] == _ik.ENTRY_WRONG_KEY else
                           f"entry points at commit-log offset {phy}, where no record starts")
-                return Problem("index", path, entries_at + int(numbers[i]) * INDEX_ENTRY_SIZE, detail)
+                return Problem("index", path, entries_at + number * INDEX_ENTRY_SIZE, detail)
 
-            report.add_many(np.flatnonzero(bad), make)
+            report.add_many(np.flatnonzero((status == _ik.ENTRY_WRONG_KEY) | (status == _ik.ENTRY_NO_RECORD)), make)
             if progress:
                 progress("index", n + 1, len(service.files))
     finally:
         service.close()
     if not config.message_index_enable or index_min is None:
         return
-    done = _sorted_unique(np.concatenate(covered))  # a subset of key_pairs: each was found there
-    is_covered = np.zeros(len(records.key_pairs), dtype=bool)
-    is_covered[np.searchsorted(records.key_pairs, done)] = True  # sorted probes: one cheap pass, not np.isin
-    uncovered = records.key_pairs[~is_covered]
+    uncovered = records.key_pairs[~covered]
     missing_keys = np.bincount(uncovered >> 32, minlength=len(records.phy))
     rollback = (records.sys_flag & SysFlag.TRANSACTION_MASK) == SysFlag.TRANSACTION_ROLLBACK_TYPE
     want = (missing_keys > 0) & (records.phy >= index_min) & ~rollback & (records.phy < index_frontier)

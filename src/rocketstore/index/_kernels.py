@@ -138,3 +138,39 @@ def java_hashes(units, offsets):
                 h = (h * 31 + cp) & 0xFFFFFFFF
         out[i] = h - 0x100000000 if h & 0x80000000 else h
     return out
+
+
+ENTRY_FINE, ENTRY_WRONG_KEY, ENTRY_NO_RECORD, ENTRY_EXPIRED, ENTRY_AFTER_SNAPSHOT = 0, 1, 2, 3, 4
+
+
+@njit(cache=True, nogil=True)
+def check_entries(buf, entries_at, count, end, log_min, rec_phy, pair_start, key_pairs, covered):
+    """``verify``'s index pass over the ``count`` entries after the invalid entry 0: whether a record starts at
+    each entry's offset and has the entry's hash among its keys (marking that key pair covered), as a code per
+    entry (``ENTRY_*``). Entries come in log order, so a cursor walks the sorted record offsets and a binary
+    search is needed only where the order breaks or jumps."""
+    status = np.empty(count, dtype=np.int8)
+    m = rec_phy.size
+    j = 0
+    for i in range(count):
+        p = entries_at + (i + 1) * _ENTRY
+        h = _be32(buf, p)
+        phy = _be64(buf, p + 4)
+        if phy >= end:
+            status[i] = ENTRY_AFTER_SNAPSHOT
+            continue
+        if j >= m or rec_phy[j] > phy or (j + 16 < m and rec_phy[j + 16] < phy):
+            j = np.searchsorted(rec_phy, phy)
+        else:
+            while j < m and rec_phy[j] < phy:
+                j += 1
+        if j < m and rec_phy[j] == phy:
+            status[i] = ENTRY_WRONG_KEY
+            for k in range(pair_start[j], pair_start[j + 1]):
+                if (key_pairs[k] & 0xFFFFFFFF) == h:
+                    status[i] = ENTRY_FINE
+                    covered[k] = True
+                    break
+        else:
+            status[i] = ENTRY_EXPIRED if phy < log_min else ENTRY_NO_RECORD
+    return status
