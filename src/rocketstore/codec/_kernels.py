@@ -93,16 +93,63 @@ def crc32(buf, p, n):
     return np.int64(c ^ np.uint32(0xFFFFFFFF))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _put_be32(buf, p, v):
+    buf[p] = (v >> 24) & 0xFF
+    buf[p + 1] = (v >> 16) & 0xFF
+    buf[p + 2] = (v >> 8) & 0xFF
+    buf[p + 3] = v & 0xFF
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_be64(buf, p, v):
+    u = np.uint64(v)
+    for k in range(8):
+        buf[p + 7 - k] = np.uint8(u & np.uint64(0xFF))
+        u = u >> np.uint64(8)
+
+
 @njit(cache=True, nogil=True)
-def body_crcs(data, offsets):
-    """RocketMQ's 31-bit body CRC of every value of an Arrow binary column (data + int32 offsets)."""
-    n = len(offsets) - 1
-    out = np.zeros(n, dtype=np.int64)
-    for k in range(n):
-        length = offsets[k + 1] - offsets[k]
-        if length > 0:
-            out[k] = crc32(data, offsets[k], length) & 0x7FFFFFFF
-    return out
+def encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off, topic_data, topic_index, queue_ids,
+              flags, born_ts, born_hosts, store_host):
+    """Records back to back into ``out`` for the common layout (IPv4 hosts, one-byte topic lengths): the fixed
+    88 bytes (queue offset, physical offset and store time left zero for the append to fill), body, topic and
+    properties, with the 31-bit body CRC computed on the way. The columns are Arrow buffers (data + offsets);
+    ``born_hosts`` is (n, 8). Returns the bytes written."""
+    p = 0
+    for i in range(sizes.size):
+        b0, b1 = body_off[i], body_off[i + 1]
+        body_len = b1 - b0
+        _put_be32(out, p, sizes[i])
+        _put_be32(out, p + 4, MAGIC_V1)
+        _put_be32(out, p + 8, crc32(body_data, b0, body_len) & 0x7FFFFFFF if body_len > 0 else 0)
+        _put_be32(out, p + 12, queue_ids[i])
+        _put_be32(out, p + 16, flags[i])
+        for k in range(20, 36):  # queue offset, physical offset: filled under the put lock
+            out[p + k] = 0
+        _put_be32(out, p + 36, 0)  # sys flag: IPv4 hosts, no transaction
+        _put_be64(out, p + 40, born_ts[i])
+        for k in range(8):
+            out[p + 48 + k] = born_hosts[i, k]
+        _put_be64(out, p + 56, 0)  # store time: filled under the put lock
+        for k in range(8):
+            out[p + 64 + k] = store_host[k]
+        _put_be32(out, p + 72, 0)  # reconsume times
+        _put_be64(out, p + 76, 0)  # prepared transaction offset
+        _put_be32(out, p + 84, body_len)
+        q = p + 88
+        out[q : q + body_len] = body_data[b0:b1]
+        q += body_len
+        t0, t1 = topic_off[topic_index[i]], topic_off[topic_index[i] + 1]
+        out[q] = t1 - t0
+        out[q + 1 : q + 1 + t1 - t0] = topic_data[t0:t1]
+        q += 1 + t1 - t0
+        r0, r1 = props_off[i], props_off[i + 1]
+        out[q] = ((r1 - r0) >> 8) & 0xFF
+        out[q + 1] = (r1 - r0) & 0xFF
+        out[q + 2 : q + 2 + r1 - r0] = props_data[r0:r1]
+        p = q + 2 + r1 - r0
+    return p
 
 
 @njit(cache=True, nogil=True, inline="always")

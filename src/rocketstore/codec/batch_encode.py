@@ -3,8 +3,8 @@
 The per-message encoder (``rocketstore.encoder``) builds one record with a struct call and a
 properties dict per message. Here every step works on whole columns: validation with Arrow compute
 kernels (the first bad row is named), UNIQ_KEYs generated as one block, properties strings joined
-column-wise for each set of property names, the 88 fixed bytes of every record in one structured
-numpy array, and the records assembled by a single Arrow ``take`` over the pieces. Only rows that
+column-wise for each set of property names, and the records (fixed fields, body CRC, body, topic,
+properties) written by one compiled loop (``_kernels.encode_v1``). Only rows that
 carry user properties build their properties string one by one, through the same function the
 per-message encoder uses, so both produce the same bytes (``tests/test_batch_encode.py`` proves it).
 
@@ -33,13 +33,6 @@ from .hosts import Host
 from .properties import PropertyName, encode_properties, split_keys
 from .record import CRC32_RESERVED_LEN, FIXED_PART_LEN, MAGIC_V1, MAGIC_V2, MAX_PROPERTIES_LEN, MAX_TOPIC_LEN_V1
 
-HEADER_DTYPE = np.dtype([
-    ("size", ">i4"), ("magic", ">i4"), ("body_crc", ">i4"), ("queue_id", ">i4"), ("flag", ">i4"),
-    ("queue_offset", ">i8"), ("phy_offset", ">i8"), ("sys_flag", ">i4"), ("born_timestamp", ">i8"),
-    ("born_host", "V8"), ("store_timestamp", ">i8"), ("store_host", "V8"), ("reconsume_times", ">i4"),
-    ("prepared_offset", ">i8"), ("body_len", ">i4"),
-])
-assert HEADER_DTYPE.itemsize == FIXED_PART_LEN
 _INT32_MAX = (1 << 31) - 1
 _HEX = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8)
 OPTIONAL_COLUMNS = ("keys", "tags", "properties", "queue_id", "flag", "born_timestamp", "born_host")
@@ -132,10 +125,16 @@ class BatchEncoder:
             raise PropertiesTooLargeError(f"row {bad}: properties are {props_len[bad]} bytes encoded; "
                                           f"the limit is 32767")
 
-        stored_topics = sorted(set(stored_topic_names))
-        code_of = {t: i for i, t in enumerate(stored_topics)}
-        topic_index = np.fromiter((code_of[t] for t in stored_topic_names), dtype=np.int32, count=n) \
-            if len(stored_topics) > 1 else np.zeros(n, dtype=np.int32)
+        if stored_topic_names is None:  # no row's properties moved it: the input topics, renumbered sorted
+            stored_topics = sorted(topics_in)
+            rank = np.empty(len(topics_in), dtype=np.int32)
+            rank[np.argsort(np.array(topics_in, dtype=object))] = np.arange(len(topics_in), dtype=np.int32)
+            topic_index = rank[topic_codes]
+        else:
+            stored_topics = sorted(set(stored_topic_names))
+            code_of = {t: i for i, t in enumerate(stored_topics)}
+            topic_index = np.fromiter((code_of[t] for t in stored_topic_names), dtype=np.int32, count=n) \
+                if len(stored_topics) > 1 else np.zeros(n, dtype=np.int32)
         topic_bytes = [t.encode("utf-8") for t in stored_topics]
         v2 = np.array([self.config.auto_message_version_on_topic_len and len(t) > MAX_TOPIC_LEN_V1
                        for t in stored_topics], dtype=bool)
@@ -285,7 +284,6 @@ class BatchEncoder:
         """Properties strings per row, plus what user properties can change: stored topic and queue (DELAY),
         UNIQ_KEY (a user's own), whether any row waits for the disk."""
         n = len(tags)
-        names = [topics[c] for c in topic_codes] if len(topics) > 1 else [topics[0]] * n
         has_user = np.zeros(n, dtype=bool)
         if column is not None:
             if not pa.types.is_map(column.type):
@@ -293,7 +291,8 @@ class BatchEncoder:
             has_user = np.diff(column.offsets.to_numpy(zero_copy_only=False)) > 0
         out = self._join_plain(tags, keys, uniq)
         if not has_user.any():
-            return out, names, queue_ids, uniq, True
+            return out, None, queue_ids, uniq, True  # stored topics are the input topics
+        names = [topics[c] for c in topic_codes] if len(topics) > 1 else [topics[0]] * n
         # rows with user properties: the per-message encoder's own rules, row by row
         rows = np.flatnonzero(has_user)
         texts = out.to_pylist()
@@ -339,34 +338,28 @@ class BatchEncoder:
 
     # --- assembly ------------------------------------------------------------------------------------
 
-    def _headers(self, n: int, sizes, body_len, queue_ids, flags, sys_flags, born_ts, born_raw, magic,
-                 bodies: pa.Array) -> np.ndarray:
-        head = np.zeros(n, dtype=HEADER_DTYPE)
-        head["size"] = sizes
-        head["magic"] = magic
-        head["body_crc"] = _body_crcs(bodies)
-        head["queue_id"] = queue_ids
-        head["flag"] = flags
-        head["sys_flag"] = sys_flags
-        head["born_timestamp"] = born_ts
-        head["born_host"] = born_raw[:, :8].copy().view("V8").ravel()
-        store = self.encoder.store_host_raw
-        head["store_host"] = np.frombuffer(store[:8].ljust(8, b"\0"), dtype="V8")[0]
-        head["body_len"] = body_len
-        return head
-
     def _assemble_v4(self, n, sizes, bodies, body_len, topic_bytes, topic_index, props_bytes, props_len,
                      queue_ids, flags, born_ts, born_raw) -> bytearray:
-        """The common case (IPv4 hosts, V1 topics): header, body and tail pieces taken in record order."""
-        head = self._headers(n, sizes, body_len, queue_ids, flags, np.zeros(n, dtype=np.int64), born_ts, born_raw,
-                             MAGIC_V1, bodies)
-        headers = pa.FixedSizeBinaryArray.from_buffers(pa.binary(FIXED_PART_LEN), n,
-                                                       [None, pa.py_buffer(head.tobytes())]).cast(pa.binary())
-        topic_pieces = pa.array([bytes([len(t)]) + t for t in topic_bytes], pa.binary()).take(pa.array(topic_index))
-        plen = pa.FixedSizeBinaryArray.from_buffers(pa.binary(2), n, [None, pa.py_buffer(
-            props_len.astype(">i2").tobytes())]).cast(pa.binary())
-        tails = pc.binary_join_element_wise(topic_pieces, plen, props_bytes, b"")
-        return _interleave([headers, bodies, tails], n, int(sizes.sum()))
+        """The common case (IPv4 hosts, V1 topics): every record written by one compiled loop."""
+        from ._kernels import encode_v1
+
+        total = int(sizes.sum())
+        out = bytearray(total)
+        topic_off = np.zeros(len(topic_bytes) + 1, dtype=np.int64)
+        np.cumsum([len(t) for t in topic_bytes], out=topic_off[1:])
+        topic_data = np.frombuffer(b"".join(topic_bytes), dtype=np.uint8)
+        body_off, body_data = _binary_buffers(bodies)
+        props_off, props_data = _binary_buffers(props_bytes)
+        host = np.frombuffer(self.encoder.store_host_raw[:8].ljust(8, b"\0"), dtype=np.uint8)
+        arr = np.frombuffer(out, dtype=np.uint8)
+        try:
+            written = encode_v1(arr, sizes, body_off, body_data, props_off, props_data, topic_off, topic_data,
+                                np.ascontiguousarray(topic_index, dtype=np.int64), queue_ids, flags, born_ts,
+                                np.ascontiguousarray(born_raw[:, :8]), host)
+        finally:
+            del arr
+        assert written == total, (written, total)
+        return out
 
     def _assemble_general(self, n, sizes, bodies, body_len, topic_bytes, topic_index, row_v2, props_bytes,
                           props_len, queue_ids, flags, sys_flags, born_ts, born_raw) -> bytearray:
@@ -391,25 +384,9 @@ def _hashmap_order(names: tuple[str, ...]) -> tuple[str, ...]:
     return _cached_order(names)
 
 
-def _body_crcs(bodies: pa.Array) -> np.ndarray:
-    """RocketMQ's 31-bit body CRC of every body, in one compiled pass over the column's data buffer."""
-    from ._kernels import body_crcs
-
-    offsets = np.frombuffer(bodies.buffers()[1], dtype=np.int32, count=len(bodies) + 1, offset=bodies.offset * 4)
-    data_buf = bodies.buffers()[2]
+def _binary_buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, data) of an Arrow binary column, offsets rebased for a sliced column."""
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
+    data_buf = column.buffers()[2]
     data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
-    return body_crcs(data, offsets)
-
-
-def _interleave(columns: list[pa.Array], n: int, total: int) -> bytearray:
-    """The pieces of every record, record by record, as one buffer: one ``take`` over the concatenation."""
-    k = len(columns)
-    combined = pa.concat_arrays([c.cast(pa.binary()) for c in columns])
-    order = (np.arange(k, dtype=np.int64)[None, :] * n + np.arange(n, dtype=np.int64)[:, None]).ravel()
-    taken = combined.take(pa.array(order))
-    offsets = np.frombuffer(taken.buffers()[1], dtype=np.int32, count=len(taken) + 1, offset=taken.offset * 4)
-    start, end = int(offsets[0]), int(offsets[-1])
-    assert end - start == total, (end - start, total)
-    out = bytearray(total)
-    out[:] = memoryview(taken.buffers()[2])[start:end]
-    return out
+    return offsets, data

@@ -13,26 +13,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..codec._kernels import _be32, _be64  # installs the stable cache locator before the kernels below
+# importing the codec's kernels installs the stable cache locator before the kernels below
+from ..codec._kernels import _be32, _be64, _put_be32, _put_be64
 
 _INT_MAX = 2147483647
 _ENTRY = 20
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _put_be32(buf, p, v):
-    buf[p] = (v >> 24) & 0xFF
-    buf[p + 1] = (v >> 16) & 0xFF
-    buf[p + 2] = (v >> 8) & 0xFF
-    buf[p + 3] = v & 0xFF
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _put_be64(buf, p, v):
-    u = np.uint64(v)
-    for k in range(8):
-        buf[p + 7 - k] = np.uint8(u & np.uint64(0xFF))
-        u = u >> np.uint64(8)
 
 
 @njit(cache=True, nogil=True)
