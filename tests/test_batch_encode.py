@@ -233,3 +233,31 @@ def test_put_batch_columns_come_back_through_scan_arrow(tmp_path):
     with MessageStore.open(tmp_path, SMALL, read_only=True) as store:  # read-only opens scan too
         assert sum(b.num_rows for b in store.scan_arrow(topics=["Topic1"], include_body=False)) == \
             sum(1 for t in table.column("topic").to_pylist() if t == "Topic1")
+
+
+def test_the_compiled_encoder_refuses_sizes_that_disagree_with_the_pieces():
+    """numba does not check bounds: a record whose pieces do not add up to its size is refused before a byte of
+    it is written."""
+    import numpy as np
+
+    from rocketstore.codec._kernels import encode_v1
+
+    body, topic, props = b"hello", b"T", b"TAGS\x01a\x02"
+    size = 88 + len(body) + 1 + len(topic) + 2 + len(props)
+
+    def run(sizes, room):
+        out = np.zeros(room, dtype=np.uint8)
+        n = len(sizes)
+        written = encode_v1(out, np.array(sizes, np.int64), np.arange(n + 1, dtype=np.int32) * len(body),
+                            np.frombuffer(body * n, np.uint8), np.arange(n + 1, dtype=np.int32) * len(props),
+                            np.frombuffer(props * n, np.uint8), np.array([0, 1], np.int64),
+                            np.frombuffer(topic, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                            np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros((n, 8), np.uint8),
+                            np.zeros(8, np.uint8))
+        return written, out
+
+    assert run([size, size], 2 * size)[0] == 2 * size
+    written, out = run([size, size - 1], 2 * size)
+    assert written == -1 and not out[size:].any()
+    written, out = run([size, size], 2 * size - 1)  # the output is one byte short
+    assert written == -1 and not out[size:].any()

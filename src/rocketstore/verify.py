@@ -431,8 +431,8 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
     try:
         for n, index in enumerate(service.files):
             entries_at = INDEX_HEADER_SIZE + index.hash_slot_num * 4
-            count = index.index_count - 1
             buf = as_array(index.buffer)
+            count = max(0, min(index.index_count - 1, (len(buf) - entries_at) // INDEX_ENTRY_SIZE - 1))  # in bounds
             try:
                 status = _ik.check_entries(buf, entries_at, count, end, log_min, records.phy, pair_start,
                                            records.key_pairs, covered)

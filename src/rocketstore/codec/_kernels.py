@@ -115,11 +115,16 @@ def encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off,
     """Records back to back into ``out`` for the common layout (IPv4 hosts, one-byte topic lengths): the fixed
     88 bytes (queue offset, physical offset and store time left zero for the append to fill), body, topic and
     properties, with the 31-bit body CRC computed on the way. The columns are Arrow buffers (data + offsets);
-    ``born_hosts`` is (n, 8). Returns the bytes written."""
+    ``born_hosts`` is (n, 8). Returns the bytes written, or -1 (nothing past ``out``'s end touched) when a
+    record's pieces do not add up to its size."""
     p = 0
     for i in range(sizes.size):
         b0, b1 = body_off[i], body_off[i + 1]
         body_len = b1 - b0
+        topic_len = topic_off[topic_index[i] + 1] - topic_off[topic_index[i]]
+        if (88 + body_len + 1 + topic_len + 2 + props_off[i + 1] - props_off[i] != sizes[i]
+                or p + sizes[i] > out.size):
+            return -1
         _put_be32(out, p, sizes[i])
         _put_be32(out, p + 4, MAGIC_V1)
         _put_be32(out, p + 8, crc32(body_data, b0, body_len) & 0x7FFFFFFF if body_len > 0 else 0)

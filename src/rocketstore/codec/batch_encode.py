@@ -358,7 +358,8 @@ class BatchEncoder:
                                 np.ascontiguousarray(born_raw[:, :8]), host)
         finally:
             del arr
-        assert written == total, (written, total)
+        if written != total:  # the sizes computed above disagree with the pieces: a bug, never a torn record
+            raise AssertionError(f"encoded {written} bytes for records whose sizes add up to {total}")
         return out
 
     def _assemble_general(self, n, sizes, bodies, body_len, topic_bytes, topic_index, row_v2, props_bytes,
