@@ -85,3 +85,17 @@ def test_queue_arrow_starts_at_the_queue_minimum_after_retention(tmp_path):
         got = batched(store, "T", 0, 0, None, None, 8)
         assert [r["queueOffset"] for r in got] == list(range(low, 60))
         assert got == paged(store, "T", 0, low, 60, None)
+
+
+def test_queue_arrow_refuses_a_batch_size_below_one(tmp_path):
+    import pytest
+
+    from rocketstore.errors import InvalidQueryError
+
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.put_message(Message("T", b"x"))
+        store.wait_for_dispatch()
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(InvalidQueryError):
+                store.queue_arrow("T", 0, max_rows=bad)
+        assert len(batched(store, "T", 0, None, None, None, 1)) == 1

@@ -35,6 +35,7 @@ from .dispatch import Dispatcher, dispatch_request
 from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder
 from .errors import (
     CorruptDataError,
+    InvalidQueryError,
     InvalidQueueError,
     MessageNotFoundError,
     ReadOnlyStoreError,
@@ -677,6 +678,8 @@ class MessageStore:
         """The messages of one queue from queue offset ``begin`` up to ``end`` as ``pyarrow.RecordBatch``es
         (``scan_arrow``'s columns), queue order: ``get_message``'s answers without a message object each."""
         self._check_open()
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
+            raise InvalidQueryError(f"max_rows must be a positive integer, not {max_rows!r}")
         return self._reader().queue_arrow(topic, queue_id, begin, end, tags, include_body=include_body,
                                           max_rows=max_rows)
 
