@@ -261,3 +261,121 @@ def test_the_compiled_encoder_refuses_sizes_that_disagree_with_the_pieces():
     assert written == -1 and not out[size:].any()
     written, out = run([size, size], 2 * size - 1)  # the output is one byte short
     assert written == -1 and not out[size:].any()
+
+
+# --- put_messages: the same compiled loop for lists of Message ---------------------------------------------
+
+nasty = st.text(st.characters(blacklist_categories=("Cs",)), max_size=6)  # separators and spaces too
+plain_message = st.builds(
+    Message,
+    topic=st.sampled_from(["TopicA", "T", "Orders_1"]),
+    body=st.binary(max_size=300),
+    tags=st.one_of(st.none(), st.just(""), texts),
+    keys=st.one_of(st.just(()), st.lists(texts, max_size=3), st.tuples(texts, texts)),
+    queue_id=st.integers(0, 7),
+    flag=st.integers(-(1 << 31), (1 << 31) - 1),
+    born_timestamp=st.one_of(st.none(), st.integers(0, 1 << 45)),
+    born_host=st.sampled_from([None, "10.0.0.7:4000"]),
+)
+UNUSUAL = {  # per field, values that ``encode`` takes the long way or refuses
+    "topic": ["%RETRY%" + "g" * 200, "bad/topic", "NewTopic", 7],
+    "body": ["text body", bytearray(b"ba"), None, b"x" * (4 * 1024 * 1024 + 1)],
+    "tags": ["a\x01b", "a\x02", 5, "has space"],
+    "keys": ["a b", ["has space"], [""], ["a\x01"], ["a\x02"], [1], "single", ("a", "b"), [["nested"]]],
+    "properties": [{"a": "1"}, {"DELAY": "2"}, {"UNIQ_KEY": "0A0B"}, {"x": "a\x02"}],
+    "queue_id": [-1, 1 << 31, True, 1.0],
+    "flag": [1 << 31, -(1 << 31) - 1, 1.0, None],
+    "sys_flag": [0x4, 0x8, 0x1000, 1.0],
+    "born_timestamp": [1 << 63, -(1 << 63) - 1, "now", 1.5],
+    "born_host": ["[2001:db8::1]:9876", "10.1.1.1:1", "no-port", 12],
+    "reconsume_times": [1, 1 << 40, 0.0],
+    "prepared_transaction_offset": [5, -1, 1 << 63, 0.0],
+}
+unusual = {field: st.sampled_from(values) for field, values in UNUSUAL.items()}
+
+
+@st.composite
+def messages(draw):
+    """Mostly puts the batch pass takes whole; half with one message, anywhere, with one unusual field."""
+    msgs = draw(st.lists(plain_message, min_size=1, max_size=12))
+    if draw(st.booleans()):
+        odd = draw(plain_message)
+        field = draw(st.sampled_from(sorted(unusual)))
+        setattr(odd, field, draw(unusual[field]))
+        msgs.insert(draw(st.integers(0, len(msgs))), odd)
+    return msgs
+
+
+def outcome(encode):
+    try:
+        return encode()
+    except MessageIllegalError as exc:
+        return type(exc)
+
+
+@pytest.mark.parametrize("store_host", ["127.0.0.1:10911", "[::1]:10911"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=messages(), prop_crc=st.booleans(), counter=st.sampled_from([None, 0xFFF8]))
+def test_encode_many_writes_what_encode_writes(msgs, prop_crc, counter, store_host):
+    """``put_messages``' encoder (one pass + ``encode_v1`` for plain messages, ``encode`` for the rest) against
+    ``encode`` per message: same bytes, same record facts, the same error type for a bad message; a UNIQ_KEY
+    counter about to wrap wraps the same way."""
+    single, many = encoders(StoreConfig(enabled_append_prop_crc=prop_crc, store_host=store_host))
+    same_outcome(single, many, msgs, single.uniq_keys._counter if counter is None else counter)
+
+
+def encoders(config: StoreConfig | None = None) -> tuple[MessageEncoder, MessageEncoder]:
+    """Two encoders that know the same topics and born hosts and share one UNIQ_KEY generator."""
+    single, many = MessageEncoder(config or StoreConfig()), MessageEncoder(config or StoreConfig())
+    for warm in (many, single):  # known topics and born hosts: what the batch pass needs to take a message
+        for topic in ("TopicA", "T", "Orders_1"):
+            warm.encode(Message(topic, b"", born_host="10.0.0.7:4000"))
+    many.uniq_keys = single.uniq_keys
+    return single, many
+
+
+def same_outcome(single: MessageEncoder, many: MessageEncoder, msgs: list[Message], counter: int) -> None:
+    with mock.patch("time.time_ns", return_value=NOW * 1_000_000):
+        single.uniq_keys._counter = counter
+        pending = outcome(lambda: many.encode_many(msgs))
+        single.uniq_keys._counter = counter
+        records = outcome(lambda: [single.encode(m) for m in msgs])
+    if isinstance(records, type) or isinstance(pending, type):
+        assert pending is records
+        return
+    assert bytes(pending.data) == b"".join(bytes(rec.data) for rec in records)
+    assert list(pending.sizes) == [rec.size for rec in records]
+    assert list(pending.topics) == [rec.topic for rec in records]
+    assert list(pending.queue_ids) == [rec.queue_id for rec in records]
+    assert list(pending.store_ts_pos) == [rec.store_ts_pos for rec in records]
+    assert list(pending.takes_queue_offset) == [rec.takes_queue_offset for rec in records]
+    assert list(pending.uniq_keys) == [rec.uniq_key for rec in records]
+    assert pending.wait_store == any(rec.wait_store for rec in records)
+    highest: dict[str, int] = {}
+    for topic, queue_id in [(m.topic, m.queue_id) for m in msgs] + [(r.topic, r.queue_id) for r in records]:
+        highest[topic] = max(highest.get(topic, 0), queue_id)
+    assert dict(pending.queue_checks) == highest
+
+
+@pytest.mark.parametrize(("field", "value"), [(f, v) for f, values in UNUSUAL.items() for v in values])
+def test_one_unusual_message_is_encoded_or_refused_as_encode_does(field, value):
+    single, many = encoders()
+    msgs = [Message("TopicA", b"body", tags="TagA", keys=[f"k{i}"], queue_id=i) for i in range(5)]
+    setattr(msgs[2], field, value)
+    same_outcome(single, many, msgs, 100)
+
+
+def test_plain_messages_take_the_compiled_pass(tmp_path):
+    """Known topics, tags and keys, no user properties: no per-message ``encode`` at all (the equivalence test
+    above would pass with the batch pass never taken)."""
+    encoder = MessageEncoder(StoreConfig())
+    msgs = [Message(f"Topic{i % 3}", b"x" * i, tags="TagA" if i % 2 else None, keys=[f"k{i}", "g"] if i % 3 else (),
+                    queue_id=i % 4, born_host="10.0.0.7:4000" if i % 5 == 0 else None) for i in range(40)]
+    for m in msgs[:5]:
+        encoder.encode(m)
+    with mock.patch.object(MessageEncoder, "encode", side_effect=AssertionError("per-message path taken")):
+        pending = encoder.encode_many(msgs)
+    assert len(pending) == 40 and sorted(pending.queue_checks) == [("Topic0", 3), ("Topic1", 3), ("Topic2", 3)]
+    with mock.patch.object(MessageEncoder, "encode", side_effect=AssertionError("per-message path taken")), \
+            pytest.raises(AssertionError, match="per-message"):
+        encoder.encode_many([*msgs, Message("Topic0", b"x", properties={"a": "b"})])

@@ -14,7 +14,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,7 @@ from .codec.record import (
     seal_property_crc,
 )
 from .config import StoreConfig
-from .encoder import PendingRecord
+from .encoder import PendingRecords
 from .errors import (
     CorruptDataError,
     FlushError,
@@ -57,16 +56,6 @@ if TYPE_CHECKING:
     from .codec.batch_encode import EncodedBatch
 
 COMMITLOG_DIR = "commitlog"
-
-
-@dataclass(frozen=True, slots=True)
-class AppendResult:
-    """Where one record went (``AppendMessageResult``)."""
-
-    phy_offset: int
-    queue_offset: int
-    store_timestamp: int
-    size: int
 
 
 def now_ms() -> int:
@@ -116,9 +105,12 @@ class CommitLog:
 
     # --- append ------------------------------------------------------------------------------
 
-    def append(self, records: list[PendingRecord]) -> list[AppendResult]:
-        """Append records contiguously in one segment (``putMessage`` / ``putMessages``)."""
-        total = sum([len(r.data) for r in records])
+    def append(self, pending: PendingRecords) -> tuple[int, list[int], int]:
+        """Append one put's records contiguously in one segment (``putMessage`` / ``putMessages``).
+
+        Returns (physical offset of the first record, queue offset of each record, store time)."""
+        data = pending.data
+        total = len(data)
         if total > self._batch_limit:
             raise MessageTooLargeError(
                 f"batch of {total} bytes does not fit one {self.config.mapped_file_size_commit_log}-byte segment")
@@ -133,33 +125,40 @@ class CommitLog:
                 self.health.fail_flush(exc)
                 raise
             pos = mapped.wrote_position
-            phy = mapped.file_from_offset + pos
+            first = phy = mapped.file_from_offset + pos
             offsets = self.queue_offsets
             assigned: dict[tuple[str, int], int] = {}
-            results = []
-            for rec in records:
+            queue_offsets = []
+            start = 0
+            pack = _I64.pack_into
+            for topic, queue_id, takes, ts_pos, size in zip(pending.topics, pending.queue_ids,
+                                                             pending.takes_queue_offset, pending.store_ts_pos,
+                                                             pending.sizes, strict=True):
                 queue_offset = 0
-                if rec.takes_queue_offset:
-                    key = (rec.topic, rec.queue_id)
+                if takes:
+                    key = (topic, queue_id)
                     queue_offset = assigned.get(key)
                     if queue_offset is None:
                         queue_offset = offsets.get(key, 0)
                     assigned[key] = queue_offset + 1
-                data = rec.data
-                _I64.pack_into(data, QUEUE_OFFSET_POS, queue_offset)
-                _I64.pack_into(data, PHY_OFFSET_POS, phy)
-                _I64.pack_into(data, rec.store_ts_pos, store_ts)
-                size = len(data)
+                pack(data, start + QUEUE_OFFSET_POS, queue_offset)
+                pack(data, start + PHY_OFFSET_POS, phy)
+                pack(data, start + ts_pos, store_ts)
                 if seal:
-                    seal_property_crc(data, 0, size)
-                results.append(AppendResult(phy, queue_offset, store_ts, size))
+                    seal_property_crc(data, start, size)
+                queue_offsets.append(queue_offset)
                 phy += size
-            self._write_atomically(mapped, pos, records)
+                start += size
+            # everything but the first 8 bytes, then those 8 bytes: the commit point (a process killed
+            # between the two leaves a zero size, the end of the log, never half a record)
+            view = memoryview(data)
+            mapped.write(pos + 8, view[8:])
+            mapped.write(pos, view[:8])
             mapped.wrote_position = pos + total
             offsets.update(assigned)
             self.last_store_timestamp = store_ts
             self.last_append = (phy, store_ts)
-        return results
+        return first, queue_offsets, store_ts
 
     def append_batch(self, batch: EncodedBatch) -> tuple[np.ndarray, np.ndarray, int]:
         """Append a table's records in row order (``put_batch``); returns (phy offsets, queue offsets, store time).
@@ -248,17 +247,6 @@ class CommitLog:
         mapped.write(pos, blank_record(mapped.file_size - pos))
         mapped.wrote_position = mapped.file_size
         return nxt
-
-    @staticmethod
-    def _write_atomically(mapped: MappedFile, pos: int, records: list[PendingRecord]) -> None:
-        """Everything but the first record's first 8 bytes in one write, then those 8 bytes: the commit point
-        (a process killed between the two leaves a zero size, the end of the log, never half a record)."""
-        first = memoryview(records[0].data)
-        if len(records) == 1:
-            mapped.write(pos + 8, first[8:])
-        else:
-            mapped.write(pos + 8, b"".join([first[8:], *(rec.data for rec in records[1:])]))
-        mapped.write(pos, first[:8])
 
     # --- read --------------------------------------------------------------------------------
 

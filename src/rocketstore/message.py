@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .codec.hosts import Host
 from .codec.properties import PropertyName, split_keys
@@ -113,9 +113,11 @@ class PutMessageStatus(enum.Enum):
     FLUSH_DISK_TIMEOUT = "FLUSH_DISK_TIMEOUT"
 
 
-@dataclass(frozen=True, slots=True)
-class PutMessageResult:
-    """The outcome of one put: where the message went. ``msg_id`` is the offset msgId."""
+class PutMessageResult(NamedTuple):
+    """The outcome of one put: where the message went. ``msg_id`` is the offset msgId.
+
+    A tuple rather than a frozen dataclass: every put builds one per message, and a frozen
+    dataclass's ``__init__`` costs an ``object.__setattr__`` per field (3x the whole construction)."""
 
     status: PutMessageStatus
     msg_id: str

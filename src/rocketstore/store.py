@@ -419,28 +419,26 @@ class MessageStore:
         self._check_open(write=True)
         self.health.check_writable()
         msgs = list(msgs)
-        encode = self.encoder.encode
-        records = [encode(m) for m in msgs]
-        if not records:
+        if not msgs:
             return []
-        for msg, rec in zip(msgs, records, strict=True):
-            self._check_topic(msg.topic, msg.queue_id)
-            if rec.topic != msg.topic:  # a delayed message: its schedule queue too
-                self._check_topic(rec.topic, rec.queue_id)
-        appended = self.commit_log.append(records)
+        pending = self.encoder.encode_many(msgs)
+        for topic, queue_id in pending.queue_checks:
+            self._check_topic(topic, queue_id)
+        phy, queue_offsets, store_ts = self.commit_log.append(pending)
         assert self.dispatcher is not None
         self.dispatcher.wake()
         status = PutMessageStatus.PUT_OK
-        if self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH and any(r.wait_store for r in records):
-            end = appended[-1].phy_offset + appended[-1].size
+        if self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH and pending.wait_store:
             assert self.flusher is not None
-            if not self.flusher.wait_flushed(end):
+            if not self.flusher.wait_flushed(phy + len(pending.data)):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
         host = self._store_host_hex
-        return [PutMessageResult(status, f"{host}{res.phy_offset:016X}", rec.uniq_key, res.phy_offset,
-                                 res.queue_offset, res.store_timestamp, res.size)
-                for rec, res in zip(records, appended, strict=True)]
+        results = []
+        for uniq_key, queue_offset, size in zip(pending.uniq_keys, queue_offsets, pending.sizes, strict=True):
+            results.append(PutMessageResult(status, f"{host}{phy:016X}", uniq_key, phy, queue_offset, store_ts, size))
+            phy += size
+        return results
 
     def put_batch(self, table) -> PutBatchResult:
         """Store a ``pyarrow.Table``/``RecordBatch`` of messages, encoded column-wise (the fast way in).

@@ -43,7 +43,11 @@ class Host(NamedTuple):
     def parse(cls, text: str | Host | tuple[str, int]) -> Host:
         """Accept ``1.2.3.4:10911``, ``[2001:db8::1]:10911``, Java's ``2001:db8:0:0:0:0:0:1:10911`` or a tuple."""
         if isinstance(text, tuple):
+            if len(text) != 2 or not isinstance(text[0], str) or type(text[1]) is not int:
+                raise InvalidFlagError(f"a host pair is (ip text, port number), not {text!r}")
             ip, port = text
+        elif not isinstance(text, str):
+            raise InvalidFlagError(f"a host is 'ip:port' text or an (ip, port) pair, not {type(text).__name__}")
         else:
             raw = text.strip().lstrip("/")
             if raw.startswith("["):

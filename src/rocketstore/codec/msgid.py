@@ -112,6 +112,13 @@ class UniqKeyGenerator:
         tail = _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, counter)
         return (self._prefix + tail).hex().upper()
 
+    def hex_block(self, count: int, now_ms: int | None = None) -> tuple[str, int]:
+        """``count`` consecutive ids as (hex of everything but the counter, first counter): id ``i`` is
+        ``f"{head}{(first + i) & 0xFFFF:04X}"``, what ``next`` would return ``count`` times."""
+        now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+        elapsed, first = self._take(count, now)
+        return (self._prefix + _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, 0)[:-2]).hex().upper(), first
+
     def raw_block(self, count: int, now_ms: int | None = None) -> np.ndarray:
         """``count`` consecutive ids as raw bytes, one row each (the batch encoder hex-encodes them at once)."""
         now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
