@@ -297,7 +297,7 @@ unusual = {field: st.sampled_from(values) for field, values in UNUSUAL.items()}
 @st.composite
 def messages(draw):
     """Mostly puts the batch pass takes whole; half with one message, anywhere, with one unusual field."""
-    msgs = draw(st.lists(plain_message, min_size=1, max_size=12))
+    msgs = draw(st.lists(plain_message, min_size=1, max_size=12))  # below BATCH_PASS_MIN: the per-message path
     if draw(st.booleans()):
         odd = draw(plain_message)
         field = draw(st.sampled_from(sorted(unusual)))
