@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -18,7 +19,8 @@ from rocketstore import Message, MessageStore, StoreConfig
 CONFIG = StoreConfig(mapped_file_size_commit_log=16 << 10, mapped_file_size_consume_queue=20 * 100,
                      max_hash_slot_num=97, max_index_num=388)  # 388 = 4 x 97: geometry detectable from size
 COMMANDS = ["put", "query-by-key", "query-by-id", "query-by-unique-key", "query-by-offset", "print-msg", "dump-log",
-            "inspect", "verify", "rebuild", "export", "stats", "demo", "topic", "consumer-progress", "reset-offset"]
+            "inspect", "verify", "rebuild", "export", "stats", "demo", "topic", "consumer-progress", "reset-offset",
+            "import", "find-keys"]
 
 
 def cli(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -58,6 +60,8 @@ def test_every_command_has_help_with_examples():
         text = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
         assert "Examples" in text or "Example" in text, command
         assert "--store" in text or command in ("dump-log", "topic"), command
+        if command in ("rebuild", "export", "import", "find-keys"):
+            assert "--master" in text, command
 
 
 def test_query_by_key_table_and_json_match_the_library(store):
@@ -334,6 +338,49 @@ def test_rebuild_and_export_commands(store, tmp_path, spark):
     assert done.exit_code == 0, done.output
     assert done.output.strip() == f"exported 2 messages to {exported}"
     assert (exported / "topic=TopicA").is_dir()
+
+
+def test_import_and_find_keys_commands(store, tmp_path, spark):
+    """export -> import into a new store, then find-keys over both stores: the same messages, found exactly."""
+    from click.testing import CliRunner
+
+    from rocketstore.cli.app import main
+
+    root, results = store
+    exported = tmp_path / "parquet"
+    run = CliRunner().invoke
+    assert run(main, ["export", "--store", str(root), "--master", "local[2]", "--out", str(exported)]).exit_code == 0
+    replay = tmp_path / "replay" / "store"
+    done = run(main, ["import", "--store", str(replay), "--master", "local[2]", "--parquet", str(exported)])
+    assert done.exit_code == 0, done.output
+    assert f"imported {len(results)} messages" in done.output
+    with MessageStore.open(replay, StoreConfig(), read_only=True) as s:
+        assert [m.body for m in s.query_message("Topic1", "order-7")] == [b"message 7"]
+
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("Topic1:order-7\nTopicA:BB\n\n")
+    done = run(main, ["find-keys", "--store", str(root), "--store", str(replay), "--master", "local[2]",
+                      "-k", "Topic0:order-4", "--keys-file", str(keys_file), "--json"])
+    assert done.exit_code == 0, done.output
+    rows = [json.loads(line) for line in done.output.splitlines()]
+    found = sorted((r["queryTopic"], r["queryKey"], base64.b64decode(r["body"])) for r in rows)
+    assert found == sorted([("Topic0", "order-4", b"message 4"), ("Topic1", "order-7", b"message 7"),
+                            ("TopicA", "BB", b"bb")] * 2)  # "Aa" collides with "BB" and is not returned
+    brokers = [r["brokerName"] for r in rows]  # a store's broker is its parent directory (broker-a/store)
+    assert sorted(brokers) == sorted([root.parent.name] * 3 + ["replay"] * 3)
+    done = run(main, ["find-keys", "--store", str(root), "--master", "local[2]", "-k", "Topic0:order-4"])
+    assert done.exit_code == 0, done.output
+    table = done.output.splitlines()
+    assert table[0].split()[:3] == ["#Topic", "#Key", "#Broker"] and len(table) == 2
+    assert table[1].split()[:2] == ["Topic0", "order-4"] and results[4].uniq_key in table[1]
+
+    for args, message in ((["-k", "no-colon"], "TOPIC:KEY"), ([], "give -k/--key")):
+        done = run(main, ["find-keys", "--store", str(root), *args])
+        assert done.exit_code == 1 and message in done.output
+    done = run(main, ["find-keys", "--store", str(tmp_path / "nothing"), "-k", "T:k"])
+    assert done.exit_code == 1 and "holds no store" in done.output
+    done = run(main, ["import", "--store", str(tmp_path / "x"), "--parquet", str(tmp_path / "missing")])
+    assert done.exit_code == 1 and "does not exist" in done.output and not (tmp_path / "x").exists()
 
 
 def test_demo_command_runs(tmp_path):

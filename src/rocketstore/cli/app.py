@@ -691,6 +691,80 @@ def export(master, ship_env, verbose, out, topics, begin, end, **kwargs) -> None
     click.echo(f"exported {count} messages to {out}")
 
 
+@main.command("import", epilog="""\b
+Examples:
+  rocketstore import --store /tmp/replay --parquet /tmp/messages
+  rocketstore import --store /data/dev/store --parquet hdfs:///exports/orders --master spark://host:7077
+""")
+@store_options
+@master_option
+@click.option("--parquet", required=True, help="a Parquet dataset: topic and body columns; keys, tags, "
+              "properties and queueId when present (what export writes)")
+@fails_cleanly
+def import_command(master, ship_env, verbose, parquet, **kwargs) -> None:
+    """Append a Parquet dataset of messages to a store (created if missing), each row exactly once (Spark)."""
+    from ..spark.jobs import import_messages
+
+    root, config = config_for(**_store_args(kwargs), must_exist=False)
+    source = parquet if "://" in parquet else os.path.abspath(parquet)  # the JVM's working directory differs
+    if "://" not in parquet and not os.path.exists(source):
+        raise Failure(f"{parquet} does not exist")
+    spark = _spark(master, ship_env, verbose)
+    with progress_bar("import") as progress:
+        report = import_messages(spark.read.parquet(source), root, config=config, progress=progress)
+    click.echo(f"imported {report.rows} messages in {report.batches} batches into {root}")
+
+
+@main.command("find-keys", epilog="""\b
+Examples:
+  rocketstore find-keys --store /data/broker-a/store --store /data/broker-b/store -k TopicTest:order-1
+  rocketstore find-keys --store '/shared/broker-*/store' -k TopicTest:order-1 -k TopicTest:order-2
+  rocketstore find-keys --store /shared/a/store --keys-file orders.txt --master spark://host:7077 --json
+""")
+@click.option("--store", "stores", multiple=True, required=True, help="a store root or a glob (repeatable)")
+@master_option
+@click.option("-k", "--key", "pairs", multiple=True, metavar="TOPIC:KEY", help="a topic and key (repeatable)")
+@click.option("--keys-file", type=click.File("r", encoding="utf-8"),
+              help="many TOPIC:KEY lines ('-': stdin)")
+@click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
+@click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
+@click.option("-m", "--max", "max_num", type=click.IntRange(1, 64), default=64, show_default=True,
+              help="most messages per key and store")
+@json_option
+@fails_cleanly
+def find_keys_command(stores, master, ship_env, verbose, pairs, keys_file, begin, end, max_num, as_json) -> None:
+    """Messages by key across many stores, matched exactly, through their indexes (Spark)."""
+    from ..spark.jobs import find_keys
+    from ..spark.partitions import resolve_roots
+
+    lines = [*pairs, *(line.strip() for line in keys_file or () if line.strip())]
+    if not lines:
+        raise Failure("give -k/--key TOPIC:KEY or --keys-file")
+    queries = []
+    for line in lines:
+        topic, sep, key = line.partition(":")
+        if not sep or not topic or not key:
+            raise Failure(f"a key is TOPIC:KEY, not {line!r}")
+        queries.append((topic, key))
+    roots = [str(root) for root in resolve_roots(list(stores))]  # globs too; a missing store fails before Spark
+    start, stop = parse_time(begin, "--begin") or 0, parse_time(end, "--end")
+    spark = _spark(master, ship_env, verbose)
+    found = find_keys(roots, queries, spark=spark, begin=start, end=stop, max_num=max_num) \
+        .orderBy("queryTopic", "queryKey", "brokerName", "commitLogOffset").toArrow()
+    rows = arrow_message_rows(found)
+    for row, broker in zip(rows, found.column("brokerName").to_pylist(), strict=True):
+        row["brokerName"] = broker
+    if as_json:
+        for row in rows:
+            emit_json(row)
+        return
+    click.echo(f"{'#Topic':<24} {'#Key':<32} {'#Broker':<16} {'#Message ID':<50} {'#QID':>4} {'#Offset':>20}")
+    for row in rows:
+        uniq = row["properties"].get("UNIQ_KEY") or row["msgId"]
+        click.echo(f"{row['queryTopic']:<24} {row['queryKey']:<32} {row['brokerName'] or '-':<16} {uniq:<50} "
+                   f"{row['queueId']:>4} {row['queueOffset']:>20}")
+
+
 @main.command(epilog="""\b
 Examples:
   rocketstore stats --store /data/broker-a/store --bucket hour --plot stats.png
