@@ -286,7 +286,7 @@ UNUSUAL = {  # per field, values that ``encode`` takes the long way or refuses
     "queue_id": [-1, 1 << 31, True, 1.0],
     "flag": [1 << 31, -(1 << 31) - 1, 1.0, None],
     "sys_flag": [0x4, 0x8, 0x1000, 1.0],
-    "born_timestamp": [1 << 63, -(1 << 63) - 1, "now", 1.5],
+    "born_timestamp": [1 << 63, -(1 << 63) - 1, "now", 1.5, 1 << 62, -(1 << 62)],
     "born_host": ["[2001:db8::1]:9876", "10.1.1.1:1", "no-port", 12],
     "reconsume_times": [1, 1 << 40, 0.0],
     "prepared_transaction_offset": [5, -1, 1 << 63, 0.0],
@@ -379,3 +379,27 @@ def test_plain_messages_take_the_compiled_pass(tmp_path):
     with mock.patch.object(MessageEncoder, "encode", side_effect=AssertionError("per-message path taken")), \
             pytest.raises(AssertionError, match="per-message"):
         encoder.encode_many([*msgs, Message("Topic0", b"x", properties={"a": "b"})])
+
+
+def test_born_times_a_timestamp_column_cannot_hold_are_refused_by_every_put(tmp_path):
+    """A put may not store what ``scan_arrow`` and the Spark source could not return (they read such a time as
+    damage); the widest time they hold goes in and comes back exactly."""
+    from rocketstore.codec.record import MAX_TIME_MS
+
+    with MessageStore.open(tmp_path, SMALL) as store:
+        stored = [store.put_message(Message("T", b"edge", born_timestamp=t)) for t in (MAX_TIME_MS, -MAX_TIME_MS)]
+        end = store.max_phy_offset
+        for bad in (MAX_TIME_MS + 1, -MAX_TIME_MS - 1, 1 << 62):
+            with pytest.raises(InvalidFlagError, match="born_timestamp"):
+                store.put_message(Message("T", b"x", born_timestamp=bad))
+            with pytest.raises(InvalidFlagError, match="born_timestamp"):
+                store.put_messages([Message("T", b"x", keys=[f"k{i}"]) for i in range(5)]
+                                   + [Message("T", b"x", born_timestamp=bad)])
+            with pytest.raises(InvalidFlagError, match="row 1: born_timestamp"):
+                store.put_batch(pa.table({"topic": ["T", "T"], "body": [b"x", b"y"],
+                                          "born_timestamp": pa.array([0, bad], pa.int64())}))
+        assert store.max_phy_offset == end
+        batch = pa.Table.from_batches(list(store.scan_arrow()))
+    micros = batch.column("bornTimestamp").cast(pa.int64()).to_pylist()
+    assert micros == [MAX_TIME_MS * 1000, -MAX_TIME_MS * 1000]
+    assert batch.column("commitLogOffset").to_pylist() == [r.commit_log_offset for r in stored]

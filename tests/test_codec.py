@@ -1080,6 +1080,7 @@ def test_encoder_rejects_unknown_sys_flag_bits(sys_flag):
 @pytest.mark.parametrize(("field", "value"), [
     ("flag", 1 << 31), ("flag", -(1 << 31) - 1), ("flag", "1"), ("queue_id", -1), ("reconsume_times", 1 << 31),
     ("prepared_transaction_offset", 1 << 63), ("born_timestamp", -(1 << 63) - 1),
+    ("born_timestamp", (2**63 - 1) // 1000 + 1), ("born_timestamp", 1 << 62),  # past a timestamp[us] column
 ])
 def test_encoder_rejects_out_of_range_numbers(field, value):
     with pytest.raises(InvalidFlagError):

@@ -34,6 +34,7 @@ from .codec.record import (
     MAGIC_V1,
     MAGIC_V2,
     MAX_PROPERTIES_LEN,
+    MAX_TIME_MS,
     MAX_TOPIC_LEN_V1,
     encode_record,
     record_length,
@@ -68,6 +69,7 @@ RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
 _TOPIC_CHARS = re.compile(r"[%|a-zA-Z0-9_-]+")
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_BORN_TIME = (-MAX_TIME_MS, MAX_TIME_MS)
 _CRC_RESERVE = b"\0" * CRC32_RESERVED_LEN
 _USER_SYS_FLAGS = (SysFlag.COMPRESSED | SysFlag.MULTI_TAGS | SysFlag.TRANSACTION_MASK
                    | SysFlag.COMPRESSION_TYPE_MASK)
@@ -218,8 +220,8 @@ class MessageEncoder:
         born_ts = msg.born_timestamp
         if born_ts is None:
             born_ts = time.time_ns() // 1_000_000
-        elif not (type(born_ts) is int and _INT64[0] <= born_ts <= _INT64[1]):
-            _check_int("born_timestamp", born_ts, _INT64)
+        elif not (type(born_ts) is int and _BORN_TIME[0] <= born_ts <= _BORN_TIME[1]):
+            _check_int("born_timestamp", born_ts, _BORN_TIME)
         born_host = self._store_host_pair if msg.born_host is None else self._born_host(msg.born_host)
         sys_flag |= born_host[1] | self._store_host_flag
 
@@ -295,7 +297,7 @@ class MessageEncoder:
                 return None
             if born is None:
                 born = now
-            elif not (type(born) is int and _INT64[0] <= born <= _INT64[1]):
+            elif not (type(born) is int and _BORN_TIME[0] <= born <= _BORN_TIME[1]):
                 return None
             host = m.born_host
             if host is None:

@@ -34,7 +34,7 @@ from ..errors import CorruptDataError, OffsetOutOfRangeError, SegmentDeletedErro
 from ..message import MessageExt, SysFlag
 from . import _kernels as k
 from .properties import PropertyName
-from .record import message_from_layout, read_layout
+from .record import MAX_TIME_MS, message_from_layout, read_layout
 
 if TYPE_CHECKING:
     from ..commitlog import CommitLog
@@ -55,7 +55,6 @@ DEFAULT_MAX_BYTES = 64 << 20  # keeps every binary column far below Arrow's 2 Gi
 
 _NAMES = {name: np.frombuffer(name.encode(), dtype=np.uint8)
           for name in (PropertyName.UNIQ_KEY, PropertyName.TAGS, PropertyName.KEYS)}
-_MAX_MS = (2**63 - 1) // 1000  # larger times overflow Arrow's microseconds
 
 
 class StopKind(enum.Enum):
@@ -175,7 +174,7 @@ def _batch(buf, arr: np.ndarray, f: np.ndarray, *, include_body: bool, topics: C
            limit: int, decompress: bool, broker_name: str | None, path: str | None, base: int) -> pa.RecordBatch:
     sys_flag = f[k.F_SYS_FLAG]
     slow = ~k.text_ok(arr, f, f.shape[1])
-    slow |= (np.abs(f[k.F_BORN_TS]) > _MAX_MS) | (np.abs(f[k.F_STORE_TS]) > _MAX_MS)
+    slow |= (np.abs(f[k.F_BORN_TS]) > MAX_TIME_MS) | (np.abs(f[k.F_STORE_TS]) > MAX_TIME_MS)
     if decompress:
         slow |= (sys_flag & SysFlag.COMPRESSED) != 0
     fast = f[:, ~slow] if slow.any() else f
@@ -263,7 +262,7 @@ def message_row(msg: MessageExt, include_body: bool, broker_name: str | None) ->
     Raises ``CorruptDataError`` for a time Arrow's microseconds cannot hold (no CRC covers times).
     """
     for stamp in (msg.born_timestamp, msg.store_timestamp):
-        if abs(stamp) > _MAX_MS:
+        if abs(stamp) > MAX_TIME_MS:
             raise CorruptDataError(f"timestamp {stamp} ms is out of range", None, msg.commit_log_offset)
     props = msg.properties
     return [

@@ -31,7 +31,15 @@ from ..errors import (
 from ..message import SysFlag
 from .hosts import Host
 from .properties import PropertyName, encode_properties, split_keys
-from .record import CRC32_RESERVED_LEN, FIXED_PART_LEN, MAGIC_V1, MAGIC_V2, MAX_PROPERTIES_LEN, MAX_TOPIC_LEN_V1
+from .record import (
+    CRC32_RESERVED_LEN,
+    FIXED_PART_LEN,
+    MAGIC_V1,
+    MAGIC_V2,
+    MAX_PROPERTIES_LEN,
+    MAX_TIME_MS,
+    MAX_TOPIC_LEN_V1,
+)
 
 _INT32_MAX = (1 << 31) - 1
 _HEX = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8)
@@ -108,7 +116,7 @@ class BatchEncoder:
         queue_ids = queue_in = self._ints(col, "queue_id", n, 0, (0, _INT32_MAX))
         flags = self._ints(col, "flag", n, 0, (-(1 << 31), _INT32_MAX))
         now = time.time_ns() // 1_000_000
-        born_ts = self._ints(col, "born_timestamp", n, now, (-(1 << 63), (1 << 63) - 1))
+        born_ts = self._ints(col, "born_timestamp", n, now, (-MAX_TIME_MS, MAX_TIME_MS))
         born_raw, born_v6 = self._born_hosts(col.get("born_host"), n)
         tags = self._tags(col.get("tags"), n)
         keys = self._keys(col.get("keys"), n)

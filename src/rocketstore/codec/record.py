@@ -46,6 +46,9 @@ QUEUE_OFFSET_POS: Final = 20
 PHY_OFFSET_POS: Final = 28
 SYSFLAG_POS: Final = 36
 BORN_HOST_POS: Final = 48
+# The widest time (ms) a timestamp[us] column (Arrow's, Spark's TimestampType) holds: a put refuses a born
+# time past it, which no reader could show, and a read of someone else's store treats one as damage.
+MAX_TIME_MS: Final = (2**63 - 1) // 1000
 
 HEAD_FMT: Final = ">iiiiiqqiq"  # size, magic, body crc, queue id, flag, queue offset, phy offset, sysflag, born ts
 _HEAD = struct.Struct(HEAD_FMT)
