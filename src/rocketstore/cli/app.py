@@ -80,6 +80,16 @@ def store_options(command):
                         help="the store root (RocketMQ's storePathRootDir)")(command)
 
 
+def key_window_options(max_help: str):
+    """-b/--begin, -e/--end and -m/--max of the key lookups (``query_message``'s window and limit)."""
+    def apply(command):
+        command = click.option("-m", "--max", "max_num", type=click.IntRange(1, 64), default=64, show_default=True,
+                               help=max_help)(command)
+        command = click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")(command)
+        return click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")(command)
+    return apply
+
+
 def json_option(command):
     return click.option("--json", "as_json", is_flag=True, help="JSON lines with RocketMQ's field names")(command)
 
@@ -239,10 +249,7 @@ Examples:
 @click.option("-k", "--key", "msg_key", help="message key")
 @click.option("--keys-file", type=click.File("r", encoding="utf-8"),
               help="many keys, one per line ('-': stdin), looked up together in batches")
-@click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
-@click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
-@click.option("-m", "--max", "max_num", type=click.IntRange(1, 64), default=64, show_default=True,
-              help="most messages per key")
+@key_window_options("most messages per key")
 @json_option
 @fails_cleanly
 def query_by_key(topic, msg_key, keys_file, begin, end, max_num, as_json, **kwargs) -> None:
@@ -267,18 +274,24 @@ def query_by_key(topic, msg_key, keys_file, begin, end, max_num, as_json, **kwar
         click.echo(f"{msg.uniq_key or msg.msg_id:<50} {msg.queue_id:>4} {msg.queue_offset:>40}")
 
 
-def _print_found(found, as_json: bool) -> None:
-    """``query_messages_arrow``'s batch: the one-key table with the key in front, or ``message_json`` lines
-    with ``queryKey``."""
+def _print_found(found, as_json: bool, *, many_stores: bool = False) -> None:
+    """Found messages in the Arrow columns (``query_messages_arrow``, ``find_keys``): the one-key table with the
+    key in front (and the topic and broker for many stores), or ``message_json`` lines with ``queryKey``."""
     rows = arrow_message_rows(found)
+    if many_stores:
+        for row, broker in zip(rows, found.column("brokerName").to_pylist(), strict=True):
+            row["brokerName"] = broker
     if as_json:
         for row in rows:
             emit_json(row)
         return
-    click.echo(f"{'#Key':<32} {'#Message ID':<50} {'#QID':>4} {'#Offset':>20}")
+    where = f"{'#Topic':<24} {'#Key':<32} {'#Broker':<16}" if many_stores else f"{'#Key':<32}"
+    click.echo(f"{where} {'#Message ID':<50} {'#QID':>4} {'#Offset':>20}")
     for row in rows:
         uniq = row["properties"].get("UNIQ_KEY") or row["msgId"]
-        click.echo(f"{row['queryKey']:<32} {uniq:<50} {row['queueId']:>4} {row['queueOffset']:>20}")
+        where = f"{row['queryTopic']:<24} {row['queryKey']:<32} {row['brokerName'] or '-':<16}" if many_stores \
+            else f"{row['queryKey']:<32}"
+        click.echo(f"{where} {uniq:<50} {row['queueId']:>4} {row['queueOffset']:>20}")
 
 
 def _print_messages(messages, as_json: bool, body: bool) -> None:
@@ -726,10 +739,7 @@ Examples:
 @click.option("-k", "--key", "pairs", multiple=True, metavar="TOPIC:KEY", help="a topic and key (repeatable)")
 @click.option("--keys-file", type=click.File("r", encoding="utf-8"),
               help="many TOPIC:KEY lines ('-': stdin)")
-@click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
-@click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
-@click.option("-m", "--max", "max_num", type=click.IntRange(1, 64), default=64, show_default=True,
-              help="most messages per key and store")
+@key_window_options("most messages per key and store")
 @json_option
 @fails_cleanly
 def find_keys_command(stores, master, ship_env, verbose, pairs, keys_file, begin, end, max_num, as_json) -> None:
@@ -751,18 +761,7 @@ def find_keys_command(stores, master, ship_env, verbose, pairs, keys_file, begin
     spark = _spark(master, ship_env, verbose)
     found = find_keys(roots, queries, spark=spark, begin=start, end=stop, max_num=max_num) \
         .orderBy("queryTopic", "queryKey", "brokerName", "commitLogOffset").toArrow()
-    rows = arrow_message_rows(found)
-    for row, broker in zip(rows, found.column("brokerName").to_pylist(), strict=True):
-        row["brokerName"] = broker
-    if as_json:
-        for row in rows:
-            emit_json(row)
-        return
-    click.echo(f"{'#Topic':<24} {'#Key':<32} {'#Broker':<16} {'#Message ID':<50} {'#QID':>4} {'#Offset':>20}")
-    for row in rows:
-        uniq = row["properties"].get("UNIQ_KEY") or row["msgId"]
-        click.echo(f"{row['queryTopic']:<24} {row['queryKey']:<32} {row['brokerName'] or '-':<16} {uniq:<50} "
-                   f"{row['queueId']:>4} {row['queueOffset']:>20}")
+    _print_found(found, as_json, many_stores=True)
 
 
 @main.command(epilog="""\b
