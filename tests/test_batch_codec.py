@@ -26,6 +26,7 @@ from rocketstore.codec.record import (
     MAGIC_V1,
     MAGIC_V2,
     blank_record,
+    decode_v4_at,
     encode_record,
     message_from_layout,
     read_layout,
@@ -166,6 +167,71 @@ SETTINGS = settings(max_examples=300, deadline=None, database=None, suppress_hea
 def test_batch_equals_record_codec_on_every_field(data, check_crc, include_body, decompress):
     assert_same_as_reference(data, 0, len(data), check_crc=check_crc, include_body=include_body,
                              decompress=decompress and include_body)
+
+
+def _layout_path(buf: bytes, pos: int, phy_offset: int, check_crc: bool, read_body: bool):
+    """``CommitLog.locate`` + ``message_from_layout``: the message at ``pos`` if a record that says it is at
+    ``phy_offset`` starts there, else None."""
+    try:
+        layout = read_layout(buf, pos, len(buf), check_crc=check_crc)
+    except CorruptDataError:
+        return None
+    if layout is None or int.from_bytes(buf[pos + 28 : pos + 36], "big", signed=True) != phy_offset:
+        return None
+    return message_from_layout(buf, pos, layout, read_body=read_body)
+
+
+@SETTINGS
+@given(data=segments(), check_crc=st.booleans(), read_body=st.booleans(),
+       picks=st.lists(st.integers(0, 1 << 16), max_size=6), shift=st.sampled_from([0, 0, 0, 1, -88, 1 << 40]))
+def test_a_single_read_accepts_and_decodes_what_the_layout_path_does(data, check_crc, read_body, picks, shift):
+    """``get_message``'s one-pass read (``decode_v4_at``) against read_layout + message_from_layout: at every
+    record start and at arbitrary positions, with the right and wrong offsets, on damaged bytes. It gives the
+    same message for a record with two IPv4 hosts and None for everything else (the caller then asks
+    ``locate``, which names the failure)."""
+    starts, pos = [], 0
+    while pos < len(data):
+        try:
+            layout = read_layout(data, pos, len(data))
+        except CorruptDataError:
+            break
+        if layout is None:
+            break
+        starts.append(pos)
+        pos += layout.size
+    for pos in starts + [p % len(data) for p in picks if data]:
+        phy = pos + shift  # each record was encoded with its position as its offset
+        fast = decode_v4_at(data, pos, len(data), phy, check_crc=check_crc, read_body=read_body)
+        slow = _layout_path(data, pos, phy, check_crc, read_body)
+        expected = slow if slow is not None and not slow.sys_flag & (SysFlag.BORNHOST_V6 | SysFlag.STOREHOST_V6) \
+            else None
+        assert fast == expected, (pos, shift)  # so a fast form that gave up on everything would fail here
+
+
+FIELDS = ("size", "magic", "crc", "phy", "sysflag", "body_len", "body", "topic_len", "props_len", "props")
+
+
+@SETTINGS
+@given(record=records(0).filter(lambda r: not r[36 + 3] & 0x30), where=st.sampled_from(FIELDS),
+       byte=st.integers(0, 3), value=st.integers(0, 255), tail=st.binary(max_size=300), check_crc=st.booleans(),
+       lead=st.integers(0, 64))
+def test_a_single_read_refuses_each_damaged_field_as_the_layout_path_does(record, where, byte, value, tail,
+                                                                           check_crc, lead):
+    """One field of an IPv4 record overwritten (a length made to run short or long, a wrong magic, offset,
+    sysflag, body byte), with bytes after it for a grown length to run into."""
+    layout = read_layout(record, 0)
+    at = {"size": 0, "magic": 4, "crc": 8, "phy": 28, "sysflag": 36, "body_len": 84, "body": 88,
+          "topic_len": layout.topic_pos - (2 if layout.magic == MAGIC_V2 else 1), "props_len": layout.props_pos - 2,
+          "props": layout.props_pos}[where] + byte
+    buf = bytearray(bytes(lead) + record + tail)  # the record at ``lead``, which its PHYSICALOFFSET says
+    buf[lead + 28 : lead + 36] = lead.to_bytes(8, "big")
+    if at < len(record):
+        buf[lead + at] = value
+    data = bytes(buf)
+    for check in (check_crc, not check_crc):
+        slow = _layout_path(data, lead, lead, check, True)
+        expected = slow if slow is not None and not slow.sys_flag & 0x30 else None
+        assert decode_v4_at(data, lead, len(data), lead, check_crc=check) == expected
 
 
 @SETTINGS

@@ -525,6 +525,27 @@ def test_decode_properties_follows_rocketmq_parsing(text, expected):
     assert decode_properties(text) == expected
 
 
+def _string2message_properties(text: str) -> dict[str, str]:
+    """MessageDecoder.string2messageProperties as Java writes it: index arithmetic over the whole string."""
+    result: dict[str, str] = {}
+    index = 0
+    while index < len(text):
+        end = text.find("\x02", index)
+        end = len(text) if end < 0 else end
+        if end - index >= 3:
+            sep = text.find("\x01", index)
+            if index < sep < end - 1:
+                result[text[index:sep]] = text[sep + 1 : end]
+        index = end + 1
+    return result
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet=st.sampled_from(["\x01", "\x02", "a", "b", "键", "😀"]), max_size=40))
+def test_decode_properties_equals_rocketmqs_index_loop(text):
+    assert decode_properties(text) == _string2message_properties(text)
+
+
 @pytest.mark.parametrize(
     "properties",
     [{"a\x01": "b"}, {"a": "b\x01"}, {"a\x02b": "c"}, {"a": "b\x02"}, {"": "v"}, {"k": ""}, {"ok": "1", "k": ""}],

@@ -25,6 +25,7 @@ from .codec.record import (
     QUEUE_OFFSET_POS,
     RecordLayout,
     blank_record,
+    decode_v4_at,
     message_from_layout,
     read_layout,
     seal_property_crc,
@@ -315,6 +316,16 @@ class CommitLog:
             return -1
 
     def get_message(self, phy_offset: int, *, decompress: bool = False, read_body: bool = True) -> MessageExt:
+        mapped = self.mapped_files.find(phy_offset) if type(phy_offset) is int else None
+        check = self.config.check_crc_on_read
+        if mapped is not None and not decompress and not (check and self.config.force_verify_prop_crc):
+            try:  # the common record in one pass; anything else (and every error) goes through locate
+                msg = decode_v4_at(mapped.buffer, phy_offset - mapped.file_from_offset, mapped.wrote_position,
+                                   phy_offset, check_crc=check, read_body=read_body)
+            except ValueError as exc:
+                raise deleted_under(mapped, exc) from None
+            if msg is not None:
+                return msg
         mapped, pos, layout = self.locate(phy_offset)
         try:
             return message_from_layout(mapped.buffer, pos, layout, read_body=read_body, decompress=decompress,

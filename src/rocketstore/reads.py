@@ -273,20 +273,29 @@ class StoreReader:
         if self.index is None or max_num <= 0:
             return []
         found: dict[int, MessageExt] = {}
+        get_message = self.commit_log.get_message
+        parked = False
         for phy in self.index.iter_candidates(topic, key, begin, end):
             if phy in found:
                 continue
-            msg = self._read_or_none(phy)
-            if msg is None or not begin <= msg.store_timestamp <= end or not matches(msg):
+            try:
+                msg = get_message(phy)
+            except (MessageNotFoundError, CorruptDataError):
                 continue
-            if msg.topic != topic and not (msg.topic in PARKED_TOPICS and msg.properties.get("REAL_TOPIC") == topic):
+            if not begin <= msg.store_timestamp <= end or not matches(msg):
                 continue
+            if msg.topic != topic:
+                if msg.topic not in PARKED_TOPICS or msg.properties.get("REAL_TOPIC") != topic:
+                    continue
+                parked = True
             found[phy] = msg
             if len(found) >= max_num:
                 break
-        delivered = {m.uniq_key for m in found.values() if m.topic not in PARKED_TOPICS}
-        return [found[phy] for phy in sorted(found)  # a delivered delay message hides its parked copy
-                if found[phy].topic not in PARKED_TOPICS or found[phy].uniq_key not in delivered]
+        messages = [found[phy] for phy in sorted(found)]
+        if parked:  # a delivered delay message hides its parked copy
+            delivered = {m.uniq_key for m in messages if m.topic not in PARKED_TOPICS}
+            messages = [m for m in messages if m.topic not in PARKED_TOPICS or m.uniq_key not in delivered]
+        return messages
 
     def query_many(self, queries: Sequence[tuple[str, str]], max_num: int = 64, begin: int = 0,
                    end: int | None = None, *, include_body: bool = True, broker_name: str | None = None):

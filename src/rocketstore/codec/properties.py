@@ -50,20 +50,10 @@ class PropertyName:
 
 
 def decode_properties(text: str) -> dict[str, str]:
-    """Parse a properties string the way RocketMQ does (lenient; never raises)."""
-    result: dict[str, str] = {}
-    length = len(text)
-    index = 0
-    while index < length:
-        end = text.find(PROPERTY_SEPARATOR, index)
-        if end < 0:
-            end = length
-        if end - index >= 3:
-            sep = text.find(NAME_VALUE_SEPARATOR, index)
-            if index < sep < end - 1:
-                result[text[index:sep]] = text[sep + 1 : end]
-        index = end + 1
-    return result
+    """Parse a properties string the way RocketMQ does (lenient; never raises): each ``\x02``-separated part
+    with a non-empty name before its first ``\x01`` and a non-empty value after it; a later name wins."""
+    return {name: value for name, _, value in (part.partition(NAME_VALUE_SEPARATOR)
+                                                for part in text.split(PROPERTY_SEPARATOR)) if name and value}
 
 
 def check_property(name: str, value: str) -> None:

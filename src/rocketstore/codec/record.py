@@ -285,6 +285,54 @@ def decode_record(buf, pos: int = 0, limit: int | None = None, *, check_crc: boo
                                max_body_size=max_body_size, path=path, base=base)
 
 
+def decode_v4_at(buf, pos: int, limit: int, phy_offset: int, *, check_crc: bool,
+                 read_body: bool = True) -> MessageExt | None:
+    """The record at ``buf[pos]`` that says it is at ``phy_offset``, checked and decoded from one unpack of its
+    88 fixed bytes: the common layout of a single-message read (two IPv4 hosts).
+
+    ``None`` whenever this form does not apply or a check fails (an IPv6 host, another offset, a blank, any
+    damage): the caller then takes ``read_layout``'s path, which names the failure. What it accepts is exactly
+    what ``read_layout`` accepts plus the PHYSICALOFFSET check, decoded as ``message_from_layout`` decodes it
+    (``tests/test_codec.py`` holds the two paths equal on damaged records).
+    """
+    if limit - pos < FIXED_PART_LEN:
+        return None
+    (size, magic, crc, queue_id, flag, queue_offset, phy, sys_flag, born_ts, born_raw, store_ts,
+     store_host_raw, reconsume, prepared, body_len) = _V4_FIXED.unpack_from(buf, pos)
+    if phy != phy_offset or sys_flag & _V6_BITS or size < MIN_RECORD_LEN or size > limit - pos:
+        return None
+    stop = pos + size
+    body_pos = pos + FIXED_PART_LEN
+    if body_len < 0 or body_pos + body_len > stop:
+        return None
+    topic_len_pos = body_pos + body_len
+    if magic == MAGIC_V1:
+        if topic_len_pos + 1 > stop:
+            return None
+        topic_len = buf[topic_len_pos]
+        topic_len = topic_len - 256 if topic_len > 127 else topic_len
+        topic_pos = topic_len_pos + 1
+    elif magic == MAGIC_V2:
+        if topic_len_pos + 2 > stop:
+            return None
+        topic_len = _I16.unpack_from(buf, topic_len_pos)[0]
+        topic_pos = topic_len_pos + 2
+    else:
+        return None
+    if topic_len < 0 or topic_pos + topic_len + 2 > stop:
+        return None
+    props_pos = topic_pos + topic_len + 2
+    if _I16.unpack_from(buf, props_pos - 2)[0] != stop - props_pos:
+        return None
+    if check_crc and body_len > 0 and zlib.crc32(buf[body_pos:topic_len_pos]) & 0x7FFFFFFF != crc:
+        return None
+    return MessageExt(bytes(buf[topic_pos : props_pos - 2]).decode("utf-8", "replace"),
+                      bytes(buf[body_pos:topic_len_pos]) if read_body else b"", queue_id, flag, queue_offset, phy,
+                      sys_flag, born_ts, host_of(born_raw), store_ts, host_of(store_host_raw), reconsume, prepared,
+                      crc, decode_properties(bytes(buf[props_pos:stop]).decode("utf-8", "replace")), size,
+                      (store_host_raw + phy.to_bytes(8, "big", signed=True)).hex().upper(), magic)
+
+
 def message_from_layout(buf, pos: int, layout: RecordLayout, *, read_body: bool = True,
                         decompress: bool = False, max_body_size: int = 64 << 20,
                         path: str | None = None, base: int = 0) -> MessageExt:
