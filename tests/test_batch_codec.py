@@ -13,6 +13,7 @@ import mmap
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -106,7 +107,7 @@ def property_bytes(draw) -> bytes:
     if draw(st.booleans()):
         pieces.append(draw(st.sampled_from([b"\x02", b"\x01\x02", b"x\x01\x02", b"\x01y\x02", b"ab", b"a\x01b",
                                             b"KEYS\x01dup\x02", b"\xff\x01\xfe\x02", b"T\x01\xe2\x82\x02",
-                                            b"a\x01b\x01c\x02", b"\xed\xa0\x80\x01s\x02"])))
+                                            b"a\x01b\x01c\x02", b"\xed\xa0\x80\x01s\x02", b"TAGS\x01t\x01u\x02"])))
     draw(st.randoms()).shuffle(pieces)
     return b"".join(pieces)
 
@@ -206,6 +207,30 @@ def test_a_single_read_accepts_and_decodes_what_the_layout_path_does(data, check
         expected = slow if slow is not None and not slow.sys_flag & (SysFlag.BORNHOST_V6 | SysFlag.STOREHOST_V6) \
             else None
         assert fast == expected, (pos, shift)  # so a fast form that gave up on everything would fail here
+
+
+@SETTINGS
+@given(props=st.lists(property_bytes(), min_size=1, max_size=5))
+def test_dispatch_finds_the_properties_the_full_parse_finds(props):
+    """``find_properties`` (dispatch: UNIQ_KEY, TAGS, KEYS only) against ``parse_properties`` (every pair) and
+    the record codec's ``decode_properties``, on well-formed and odd property bytes side by side."""
+    from rocketstore.codec import _kernels as kernels
+    from rocketstore.codec.batch import _NAMES
+    from rocketstore.codec.properties import PropertyName, decode_properties
+
+    buf = np.frombuffer(b"".join(props) or b"\0", dtype=np.uint8)
+    lengths = np.array([len(p) for p in props], dtype=np.int64)
+    positions = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    names = [_NAMES[PropertyName.UNIQ_KEY], _NAMES[PropertyName.TAGS], _NAMES[PropertyName.KEYS]]
+    found, found_len = kernels.find_properties(buf, positions, lengths, *names)
+    *_, full, full_len = kernels.parse_properties(buf, positions, lengths, *names)
+    assert found.tolist() == full.tolist() and found_len.tolist() == full_len.tolist()
+    for r, raw in enumerate(props):
+        decoded = decode_properties(raw.decode("utf-8", "replace"))
+        for slot, name in enumerate((PropertyName.UNIQ_KEY, PropertyName.TAGS, PropertyName.KEYS)):
+            value = None if found[slot, r] < 0 else \
+                buf[found[slot, r] : found[slot, r] + found_len[slot, r]].tobytes().decode("utf-8", "replace")
+            assert value == decoded.get(name)
 
 
 FIELDS = ("size", "magic", "crc", "phy", "sysflag", "body_len", "body", "topic_len", "props_len", "props")

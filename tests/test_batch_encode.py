@@ -87,10 +87,27 @@ def is_int(text: str) -> bool:
     return True
 
 
+def shaped(items: list[dict], shape: str, cut: int) -> pa.Table:
+    """The same rows as Arrow hands them over in practice: a slice of a bigger table (buffers that start
+    before the rows), several chunks, or keys as large_list."""
+    if shape == "sliced":
+        filler = [dict(items[0], keys=["pad"], tags="pad")] * cut
+        return table_of(filler + items + filler).slice(cut, len(items))
+    if shape == "chunked":
+        k = cut % (len(items) + 1)
+        return pa.concat_tables([table_of(items[:k]), table_of(items[k:])])
+    if shape == "large_list":
+        table = table_of(items)
+        return table.set_column(table.schema.get_field_index("keys"), "keys",
+                                table.column("keys").cast(pa.large_list(pa.string())))
+    return table_of(items)
+
+
 @pytest.mark.parametrize("store_host", ["127.0.0.1:10911", "[::1]:10911"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(items=rows, prop_crc=st.booleans())
-def test_batch_and_single_encoders_write_the_same_bytes(items, prop_crc, store_host):
+@given(items=rows, prop_crc=st.booleans(), shape=st.sampled_from(["plain", "sliced", "chunked", "large_list"]),
+       cut=st.integers(1, 5))
+def test_batch_and_single_encoders_write_the_same_bytes(items, prop_crc, store_host, shape, cut):
     items = [r for r in items if usable(r)]
     if not items:
         return
@@ -100,7 +117,7 @@ def test_batch_and_single_encoders_write_the_same_bytes(items, prop_crc, store_h
     counter = single.uniq_keys._counter
     batch.encoder.uniq_keys = single.uniq_keys  # the same generator, rewound between the two runs
     with mock.patch("time.time_ns", return_value=NOW * 1_000_000):
-        encoded = batch.encode(table_of(items))
+        encoded = batch.encode(shaped(items, shape, cut))
         single.uniq_keys._counter = counter
         records = [single.encode(message_of(r)) for r in items]
     assert bytes(encoded.data) == b"".join(bytes(rec.data) for rec in records)

@@ -8,6 +8,7 @@ files; it sees the log as it was when opened.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -15,8 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-
-import numpy as np
 
 from .brokerconfig import (
     ConsumerOffsetManager,
@@ -463,13 +462,11 @@ class MessageStore:
             if not self.flusher.wait_flushed(int(phys[-1] + batch.sizes[-1])):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
-        from .codec.batch_encode import hex_upper
+        from .codec.batch_encode import offset_msg_ids
 
-        host = np.frombuffer(self.encoder.store_host_raw, dtype=np.uint8)
-        raw = np.empty((len(batch), len(host) + 8), dtype=np.uint8)
-        raw[:, : len(host)] = host
-        raw[:, len(host) :] = phys.astype(">i8").view(np.uint8).reshape(-1, 8)
-        return PutBatchResult(status, phys, queue_offsets, batch.sizes, store_ts, hex_upper(raw), batch.uniq_keys)
+        return PutBatchResult(status, phys, queue_offsets, batch.sizes, store_ts,
+                              functools.partial(offset_msg_ids, self.encoder.store_host_raw, phys),
+                              functools.partial(getattr, batch, "uniq_keys"))
 
     def _batch_encoder(self):
         if self._batch is None:

@@ -157,6 +157,93 @@ def encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off,
     return p
 
 
+_HEX_DIGITS = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8).copy()
+# the property names a plain row carries, by code: 0 UNIQ_KEY, 1 TAGS, 2 KEYS (``PropertyName``'s values)
+_UNIQ_NAME = np.frombuffer(b"UNIQ_KEY", dtype=np.uint8).copy()
+_TAGS_NAME = np.frombuffer(b"TAGS", dtype=np.uint8).copy()
+_KEYS_NAME = np.frombuffer(b"KEYS", dtype=np.uint8).copy()
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_name(out, p, name):
+    out[p : p + name.size] = name
+    out[p + name.size] = 1
+    return p + name.size + 1
+
+
+@njit(cache=True, nogil=True)
+def plain_properties(uniq_raw, tags_off, tags_data, has_tags, list_off, key_off, key_data, has_keys, orders,
+                     reserve):
+    """Properties strings of rows without user properties, back to back: UNIQ_KEY (the 32 hex digits of the row
+    of ``uniq_raw``), TAGS and KEYS (the row's keys joined by spaces) in the order ``orders[combo]`` gives for
+    the names present (combo = 2 * has_tags + has_keys: the Java HashMap's order, computed by the caller), then
+    ``reserve`` zero bytes (room for ``__CRC32#``). Strings are Arrow buffers: data and offsets, the keys a
+    list of strings (``list_off`` into ``key_off``). Returns (offsets int64 [n + 1], data)."""
+    n = uniq_raw.shape[0]
+    offsets = np.empty(n + 1, dtype=np.int64)
+    offsets[0] = 0
+    for i in range(n):
+        size = _UNIQ_NAME.size + 2 + 2 * uniq_raw.shape[1] + reserve
+        if has_tags[i]:
+            size += _TAGS_NAME.size + 2 + tags_off[i + 1] - tags_off[i]
+        if has_keys[i]:
+            k0, k1 = list_off[i], list_off[i + 1]
+            size += _KEYS_NAME.size + 2 + key_off[k1] - key_off[k0] + k1 - k0 - 1
+        offsets[i + 1] = offsets[i] + size
+    out = np.empty(offsets[n], dtype=np.uint8)
+    for i in range(n):
+        p = offsets[i]
+        combo = (2 if has_tags[i] else 0) + (1 if has_keys[i] else 0)
+        for slot in range(orders.shape[1]):
+            name = orders[combo, slot]
+            if name == 0:
+                p = _put_name(out, p, _UNIQ_NAME)
+                for k in range(uniq_raw.shape[1]):
+                    out[p] = _HEX_DIGITS[uniq_raw[i, k] >> 4]
+                    out[p + 1] = _HEX_DIGITS[uniq_raw[i, k] & 0x0F]
+                    p += 2
+            elif name == 1:
+                p = _put_name(out, p, _TAGS_NAME)
+                t0, t1 = tags_off[i], tags_off[i + 1]
+                out[p : p + t1 - t0] = tags_data[t0:t1]
+                p += t1 - t0
+            elif name == 2:
+                p = _put_name(out, p, _KEYS_NAME)
+                for j in range(list_off[i], list_off[i + 1]):
+                    if j > list_off[i]:
+                        out[p] = 32
+                        p += 1
+                    a, b = key_off[j], key_off[j + 1]
+                    out[p : p + b - a] = key_data[a:b]
+                    p += b - a
+            else:
+                continue
+            out[p] = 2
+            p += 1
+        for _ in range(reserve):
+            out[p] = 0
+            p += 1
+    return offsets, out
+
+
+@njit(cache=True, nogil=True)
+def first_bad_text(offsets, data, check, forbid_space, allow_empty):
+    """The first string ``j`` with ``check[j]`` (``data[offsets[j]:offsets[j+1]]``) that holds a property
+    separator (\\x01, \\x02), with ``forbid_space`` a space (the KEYS separator), or unless ``allow_empty`` is
+    empty; -1 if none."""
+    for j in range(check.size):
+        if not check[j]:
+            continue
+        a, b = offsets[j], offsets[j + 1]
+        if a == b and not allow_empty:
+            return j
+        for p in range(a, b):
+            c = data[p]
+            if c == 1 or c == 2 or (forbid_space and c == 32):  # noqa: PLR1714 - plain compares compile best
+                return j
+    return -1
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _parse(buf, pos, limit, check_crc):
     """The checks of ``record.read_layout``, in its order, for the record at ``pos``: returns its end and
@@ -454,6 +541,38 @@ def parse_properties(buf, props_pos, props_len, uniq_name, tags_name, keys_name)
             sep = -1
         offsets[r + 1] = total
     return offsets, key_pos[:total], key_len[:total], val_pos[:total], val_len[:total], found, found_len
+
+
+@njit(cache=True, nogil=True)
+def find_properties(buf, props_pos, props_len, uniq_name, tags_name, keys_name):
+    """``parse_properties``' last three results alone (where the UNIQ_KEY, TAGS and KEYS values are: the last
+    value of a repeated name, position -1 when absent), without gathering every pair: what dispatch needs."""
+    n = props_pos.size
+    found = np.full((3, n), -1, dtype=np.int64)
+    found_len = np.zeros((3, n), dtype=np.int64)
+    for r in range(n):
+        piece = props_pos[r]
+        e = piece + props_len[r]
+        sep = -1
+        for i in range(piece, e + 1):
+            c = buf[i] if i < e else 2
+            if c == 1:
+                if sep < 0:
+                    sep = i
+                continue
+            if c != 2:
+                continue
+            if piece < sep < i - 1:
+                klen = sep - piece
+                if _is_name(buf, piece, klen, uniq_name):
+                    found[0, r], found_len[0, r] = sep + 1, i - sep - 1
+                elif _is_name(buf, piece, klen, tags_name):
+                    found[1, r], found_len[1, r] = sep + 1, i - sep - 1
+                elif _is_name(buf, piece, klen, keys_name):
+                    found[2, r], found_len[2, r] = sep + 1, i - sep - 1
+            piece = i + 1
+            sep = -1
+    return found, found_len
 
 
 @njit(cache=True, nogil=True)

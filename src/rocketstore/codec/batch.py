@@ -325,7 +325,7 @@ def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None =
                 slow |= topic_code == topics.index(slow_topic)
         fast = np.flatnonzero(~slow)
         g = f[:, fast] if len(fast) < n else f
-        _pairs, _kp, _kl, _vp, _vl, found, found_len = k.parse_properties(
+        found, found_len = k.find_properties(
             arr, g[k.F_PROPS_POS], g[k.F_PROPS_LEN], _NAMES[PropertyName.UNIQ_KEY], _NAMES[PropertyName.TAGS],
             _NAMES[PropertyName.KEYS])
         key_offsets, tok_pos, tok_len = k.split_keys(arr, found[2], found_len[2])

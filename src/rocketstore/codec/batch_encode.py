@@ -14,6 +14,7 @@ zero; ``CommitLog.append_batch`` fills them in with numpy.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from ..errors import (
 )
 from ..message import SysFlag
 from .hosts import Host
-from .properties import PropertyName, encode_properties, split_keys
+from .properties import PropertyName, _cached_order, encode_properties, split_keys
 from .record import (
     CRC32_RESERVED_LEN,
     FIXED_PART_LEN,
@@ -56,12 +57,17 @@ class EncodedBatch:
     topic_index: np.ndarray  # int32 per row, into ``topics``
     queue_ids: np.ndarray  # int32 per row (stored queue: a delayed message's schedule queue)
     store_ts_pos: np.ndarray  # int64 per row: where STORETIMESTAMP is inside the record
-    uniq_keys: pa.StringArray
+    uniq_raw: np.ndarray  # (n, 16 or 28) uint8: the generated UNIQ_KEYs, hex-encoded only when asked for
+    uniq_texts: list[str] | None  # every row's UNIQ_KEY when some row brought its own
     wait_store: bool  # some row wants SYNC_FLUSH's wait (WAIT != false)
     queue_checks: list[tuple[str, int]]  # (topic, highest queue id used): the topic rules to apply
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    @property
+    def uniq_keys(self) -> pa.StringArray:
+        return hex_upper(self.uniq_raw) if self.uniq_texts is None else pa.array(self.uniq_texts, pa.string())
 
     @property
     def starts(self) -> np.ndarray:
@@ -76,6 +82,15 @@ def hex_upper(raw: np.ndarray) -> pa.StringArray:
     chars[:, 1::2] = _HEX[raw & 0x0F]
     offsets = np.arange(0, (n + 1) * 2 * k, 2 * k, dtype=np.int32)
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(chars.tobytes()))
+
+
+def offset_msg_ids(store_host_raw: bytes, phys: np.ndarray) -> pa.StringArray:
+    """Offset msgIds (store host + commit-log offset, uppercase hex) of records at ``phys``."""
+    host = np.frombuffer(store_host_raw, dtype=np.uint8)
+    raw = np.empty((len(phys), len(host) + 8), dtype=np.uint8)
+    raw[:, : len(host)] = host
+    raw[:, len(host) :] = np.asarray(phys).astype(">i8").view(np.uint8).reshape(-1, 8)
+    return hex_upper(raw)
 
 
 def _first_true(mask) -> int | None:
@@ -121,13 +136,10 @@ class BatchEncoder:
         tags = self._tags(col.get("tags"), n)
         keys = self._keys(col.get("keys"), n)
 
-        uniq = self._uniq_keys(n, now)
-        props, stored_topic_names, queue_ids, uniq, wait_rows = self._properties(
-            col.get("properties"), tags, keys, uniq, topics_in, topic_codes, queue_ids)
-        props_bytes = props.cast(pa.binary())
-        if self.config.enabled_append_prop_crc:
-            props_bytes = pc.binary_join_element_wise(props_bytes, pa.scalar(b"\0" * CRC32_RESERVED_LEN), b"")
-        props_len = pc.binary_length(props_bytes).to_numpy(zero_copy_only=False).astype(np.int64)
+        uniq_raw = self.encoder.uniq_keys.raw_block(n, now)
+        props_off, props_data, stored_topic_names, queue_ids, uniq_texts, wait_rows = self._properties(
+            col.get("properties"), tags, keys, uniq_raw, topics_in, topic_codes, queue_ids)
+        props_len = np.diff(props_off)
         bad = _first_true(props_len > MAX_PROPERTIES_LEN)
         if bad is not None:
             raise PropertiesTooLargeError(f"row {bad}: properties are {props_len[bad]} bytes encoded; "
@@ -158,17 +170,17 @@ class BatchEncoder:
             raise MessageTooLargeError(f"row {bad}: record is {sizes[bad]} bytes; at most "
                                        f"{self.encoder.max_record_len} fit")
         if store_v6 or born_v6.any() or row_v2.any():
-            data = self._assemble_general(n, sizes, bodies, body_len, topic_bytes, topic_index, row_v2, props_bytes,
-                                          props_len, queue_ids, flags, sys_flags, born_ts, born_raw)
+            data = self._assemble_general(n, sizes, bodies, topic_bytes, topic_index, row_v2, props_off, props_data,
+                                          queue_ids, flags, sys_flags, born_ts, born_raw)
         else:
-            data = self._assemble_v4(n, sizes, bodies, body_len, topic_bytes, topic_index, props_bytes, props_len,
-                                     queue_ids, flags, born_ts, born_raw)
+            data = self._assemble_v4(sizes, bodies, topic_bytes, topic_index, props_off, props_data, queue_ids, flags,
+                                     born_ts, born_raw)
         store_ts_pos = np.where(born_v6, 68, 56).astype(np.int64)
         checks = {t: int(queue_in[topic_codes == i].max()) for i, t in enumerate(topics_in)}
         for i, t in enumerate(stored_topics):
             checks[t] = max(checks.get(t, 0), int(queue_ids[topic_index == i].max()))
-        return EncodedBatch(data, sizes, stored_topics, topic_index, queue_ids.astype(np.int32), store_ts_pos, uniq,
-                            bool(wait_rows), sorted(checks.items()))
+        return EncodedBatch(data, sizes, stored_topics, topic_index, queue_ids.astype(np.int32), store_ts_pos,
+                            uniq_raw, uniq_texts, bool(wait_rows), sorted(checks.items()))
 
     # --- columns -------------------------------------------------------------------------------------
 
@@ -239,115 +251,96 @@ class BatchEncoder:
         codes = encoded.indices.fill_null(len(hosts)).to_numpy(zero_copy_only=False)
         return table[codes], v6[codes]
 
-    @staticmethod
-    def _check_values(values: pa.Array, what: str, rows: np.ndarray | None = None) -> None:
-        """No separator characters and nothing empty (``check_property`` for a whole column)."""
-        bad_mask = pc.or_(pc.or_(pc.match_substring(values, "\x01"), pc.match_substring(values, "\x02")),
-                          pc.equal(pc.utf8_length(values), 0))
-        bad = _first_true(bad_mask.fill_null(False))
-        if bad is not None:
-            row = int(rows[bad]) if rows is not None else bad
-            raise InvalidPropertyError(f"row {row}: {what} {values[bad].as_py()!r} is empty or contains a "
-                                       f"separator character (\\x01 or \\x02)")
-
-    def _tags(self, column: pa.Array | None, n: int) -> pa.Array:
-        """TAGS per row, null where none (an empty tag is none, as in ``Message``)."""
+    def _tags(self, column: pa.Array | None, n: int) -> _Texts:
+        """TAGS per row (an empty tag is none, as in ``Message``)."""
         if column is None:
-            return pa.nulls(n, pa.string())
+            return _Texts(np.zeros(n + 1, dtype=np.int32), _NO_BYTES, np.zeros(n, dtype=bool))
         if not pa.types.is_string(column.type):
             raise InvalidPropertyError(f"column 'tags' must be strings, not {column.type}")
-        column = pc.if_else(pc.equal(column, ""), pa.scalar(None, pa.string()), column)
-        self._check_values(column.drop_null(), "tags", np.flatnonzero(column.is_valid().to_numpy(
-            zero_copy_only=False)))
-        return column
+        offsets, data = _binary_buffers(column)
+        present = np.diff(offsets) > 0
+        if column.null_count:
+            present &= column.is_valid().to_numpy(zero_copy_only=False)
+        bad = _k().first_bad_text(offsets, data, present, False, True)
+        if bad >= 0:
+            raise InvalidPropertyError(f"row {bad}: tags {column[bad].as_py()!r} is empty or contains a "
+                                       f"separator character (\\x01 or \\x02)")
+        return _Texts(offsets, data, present)
 
-    def _keys(self, column: pa.Array | None, n: int) -> pa.Array:
-        """KEYS per row (keys joined by spaces), null where none."""
+    def _keys(self, column: pa.Array | None, n: int) -> _Keys:
+        """KEYS per row: each row's keys (a list of strings), joined by spaces when written."""
         if column is None:
-            return pa.nulls(n, pa.string())
+            return _Keys(np.zeros(n + 1, dtype=np.int32), np.zeros(1, dtype=np.int32), _NO_BYTES,
+                         np.zeros(n, dtype=bool))
         if pa.types.is_string(column.type):  # space-separated, as RocketMQ's KEYS property
             column = pa.array([split_keys(text) for text in column.to_pylist()], pa.list_(pa.string()))
         if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) or \
                 not pa.types.is_string(column.type.value_type):
             raise InvalidPropertyError(f"column 'keys' must be list<string> (or space-separated strings), "
                                        f"not {column.type}")
-        flat = pc.list_flatten(column)
-        parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
-        bad_mask = pc.or_(pc.or_(pc.match_substring(flat, " "), pc.match_substring(flat, "\x01")),
-                          pc.or_(pc.match_substring(flat, "\x02"), pc.equal(pc.utf8_length(flat), 0)))
-        bad = _first_true(bad_mask.fill_null(True))
+        list_off = column.offsets.to_numpy(zero_copy_only=False)
+        values = column.values
+        present = np.diff(list_off) > 0
+        if column.null_count:
+            present &= column.is_valid().to_numpy(zero_copy_only=False)
+        check = np.zeros(len(values), dtype=bool)
+        first, last = int(list_off[0]), int(list_off[-1])
+        check[first:last] = np.repeat(present, np.diff(list_off))
+        key_off, key_data = _binary_buffers(values)
+        bad = _first_true(check & ~values.is_valid().to_numpy(zero_copy_only=False)) if values.null_count else None
+        if bad is None:
+            bad = _k().first_bad_text(key_off, key_data, check, True, False)
+            bad = None if bad < 0 else bad
         if bad is not None:
-            raise InvalidPropertyError(f"row {int(parents[bad])}: key {flat[bad].as_py()!r} is empty or contains "
-                                       f"a space (the KEYS separator) or a separator character")
-        joined = pc.binary_join(column, " ")
-        return pc.if_else(pc.equal(pc.list_value_length(column).fill_null(0), 0), pa.scalar(None, pa.string()),
-                          joined)
+            row = int(np.searchsorted(list_off, bad, side="right")) - 1
+            raise InvalidPropertyError(f"row {row}: key {values[bad].as_py()!r} is empty or contains a space (the "
+                                       f"KEYS separator) or a separator character")
+        return _Keys(list_off, key_off, key_data, present)
 
-    def _uniq_keys(self, n: int, now: int) -> pa.StringArray:
-        raw = self.encoder.uniq_keys.raw_block(n, now)
-        return hex_upper(raw)
-
-    def _properties(self, column: pa.Array | None, tags: pa.Array, keys: pa.Array, uniq: pa.StringArray,
+    def _properties(self, column: pa.Array | None, tags: _Texts, keys: _Keys, uniq_raw: np.ndarray,
                     topics: list[str], topic_codes: np.ndarray, queue_ids: np.ndarray):
-        """Properties strings per row, plus what user properties can change: stored topic and queue (DELAY),
-        UNIQ_KEY (a user's own), whether any row waits for the disk."""
-        n = len(tags)
+        """Properties strings per row (Arrow-style offsets and bytes, with room for ``__CRC32#`` if the store
+        seals records), plus what user properties can change: stored topic and queue (DELAY), UNIQ_KEY (a
+        user's own), whether any row waits for the disk."""
+        n = len(tags.present)
         has_user = np.zeros(n, dtype=bool)
         if column is not None:
             if not pa.types.is_map(column.type):
                 raise InvalidPropertyError(f"column 'properties' must be map<string, string>, not {column.type}")
             has_user = np.diff(column.offsets.to_numpy(zero_copy_only=False)) > 0
-        out = self._join_plain(tags, keys, uniq)
+        reserve = CRC32_RESERVED_LEN if self.config.enabled_append_prop_crc else 0
+        offsets, data = _k().plain_properties(uniq_raw, tags.offsets, tags.data, tags.present, keys.list_offsets,
+                                              keys.offsets, keys.data, keys.present, _plain_orders(), reserve)
         if not has_user.any():
-            return out, None, queue_ids, uniq, True  # stored topics are the input topics
+            return offsets, data, None, queue_ids, None, True  # stored topics are the input topics
         names = [topics[c] for c in topic_codes] if len(topics) > 1 else [topics[0]] * n
         # rows with user properties: the per-message encoder's own rules, row by row
         rows = np.flatnonzero(has_user)
-        texts = out.to_pylist()
-        uniq_list = uniq.to_pylist()
+        texts = [data[offsets[i] : offsets[i + 1]].tobytes() for i in range(n)]
+        uniq_list = hex_upper(uniq_raw).to_pylist()
         queue_ids = queue_ids.copy()
         wait_any = bool((~has_user).any())
-        tags_py, keys_py = tags.to_pylist(), keys.to_pylist()
         maps = column.take(pa.array(rows)).to_pylist()
         for row, pairs in zip(rows.tolist(), maps, strict=True):
             user = dict(pairs)
-            key_list = keys_py[row].split(" ") if keys_py[row] else []
             try:
-                props = self.encoder.properties_for(user, tags_py[row], key_list, uniq_list[row])
+                props = self.encoder.properties_for(user, tags.text(row), keys.texts(row), uniq_list[row])
                 topic, queue_id = self.encoder.schedule(names[row], int(queue_ids[row]), props)
             except MessageIllegalError as exc:
                 raise type(exc)(f"row {row}: {exc}") from None
             names[row], queue_ids[row] = topic, queue_id
             uniq_list[row] = props[PropertyName.UNIQ_KEY]
             wait_any |= props.get(PropertyName.WAIT, "true").lower() != "false"
-            texts[row] = encode_properties(props, checked=True)
-        return pa.array(texts, pa.string()), names, queue_ids, pa.array(uniq_list, pa.string()), wait_any
-
-    def _join_plain(self, tags: pa.Array, keys: pa.Array, uniq: pa.StringArray) -> pa.Array:
-        """Properties strings of rows without user properties: TAGS, KEYS, UNIQ_KEY in HashMap order, joined
-        column-wise for each combination of present names."""
-        n = len(uniq)
-        has_tags = tags.is_valid().to_numpy(zero_copy_only=False)
-        has_keys = keys.is_valid().to_numpy(zero_copy_only=False)
-        combo = has_tags.astype(np.int8) * 2 + has_keys.astype(np.int8)
-        result = pa.nulls(n, pa.string())
-        values = {PropertyName.TAGS: tags, PropertyName.KEYS: keys, PropertyName.UNIQ_KEY: uniq}
-        for code in np.unique(combo):
-            present = [PropertyName.TAGS] * bool(code & 2) + [PropertyName.KEYS] * bool(code & 1) \
-                + [PropertyName.UNIQ_KEY]
-            order = _hashmap_order(tuple(present))
-            pieces: list = []
-            for name in order:
-                pieces += [pa.scalar(f"{name}\x01"), values[name], pa.scalar("\x02")]
-            joined = pc.binary_join_element_wise(*pieces, "")
-            mask = pa.array(combo == code)
-            result = pc.if_else(mask, joined, result)
-        return result
+            texts[row] = encode_properties(props, checked=True).encode("utf-8") + bytes(reserve)
+        lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=n)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return offsets, np.frombuffer(b"".join(texts), dtype=np.uint8), names, queue_ids, uniq_list, wait_any
 
     # --- assembly ------------------------------------------------------------------------------------
 
-    def _assemble_v4(self, n, sizes, bodies, body_len, topic_bytes, topic_index, props_bytes, props_len,
-                     queue_ids, flags, born_ts, born_raw) -> bytearray:
+    def _assemble_v4(self, sizes, bodies, topic_bytes, topic_index, props_off, props_data, queue_ids, flags,
+                     born_ts, born_raw) -> bytearray:
         """The common case (IPv4 hosts, V1 topics): every record written by one compiled loop."""
         from ._kernels import encode_v1
 
@@ -357,7 +350,6 @@ class BatchEncoder:
         np.cumsum([len(t) for t in topic_bytes], out=topic_off[1:])
         topic_data = np.frombuffer(b"".join(topic_bytes), dtype=np.uint8)
         body_off, body_data = _binary_buffers(bodies)
-        props_off, props_data = _binary_buffers(props_bytes)
         host = np.frombuffer(self.encoder.store_host_raw[:8].ljust(8, b"\0"), dtype=np.uint8)
         arr = np.frombuffer(out, dtype=np.uint8)
         try:
@@ -370,13 +362,14 @@ class BatchEncoder:
             raise AssertionError(f"encoded {written} bytes for records whose sizes add up to {total}")
         return out
 
-    def _assemble_general(self, n, sizes, bodies, body_len, topic_bytes, topic_index, row_v2, props_bytes,
-                          props_len, queue_ids, flags, sys_flags, born_ts, born_raw) -> bytearray:
+    def _assemble_general(self, n, sizes, bodies, topic_bytes, topic_index, row_v2, props_off, props_data,
+                          queue_ids, flags, sys_flags, born_ts, born_raw) -> bytearray:
         """IPv6 hosts or V2 topics, rare layouts: each record through the one record encoder."""
         from .record import encode_record
 
         out = bytearray()
-        bodies_py, props_py = bodies.to_pylist(), props_bytes.to_pylist()
+        bodies_py = bodies.to_pylist()
+        props_py = [props_data[props_off[i] : props_off[i + 1]].tobytes() for i in range(n)]
         store = self.encoder.store_host_raw
         for i in range(n):  # rare layouts: the one record encoder
             b_len = 20 if sys_flags[i] & SysFlag.BORNHOST_V6 else 8
@@ -387,10 +380,57 @@ class BatchEncoder:
         return out
 
 
-def _hashmap_order(names: tuple[str, ...]) -> tuple[str, ...]:
-    from .properties import _cached_order
+_NO_BYTES = np.zeros(0, dtype=np.uint8)
 
-    return _cached_order(names)
+
+@dataclass(slots=True)
+class _Texts:
+    """A string column as Arrow buffers, and which rows carry a value."""
+
+    offsets: np.ndarray
+    data: np.ndarray
+    present: np.ndarray
+
+    def text(self, row: int) -> str | None:
+        if not self.present[row]:
+            return None
+        return self.data[self.offsets[row] : self.offsets[row + 1]].tobytes().decode("utf-8")
+
+
+@dataclass(slots=True)
+class _Keys:
+    """A list<string> column as Arrow buffers (list offsets into string offsets), and which rows have keys."""
+
+    list_offsets: np.ndarray
+    offsets: np.ndarray
+    data: np.ndarray
+    present: np.ndarray
+
+    def texts(self, row: int) -> list[str]:
+        if not self.present[row]:
+            return []
+        return [self.data[self.offsets[j] : self.offsets[j + 1]].tobytes().decode("utf-8")
+                for j in range(self.list_offsets[row], self.list_offsets[row + 1])]
+
+
+def _k():
+    from . import _kernels
+
+    return _kernels
+
+
+@functools.cache
+def _plain_orders() -> np.ndarray:
+    """For each combination of TAGS and KEYS present (2 * tags + keys), the codes (0 UNIQ_KEY, 1 TAGS, 2 KEYS,
+    -1 none) in the Java HashMap order the per-message encoder writes them in."""
+    code = {PropertyName.UNIQ_KEY: 0, PropertyName.TAGS: 1, PropertyName.KEYS: 2}
+    orders = np.full((4, 3), -1, dtype=np.int64)
+    for combo in range(4):
+        present = [PropertyName.TAGS] * bool(combo & 2) + [PropertyName.KEYS] * bool(combo & 1) \
+            + [PropertyName.UNIQ_KEY]
+        for slot, name in enumerate(_cached_order(tuple(present))):
+            orders[combo, slot] = code[name]
+    return orders
 
 
 def _binary_buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
