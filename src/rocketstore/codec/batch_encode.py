@@ -1,12 +1,13 @@
 """Encoding a whole table of messages at once: columns in, records back to back out.
 
 The per-message encoder (``rocketstore.encoder``) builds one record with a struct call and a
-properties dict per message. Here every step works on whole columns: validation with Arrow compute
-kernels (the first bad row is named), UNIQ_KEYs generated as one block, properties strings joined
-column-wise for each set of property names, and the records (fixed fields, body CRC, body, topic,
-properties) written by one compiled loop (``_kernels.encode_v1``). Only rows that
-carry user properties build their properties string one by one, through the same function the
-per-message encoder uses, so both produce the same bytes (``tests/test_batch_encode.py`` proves it).
+properties dict per message. Here every step works on whole columns, from the Arrow buffers:
+validation (the first bad row is named), UNIQ_KEYs generated as one block, the properties strings
+of plain rows (UNIQ_KEY, TAGS, KEYS in the broker's HashMap order) written by one compiled loop
+(``_kernels.plain_properties``), and the records (fixed fields, body CRC, body, topic, properties)
+by another (``_kernels.encode_v1``). Only rows that carry user properties build their properties
+string one by one, through the same function the per-message encoder uses, so both produce the
+same bytes (``tests/test_batch_encode.py`` proves it).
 
 The three fields known only under the put lock (queue offset, physical offset, store time) stay
 zero; ``CommitLog.append_batch`` fills them in with numpy.
