@@ -546,7 +546,9 @@ def parse_properties(buf, props_pos, props_len, uniq_name, tags_name, keys_name)
 @njit(cache=True, nogil=True)
 def find_properties(buf, props_pos, props_len, uniq_name, tags_name, keys_name):
     """``parse_properties``' last three results alone (where the UNIQ_KEY, TAGS and KEYS values are: the last
-    value of a repeated name, position -1 when absent), without gathering every pair: what dispatch needs."""
+    value of a repeated name, position -1 when absent), without gathering every pair: what dispatch needs.
+    The piece loop repeats ``parse_properties``' own: a shared scanner of one piece measured 2x slower (190,000
+    records: 0.028 -> 0.048-0.059 s, inlined or not)."""
     n = props_pos.size
     found = np.full((3, n), -1, dtype=np.int64)
     found_len = np.zeros((3, n), dtype=np.int64)
