@@ -462,11 +462,12 @@ class MessageStore:
             if not self.flusher.wait_flushed(int(phys[-1] + batch.sizes[-1])):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
-        from .codec.batch_encode import offset_msg_ids
+        from .codec.batch_encode import offset_msg_ids, uniq_key_strings
 
+        # the ids are made on first read from what they need, not from the batch (its records stay unreferenced)
         return PutBatchResult(status, phys, queue_offsets, batch.sizes, store_ts,
                               functools.partial(offset_msg_ids, self.encoder.store_host_raw, phys),
-                              functools.partial(getattr, batch, "uniq_keys"))
+                              functools.partial(uniq_key_strings, batch.uniq_raw, batch.uniq_texts))
 
     def _batch_encoder(self):
         if self._batch is None:

@@ -68,7 +68,12 @@ class EncodedBatch:
 
     @property
     def uniq_keys(self) -> pa.StringArray:
-        return hex_upper(self.uniq_raw) if self.uniq_texts is None else pa.array(self.uniq_texts, pa.string())
+        return uniq_key_strings(self.uniq_raw, self.uniq_texts)
+
+
+def uniq_key_strings(raw: np.ndarray, texts: list[str] | None) -> pa.StringArray:
+    """The UNIQ_KEYs of a batch: ``texts`` when some row brought its own, else the generated ``raw`` in hex."""
+    return hex_upper(raw) if texts is None else pa.array(texts, pa.string())
 
     @property
     def starts(self) -> np.ndarray:
