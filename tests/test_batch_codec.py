@@ -170,6 +170,36 @@ def test_batch_equals_record_codec_on_every_field(data, check_crc, include_body,
                              decompress=decompress and include_body)
 
 
+@SETTINGS
+@given(data=segments(), picked=st.lists(st.sampled_from(MESSAGE_SCHEMA.names), min_size=1, max_size=8, unique=True),
+       topics=st.none() | st.sets(st.sampled_from(["T", "TopicTest", "主题", "x"])))
+def test_a_batch_of_some_columns_is_those_columns_of_the_whole_batch(data, picked, topics):
+    """Only the columns asked for are built (the properties found without the map, when it is not asked for),
+    in the order asked, and they are the whole batch's, slow rows (merged from the record codec) included."""
+    try:
+        whole, stop = decode_range(data, 0, len(data), base=0, topics=topics, broker_name="b")
+    except CorruptDataError as exc:  # a damaged time: the same typed error either way
+        with pytest.raises(type(exc)):
+            decode_range(data, 0, len(data), base=0, topics=topics, columns=picked)
+        return
+    some, some_stop = decode_range(data, 0, len(data), base=0, topics=topics, broker_name="b", columns=picked)
+    assert some.schema.names == picked
+    assert plain(some) == plain(whole.select(picked))
+    assert (some_stop.kind, some_stop.pos) == (stop.kind, stop.pos)
+
+
+def test_unknown_columns_are_a_typed_error_before_any_read(tmp_path):
+    from rocketstore.errors import InvalidQueryError
+
+    with MessageStore.open(tmp_path / "s", StoreConfig(mapped_file_size_commit_log=1 << 20)) as store:
+        store.put_message(Message("T", b"x", keys=["k"]))
+        for bad, reason in ((["topic", "nope"], "unknown column 'nope'"), ([], "no column"),
+                            (["tags", "tags"], "a column twice")):
+            with pytest.raises(InvalidQueryError, match=reason):
+                store.scan_arrow(columns=bad)
+        assert [b.to_pylist() for b in store.scan_arrow(columns="keys")] == [[{"keys": ["k"]}]]
+
+
 def _layout_path(buf: bytes, pos: int, phy_offset: int, check_crc: bool, read_body: bool):
     """``CommitLog.locate`` + ``message_from_layout``: the message at ``pos`` if a record that says it is at
     ``phy_offset`` starts there, else None."""
@@ -489,6 +519,14 @@ def test_partition_reader_equals_the_per_record_reader_with_filters_skips_and_di
             append_message(expected, msg, "b", options)
     assert plain(got) == plain(expected.batch())
     assert got.num_rows > 100 and {r["topic"] for r in got.to_pylist()} >= {"T0", "T2"}
+    # a reader schema without the columns the time window, the dispatch rows and their slow rows read
+    picked = ["indexKeyHashes", "queueOffset", "tagsCode", "keys"]
+    some = pa.Table.from_batches(read_range(
+        LogRange(str(tmp_path / "s"), "b", str(segment), 0, 1 << 20, 0, end, end),
+        options.with_schema([(name, {"indexKeyHashes": "array<bigint>", "queueOffset": "bigint", "tagsCode": "bigint",
+                                     "keys": "array<string>"}[name]) for name in picked])))
+    assert some.schema.names == picked
+    assert some.to_pylist() == got.select(picked).to_pylist()
     from rocketstore.spark.partitions import corrupt_report
 
     assert [(item["offset"], item["bytes"]) for item in corrupt_report(tmp_path / "bad")] == skipped

@@ -77,6 +77,25 @@ def test_dataframe_equals_the_stores_own_reads(spark, tmp_path):
         assert row.brokerName == "broker-a"
 
 
+def test_columns_read_only_what_is_asked_in_tasks_of_equal_size(spark, tmp_path):
+    build_store(tmp_path / "s")
+    path = str(tmp_path / "s")
+    full = read_store(spark, path, dispatchInfo=True)
+    wanted = ["storeTimestamp", "keys", "tagsCode", "commitLogOffset", "indexKeyHashes"]
+    picked = read_store(spark, path, columns=wanted, minPartitions=5, maxBytesPerPartition=1 << 30)
+    assert picked.columns == wanted
+    assert picked.rdd.getNumPartitions() == 5  # one per 64 MiB would have been 1
+    assert picked.orderBy("commitLogOffset").collect() == full.select(*wanted).orderBy("commitLogOffset").collect()
+    by_schema = spark.read.format("rocketmq").schema("tags string, queueOffset bigint").load(path)
+    assert sorted(map(str, by_schema.collect())) == sorted(map(str, full.select("tags", "queueOffset").collect()))
+    with pytest.raises(Exception, match="column queueId is int in the rocketmq source, not string"):
+        spark.read.format("rocketmq").schema("queueId string").load(path).collect()
+    from rocketstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no column 'offset'"):
+        read_store(spark, path, columns=["topic", "offset"])
+
+
 def test_filters_by_topic_time_and_offset(spark, tmp_path):
     results = build_store(tmp_path / "s")
     mid = results[200]

@@ -660,14 +660,17 @@ class MessageStore:
         return self.commit_log.iter_messages(from_offset, to_offset)
 
     def scan_arrow(self, topics=None, begin: int | None = None, end: int | None = None, check_crc: bool = True,
-                   include_body: bool = True, *, max_rows: int = 8192):
-        """Every message in log order as ``pyarrow.RecordBatch``es (the Spark source's columns), decoded by
-        the compiled batch codec; read-only opens too. Raises the first ``CorruptDataError`` after yielding
-        everything before it. The store must stay open while the iterator is used."""
+                   include_body: bool = True, *, max_rows: int = 8192, columns: Iterable[str] | None = None):
+        """Every message in log order as ``pyarrow.RecordBatch``es (the Spark source's columns, or ``columns``
+        only: the others are never built), decoded by the compiled batch codec; read-only opens too. Raises
+        the first ``CorruptDataError`` after yielding everything before it. The store must stay open while
+        the iterator is used."""
         self._check_open()
-        from .codec.batch import scan_arrow
+        from .codec.batch import message_columns, scan_arrow
 
-        return scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body, max_rows=max_rows)
+        names = message_columns(columns)  # an unknown column fails here, not at the first batch
+        return scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body, max_rows=max_rows,
+                          columns=names)
 
     def queue_arrow(self, topic: str, queue_id: int, begin: int | None = None, end: int | None = None,
                     tags: str | Iterable[str] | None = None, *, include_body: bool = True, max_rows: int = 8192):

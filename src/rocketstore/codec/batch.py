@@ -22,7 +22,8 @@ Columns are RocketMQ's ``MessageExt`` as the Spark source names them (``MESSAGE_
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterator
+import functools
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import CorruptDataError, OffsetOutOfRangeError, SegmentDeletedError
+from ..errors import CorruptDataError, InvalidQueryError, OffsetOutOfRangeError, SegmentDeletedError
 from ..message import MessageExt, SysFlag
 from . import _kernels as k
 from .properties import PropertyName
@@ -50,11 +51,30 @@ MESSAGE_FIELDS: list[tuple[str, pa.DataType]] = [
     ("storeSize", pa.int32()), ("bodyCRC", pa.int32()), ("brokerName", pa.string()),
 ]
 MESSAGE_SCHEMA = pa.schema(MESSAGE_FIELDS)
+MESSAGE_COLUMNS: tuple[str, ...] = tuple(name for name, _ in MESSAGE_FIELDS)
 DEFAULT_MAX_ROWS = 8192  # measured: 4096-8192 rows keep a batch's buffers in cache (1.6x faster than 65536)
 DEFAULT_MAX_BYTES = 64 << 20  # keeps every binary column far below Arrow's 2 GiB int32 offsets
 
 _NAMES = {name: np.frombuffer(name.encode(), dtype=np.uint8)
           for name in (PropertyName.UNIQ_KEY, PropertyName.TAGS, PropertyName.KEYS)}
+
+
+def message_columns(columns: Iterable[str] | None) -> tuple[str, ...]:
+    """The column names a caller asked for, checked, in its order (None: all of ``MESSAGE_FIELDS``)."""
+    if columns is None:
+        return MESSAGE_COLUMNS
+    names = (columns,) if isinstance(columns, str) else tuple(columns)
+    unknown = [name for name in names if name not in MESSAGE_SCHEMA.names]
+    if unknown or not names or len(set(names)) != len(names):
+        problem = f"unknown column {unknown[0]!r}" if unknown else "no column" if not names else "a column twice"
+        raise InvalidQueryError(f"{problem} asked for; the columns are {', '.join(MESSAGE_COLUMNS)}")
+    return names
+
+
+@functools.lru_cache(maxsize=64)
+def message_schema(names: tuple[str, ...]) -> pa.Schema:
+    """The schema of a batch holding ``names`` (checked by ``message_columns``) in that order."""
+    return MESSAGE_SCHEMA if names == MESSAGE_COLUMNS else pa.schema([MESSAGE_SCHEMA.field(n) for n in names])
 
 
 class StopKind(enum.Enum):
@@ -79,8 +99,11 @@ class Stop:
 def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True, include_body: bool = True,
                  topics: Collection[str] | None = None, limit: int | None = None, decompress: bool = False,
                  broker_name: str | None = None, path: str | None = None, max_rows: int = DEFAULT_MAX_ROWS,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[pa.RecordBatch, Stop]:
-    """Decode the records starting in ``buf[start:end]`` into one batch (``MESSAGE_SCHEMA``).
+                 max_bytes: int = DEFAULT_MAX_BYTES, columns: Iterable[str] | None = None
+                 ) -> tuple[pa.RecordBatch, Stop]:
+    """Decode the records starting in ``buf[start:end]`` into one batch (``MESSAGE_SCHEMA``, or only
+    ``columns`` in that order: a column nobody reads is never built, the properties not parsed when no
+    column needs them).
 
     ``buf`` is a segment (mmap, bytes, ...) whose byte 0 is commit-log offset ``base``; a record
     may run past ``end`` up to ``limit`` (default: the buffer's end), as ``read_layout``'s limit.
@@ -93,6 +116,7 @@ def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True
     if not 0 <= start <= end or max_rows < 1 or max_bytes < 1:
         raise OffsetOutOfRangeError(f"cannot decode the range [{start}, {end}) with max_rows={max_rows}, "
                                     f"max_bytes={max_bytes}")
+    names = message_columns(columns)
     arr = as_array(buf)
     try:
         limit = len(arr) if limit is None else min(limit, len(arr))
@@ -100,7 +124,7 @@ def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True
         stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, max_bytes)
         f = np.ascontiguousarray(f[:, :n])  # C-contiguous rows: one compiled (and cached) kernel signature
         batch = _batch(buf, arr, f, include_body=include_body, topics=topics, limit=limit,
-                       decompress=decompress, broker_name=broker_name, path=path, base=base)
+                       decompress=decompress, broker_name=broker_name, path=path, base=base, names=names)
     finally:
         del arr  # no view may outlive the call: an mmap cannot close while one is exported
     return batch, stop
@@ -171,27 +195,30 @@ def _classify(buf, pos: int, start: int, end: int, n: int, limit: int, base: int
 
 
 def _batch(buf, arr: np.ndarray, f: np.ndarray, *, include_body: bool, topics: Collection[str] | None,
-           limit: int, decompress: bool, broker_name: str | None, path: str | None, base: int) -> pa.RecordBatch:
+           limit: int, decompress: bool, broker_name: str | None, path: str | None, base: int,
+           names: tuple[str, ...] = MESSAGE_COLUMNS) -> pa.RecordBatch:
     sys_flag = f[k.F_SYS_FLAG]
     slow = ~k.text_ok(arr, f, f.shape[1])
     slow |= (np.abs(f[k.F_BORN_TS]) > MAX_TIME_MS) | (np.abs(f[k.F_STORE_TS]) > MAX_TIME_MS)
     if decompress:
         slow |= (sys_flag & SysFlag.COMPRESSED) != 0
     fast = f[:, ~slow] if slow.any() else f
-    topic = _strings(*k.gather(arr, fast[k.F_TOPIC_POS], fast[k.F_TOPIC_LEN]))
+    topic = None
     if topics is not None:
+        topic = _strings(*k.gather(arr, fast[k.F_TOPIC_POS], fast[k.F_TOPIC_LEN]))
         keep = pc.is_in(topic, value_set=pa.array(sorted(topics), pa.string())).to_numpy(zero_copy_only=False)
         fast, topic = fast[:, keep], topic.filter(pa.array(keep))
-    batch = _fast_batch(arr, fast, topic, include_body, broker_name)
+    batch = _fast_batch(arr, fast, topic, include_body, broker_name, names)
     if not slow.any():
         return batch
     rows = [_message_of(buf, int(p), limit, include_body, decompress, path, base) for p in f[k.F_POS, slow]]
     kept = [(p, msg) for p, msg in zip(f[k.F_POS, slow], rows, strict=True) if topics is None or msg.topic in topics]
-    slow_batch = rows_batch([message_row(msg, include_body, broker_name) for _p, msg in kept])
+    slow_batch = rows_batch([message_row(msg, include_body, broker_name) for _p, msg in kept]).select(list(names))
     order = np.argsort(np.concatenate([fast[k.F_POS], np.array([p for p, _m in kept], dtype=np.int64)]),
                        kind="stable")
     merged = pa.Table.from_batches([batch, slow_batch]).take(pa.array(order)).combine_chunks()
-    return pa.RecordBatch.from_arrays([column.combine_chunks() for column in merged.columns], schema=MESSAGE_SCHEMA)
+    return pa.RecordBatch.from_arrays([column.combine_chunks() for column in merged.columns],
+                                      schema=message_schema(names))
 
 
 def _message_of(buf, pos: int, limit: int, include_body: bool, decompress: bool, path: str | None,
@@ -217,36 +244,68 @@ def _timestamps(ms: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(_TS, len(ms), [None, pa.py_buffer(ms * 1000)])
 
 
-def _fast_batch(arr: np.ndarray, f: np.ndarray, topic: pa.Array, include_body: bool,
-                broker_name: str | None) -> pa.RecordBatch:
+def _fast_batch(arr: np.ndarray, f: np.ndarray, topic: pa.Array | None, include_body: bool,
+                broker_name: str | None, names: tuple[str, ...] = MESSAGE_COLUMNS) -> pa.RecordBatch:
     n = f.shape[1]
     sys_flag = f[k.F_SYS_FLAG]
-    born_v6 = (sys_flag & SysFlag.BORNHOST_V6) != 0
-    store_v6 = (sys_flag & SysFlag.STOREHOST_V6) != 0
-    pair_offsets, key_pos, key_len, val_pos, val_len, found, found_len = k.parse_properties(
-        arr, f[k.F_PROPS_POS], f[k.F_PROPS_LEN], _NAMES[PropertyName.UNIQ_KEY], _NAMES[PropertyName.TAGS],
-        _NAMES[PropertyName.KEYS])
-    properties = pa.MapArray.from_arrays(pa.array(pair_offsets), _strings(*k.gather(arr, key_pos, key_len)),
-                                         _strings(*k.gather(arr, val_pos, val_len)))
-    key_offsets, token_pos, token_len = k.split_keys(arr, found[2], found_len[2])
-    keys = pa.ListArray.from_arrays(pa.array(key_offsets), _strings(*k.gather(arr, token_pos, token_len)))
-    if include_body:
-        body = _strings(*k.gather(arr, f[k.F_BODY_POS], f[k.F_BODY_LEN]), pa.binary())
-    else:
-        body = pa.nulls(n, pa.binary())
-    columns = [
-        topic, pa.array(f[k.F_QUEUE_ID].astype(np.int32)), pa.array(f[k.F_QUEUE_OFFSET]),
-        pa.array(f[k.F_PHY_OFFSET]), _strings(*k.render_msg_ids(arr, f[k.F_STORE_HOST], store_v6, f[k.F_POS])),
-        _strings(*k.gather(arr, found[0], found_len[0]), absent=found[0] < 0), keys,
-        _strings(*k.gather(arr, found[1], found_len[1]), absent=found[1] < 0), body, properties,
-        _timestamps(f[k.F_BORN_TS]), _timestamps(f[k.F_STORE_TS]),
-        _strings(*k.render_hosts(arr, f[k.F_BORN_HOST], born_v6)),
-        _strings(*k.render_hosts(arr, f[k.F_STORE_HOST], store_v6)), pa.array(sys_flag.astype(np.int32)),
-        pa.array(f[k.F_FLAG].astype(np.int32)), pa.array(f[k.F_RECONSUME].astype(np.int32)),
-        pa.array(f[k.F_PREPARED]), pa.array(f[k.F_SIZE].astype(np.int32)), pa.array(f[k.F_CRC].astype(np.int32)),
-        _constant(broker_name, n),
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
+    parsed: list = []
+
+    def properties_found() -> list:  # parsed once, only when a column needs it; the pairs only for the map
+        if not parsed:
+            names_ = (_NAMES[PropertyName.UNIQ_KEY], _NAMES[PropertyName.TAGS], _NAMES[PropertyName.KEYS])
+            if "properties" in names:
+                parsed.extend(k.parse_properties(arr, f[k.F_PROPS_POS], f[k.F_PROPS_LEN], *names_))
+            else:
+                parsed.extend([None] * 5 + list(k.find_properties(arr, f[k.F_PROPS_POS], f[k.F_PROPS_LEN], *names_)))
+        return parsed
+
+    def found(i: int) -> pa.Array:  # UNIQ_KEY, TAGS: null where the property is absent
+        where, length = properties_found()[5][i], properties_found()[6][i]
+        return _strings(*k.gather(arr, where, length), absent=where < 0)
+
+    def keys() -> pa.Array:
+        where, length = properties_found()[5][2], properties_found()[6][2]
+        key_offsets, token_pos, token_len = k.split_keys(arr, where, length)
+        return pa.ListArray.from_arrays(pa.array(key_offsets), _strings(*k.gather(arr, token_pos, token_len)))
+
+    def properties() -> pa.Array:
+        pair_offsets, key_pos, key_len, val_pos, val_len = properties_found()[:5]
+        return pa.MapArray.from_arrays(pa.array(pair_offsets), _strings(*k.gather(arr, key_pos, key_len)),
+                                       _strings(*k.gather(arr, val_pos, val_len)))
+
+    def body() -> pa.Array:
+        if include_body:
+            return _strings(*k.gather(arr, f[k.F_BODY_POS], f[k.F_BODY_LEN]), pa.binary())
+        return pa.nulls(n, pa.binary())
+
+    def host(field: int, v6_flag: int) -> pa.Array:
+        return _strings(*k.render_hosts(arr, f[field], (sys_flag & v6_flag) != 0))
+
+    build = {
+        "topic": lambda: topic if topic is not None else _strings(*k.gather(arr, f[k.F_TOPIC_POS], f[k.F_TOPIC_LEN])),
+        "queueId": lambda: pa.array(f[k.F_QUEUE_ID].astype(np.int32)),
+        "queueOffset": lambda: pa.array(f[k.F_QUEUE_OFFSET]),
+        "commitLogOffset": lambda: pa.array(f[k.F_PHY_OFFSET]),
+        "msgId": lambda: _strings(*k.render_msg_ids(arr, f[k.F_STORE_HOST], (sys_flag & SysFlag.STOREHOST_V6) != 0,
+                                                    f[k.F_POS])),
+        "uniqKey": lambda: found(0),
+        "keys": keys,
+        "tags": lambda: found(1),
+        "body": body,
+        "properties": properties,
+        "bornTimestamp": lambda: _timestamps(f[k.F_BORN_TS]),
+        "storeTimestamp": lambda: _timestamps(f[k.F_STORE_TS]),
+        "bornHost": lambda: host(k.F_BORN_HOST, SysFlag.BORNHOST_V6),
+        "storeHost": lambda: host(k.F_STORE_HOST, SysFlag.STOREHOST_V6),
+        "sysFlag": lambda: pa.array(sys_flag.astype(np.int32)),
+        "flag": lambda: pa.array(f[k.F_FLAG].astype(np.int32)),
+        "reconsumeTimes": lambda: pa.array(f[k.F_RECONSUME].astype(np.int32)),
+        "preparedTransactionOffset": lambda: pa.array(f[k.F_PREPARED]),
+        "storeSize": lambda: pa.array(f[k.F_SIZE].astype(np.int32)),
+        "bodyCRC": lambda: pa.array(f[k.F_CRC].astype(np.int32)),
+        "brokerName": lambda: _constant(broker_name, n),
+    }
+    return pa.RecordBatch.from_arrays([build[name]() for name in names], schema=message_schema(names))
 
 
 def _constant(text: str | None, n: int) -> pa.Array:
@@ -345,8 +404,10 @@ def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None =
 
 def scan_arrow(commit_log: CommitLog, topics: Collection[str] | None = None, begin: int | None = None,
                end: int | None = None, check_crc: bool = True, include_body: bool = True, *,
-               broker_name: str | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> Iterator[pa.RecordBatch]:
-    """Every record of ``commit_log`` from ``begin`` (a record start) to ``end``, as batches in log order.
+               broker_name: str | None = None, max_rows: int = DEFAULT_MAX_ROWS,
+               columns: Iterable[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """Every record of ``commit_log`` from ``begin`` (a record start) to ``end``, as batches in log order
+    (``columns`` only, when given).
 
     ``MessageStore.scan_arrow``: the same walk as ``CommitLog.iter_layouts`` (segments up to their
     write position, a BLANK ends a segment), one batch per ``max_rows`` records. Raises the
@@ -354,11 +415,12 @@ def scan_arrow(commit_log: CommitLog, topics: Collection[str] | None = None, beg
     after yielding everything before it. At most one batch is held at a time.
     """
     wanted = None if topics is None else frozenset([topics] if isinstance(topics, str) else topics)
+    names = message_columns(columns)
 
     def decode(mapped, pos: int, seg_end: int, limit: int):
         return decode_range(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, limit=limit,
                             check_crc=check_crc, include_body=include_body, topics=wanted,
-                            broker_name=broker_name, path=str(mapped.path), max_rows=max_rows)
+                            broker_name=broker_name, path=str(mapped.path), max_rows=max_rows, columns=names)
 
     return _walk_log(commit_log, begin, end, decode)
 

@@ -39,8 +39,10 @@ from ..recovery import RECOVERY_DIR, recover_commit_log
 from ..store import MessageStore
 from .failures import in_task
 from .partitions import (
+    DISPATCH_DDL,
     MESSAGE_DDL,
     broker_name_of,
+    ddl_fields,
     require_visible,
     resolve_roots,
 )
@@ -55,19 +57,40 @@ def session(spark=None, master: str | None = None):
     return spark if spark is not None else spark_session(master)
 
 
-def read_store(spark, paths: str | Path | Iterable[str | Path], **options: object):
+def read_store(spark, paths: str | Path | Iterable[str | Path], *, columns: Iterable[str] | None = None,
+               **options: object):
     """``spark.read.format("rocketmq")`` with options given as keyword arguments (see ``source``).
 
-    Paths (and globs) are made absolute here, in the driver's working directory: Spark plans in a
-    worker process of the JVM, whose directory need not be this one.
+    ``columns`` names the columns wanted (the others are never decoded: the source cannot see a later
+    ``select``). ``minPartitions`` defaults to the session's parallelism, so every core gets a task of the
+    same size. Paths (and globs) are made absolute here, in the driver's working directory: Spark plans in
+    a worker process of the JVM, whose directory need not be this one.
     """
     items = str(paths).split(",") if isinstance(paths, str | Path) else [str(p) for p in paths]
     path = ",".join(os.path.abspath(os.path.expanduser(item.strip())) for item in items if item.strip())
     reader = spark.read.format("rocketmq")
+    if columns is not None:
+        names = [columns] if isinstance(columns, str) else list(columns)
+        types = dict(ddl_fields(MESSAGE_DDL + DISPATCH_DDL))
+        unknown = [name for name in names if name not in types]
+        if unknown or not names:
+            raise ConfigError(f"the rocketmq source has no column {unknown[0]!r}; its columns are "
+                              f"{', '.join(types)}" if unknown else "columns names no column")
+        reader = reader.schema(", ".join(f"{name} {types[name]}" for name in names))
+    if not any(key.lower() == "minpartitions" for key in options):
+        options["minPartitions"] = _parallelism(spark)
     for key, value in options.items():
         if value is not None:
             reader = reader.option(key, str(value).lower() if isinstance(value, bool) else str(value))
     return reader.load(path)
+
+
+def _parallelism(spark) -> int:
+    """The session's default parallelism (its cores); 1 where it cannot be read (a Spark Connect session)."""
+    try:
+        return max(1, int(spark.sparkContext.defaultParallelism))
+    except Exception:  # Spark Connect has no SparkContext: one task per 64 MiB is then the plan
+        return 1
 
 
 @contextlib.contextmanager
@@ -146,7 +169,7 @@ def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: 
                 shutil.move(str(root / name), str(target))
                 report.moved_aside.append(str(target))
         spark = session(spark, master)
-        df = read_store(spark, root, dispatchInfo=True, includeBody=False, checkCRC=False,
+        df = read_store(spark, root, columns=_DISPATCH_COLUMNS, includeBody=False, checkCRC=False,
                         endingOffset=log_end, maxBytesPerPartition=max_bytes_per_partition,
                         mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
         with report_progress(spark, progress, "decoding the commit log"):

@@ -20,17 +20,25 @@ import logging
 import mmap
 import os
 import socket
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from ..checkpoint import StoreCheckpoint
-from ..codec.batch import MESSAGE_FIELDS, DispatchBatch, StopKind, decode_dispatch, decode_range, message_row
+from ..codec.batch import (
+    MESSAGE_COLUMNS,
+    MESSAGE_FIELDS,
+    DispatchBatch,
+    StopKind,
+    decode_dispatch,
+    decode_range,
+    message_row,
+)
 from ..codec.properties import PropertyName
-from ..codec.record import find_record_start
+from ..codec.record import find_record_start, message_from_layout, read_layout
 from ..commitlog import COMMITLOG_DIR, CommitLog
 from ..config import StoreConfig, detect_segment_size
 from ..dispatch import index_topic_of, tags_code_of
@@ -38,7 +46,7 @@ from ..errors import ConfigError, StoreIOError, StoreNotVisibleError
 from ..index.bulk import index_key_hashes
 from ..index.service import build_key, index_keys
 from ..lifecycle import ABORT_FILE
-from ..message import SysFlag
+from ..message import MessageExt, SysFlag
 from ..recovery import recover_commit_log
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,7 @@ DISPATCH_DDL = ", tagsCode bigint, indexKeyHashes array<bigint>"
 
 ARROW_FIELDS = MESSAGE_FIELDS  # the MessageExt columns, defined by the codec
 DISPATCH_FIELDS = [("tagsCode", pa.int64()), ("indexKeyHashes", pa.list_(pa.int64()))]
+DISPATCH_COLUMNS = tuple(name for name, _ in DISPATCH_FIELDS)
 BATCH_ROWS = 8192
 DEFAULT_MAX_BYTES_PER_PARTITION = 64 << 20
 
@@ -74,6 +83,8 @@ class ScanOptions:
     commit_log_file_size: int | None = None  # default: the size of the segments found
     dispatch_info: bool = False  # add tagsCode and indexKeyHashes (for rebuilds)
     corrupt_log: str | None = None  # directory where each task lists what onCorrupt=skip skipped
+    min_partitions: int = 1  # at least this many tasks, of equal bytes (Kafka's source has the same option)
+    columns: tuple[str, ...] | None = None  # the columns a task returns (a schema given to the reader); None: all
     delay_levels_ms: tuple[int, ...] = field(default_factory=lambda: StoreConfig().delay_levels_ms)
 
     @classmethod
@@ -105,6 +116,10 @@ class ScanOptions:
         max_bytes = number("maxBytesPerPartition") or DEFAULT_MAX_BYTES_PER_PARTITION
         if max_bytes < 1024:
             raise ConfigError("option maxBytesPerPartition must be at least 1024")
+        min_partitions = number("minPartitions")
+        min_partitions = 1 if min_partitions is None else min_partitions
+        if min_partitions < 1:
+            raise ConfigError(f"option minPartitions must be at least 1, not {min_partitions}")
         return cls(
             topics=frozenset(t.strip() for t in topics.split(",") if t.strip()) if topics else None,
             starting_timestamp=number("startingTimestamp"), ending_timestamp=number("endingTimestamp"),
@@ -112,8 +127,42 @@ class ScanOptions:
             max_bytes_per_partition=max_bytes, check_crc=flag("checkCRC", True),
             include_body=flag("includeBody", True), on_corrupt=on_corrupt, broker_name=options.get("brokerName"),
             commit_log_file_size=number("mappedFileSizeCommitLog"), dispatch_info=flag("dispatchInfo", False),
-            corrupt_log=options.get("corruptLog"),
+            corrupt_log=options.get("corruptLog"), min_partitions=min_partitions,
         )
+
+    def with_schema(self, fields: list[tuple[str, str]]) -> ScanOptions:
+        """These options returning only ``fields`` ((name, Spark type name) pairs, the schema a user gave the
+        reader) in that order; a name this source does not have, or a different type, is a ``ConfigError``."""
+        known = dict(ddl_fields(MESSAGE_DDL + DISPATCH_DDL))
+        names = tuple(name for name, _ in fields)
+        if names == tuple(name for name, _ in ddl_fields(MESSAGE_DDL + (DISPATCH_DDL if self.dispatch_info
+                                                                           else ""))):
+            return self
+        for name, kind in fields:
+            if name not in known:
+                raise ConfigError(f"the rocketmq source has no column {name!r}; its columns are "
+                                  f"{', '.join(known)}")
+            if kind != known[name]:
+                raise ConfigError(f"column {name} is {known[name]} in the rocketmq source, not {kind}")
+        if len(set(names)) != len(names):
+            raise ConfigError("a schema given to the rocketmq source names a column twice")
+        return replace(self, columns=names)
+
+    @property
+    def output_columns(self) -> tuple[str, ...]:
+        return self.columns or MESSAGE_COLUMNS + (DISPATCH_COLUMNS if self.dispatch_info else ())
+
+
+def ddl_fields(ddl: str) -> list[tuple[str, str]]:
+    """(name, type) pairs of a flat DDL string such as ``MESSAGE_DDL`` (types may hold commas: ``map<a,b>``)."""
+    fields, depth, start = [], 0, 0
+    for i, c in enumerate(ddl + ","):
+        depth += (c == "<") - (c == ">")
+        if c == "," and depth == 0:
+            name, kind = ddl[start:i].strip().split(" ", 1)
+            fields.append((name, kind.replace(" ", "")))
+            start = i + 1
+    return fields
 
 
 class _Caseless(dict):
@@ -181,11 +230,14 @@ def log_bounds(root: Path, segment_size: int) -> tuple[CommitLog, int, int]:
     return commit_log, commit_log.min_offset, report.end_offset
 
 
-def plan_ranges(roots: list[Path], options: ScanOptions) -> list[LogRange]:
-    """Byte ranges covering every store's log, at most ``max_bytes_per_partition`` each."""
+def plan_ranges(roots: list[Path], options: ScanOptions) -> list[list[LogRange]]:
+    """The tasks of a scan: each a list of byte ranges (one per segment it touches), together covering every
+    store's log. There are ``max(min_partitions, ceil(log bytes / max_bytes_per_partition))`` of them, of equal
+    bytes: a task's fixed cost (~40-60 ms here) is paid once per task, so tasks are few and even rather than
+    one per segment piece (a 107 MB log in 64 MiB segments and 8 MiB pieces was 14 tasks, two of them short)."""
     if options.broker_name and len(roots) > 1:
         raise ConfigError("option brokerName names one store; with several, names come from their directories")
-    ranges: list[LogRange] = []
+    pieces: list[LogRange] = []
     for root in roots:
         size = options.commit_log_file_size or detect_segment_size(root)
         if size is None:
@@ -199,13 +251,33 @@ def plan_ranges(roots: list[Path], options: ScanOptions) -> list[LogRange]:
             for mapped in commit_log.mapped_files.files:
                 seg_start, seg_end = mapped.file_from_offset, mapped.file_end_offset
                 start, stop = max(seg_start, low), min(seg_end, end)
-                data_end = min(seg_end, commit_log.max_offset)
-                step = options.max_bytes_per_partition
-                ranges.extend(LogRange(str(root), name, str(mapped.path), seg_start, mapped.file_size, chunk,
-                                       min(chunk + step, stop), data_end) for chunk in range(start, stop, step))
+                if start < stop:
+                    pieces.append(LogRange(str(root), name, str(mapped.path), seg_start, mapped.file_size, start, stop,
+                                           min(seg_end, commit_log.max_offset)))
         finally:
             commit_log.close()
-    return ranges
+    return even_tasks(pieces, options.min_partitions, options.max_bytes_per_partition)
+
+
+def even_tasks(pieces: list[LogRange], min_tasks: int, max_bytes: int) -> list[list[LogRange]]:
+    """``pieces`` (in log order) cut into ``max(min_tasks, ceil(bytes / max_bytes))`` tasks of equal bytes (to
+    one byte), each a run of consecutive pieces or parts of them; no task is empty."""
+    total = sum(p.stop - p.start for p in pieces)
+    if not total:
+        return []
+    count = min(total, max(min_tasks, -(-total // max_bytes)))
+    tasks: list[list[LogRange]] = [[] for _ in range(count)]
+    done, task = 0, 0  # bytes planned so far; task i takes the bytes [total * i // count, total * (i + 1) // count)
+    for piece in pieces:
+        at = piece.start
+        while at < piece.stop:
+            while done >= total * (task + 1) // count:
+                task += 1
+            upto = min(piece.stop, at + total * (task + 1) // count - done)
+            tasks[task].append(replace(piece, start=at, stop=upto))
+            done += upto - at
+            at = upto
+    return [task for task in tasks if task]
 
 
 class MessageColumns:
@@ -255,18 +327,35 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         pos = found if found is not None else limit
     end = min(limit, stop)
     skipped: list[dict] = []
+    output = list(options.output_columns)
+    dispatch_info = bool(set(output) & set(DISPATCH_COLUMNS))
+    decoded = [name for name in output if name in MESSAGE_COLUMNS]  # what the batch codec builds ...
+    for needed, wanted in (("commitLogOffset", dispatch_info),  # ... and what matching and filtering read
+                           ("storeTimestamp", options.starting_timestamp is not None
+                            or options.ending_timestamp is not None)):
+        if wanted and needed not in decoded:
+            decoded.append(needed)
+    if not decoded:
+        decoded = ["commitLogOffset"]
+    segment_limit = min(limit, r.segment_size)
+
+    def message_at(at: int):  # one record through the record codec (dispatch info's slow rows)
+        layout = read_layout(buf, at, segment_limit, check_crc=False, path=r.segment, base=r.segment_start)
+        assert layout is not None  # validated by the walk that found it
+        return message_from_layout(buf, at, layout, read_body=False, path=r.segment, base=r.segment_start)
+
     while pos < end:
-        batch, halt = decode_range(buf, pos, end, base=r.segment_start, limit=min(limit, r.segment_size),
+        batch, halt = decode_range(buf, pos, end, base=r.segment_start, limit=segment_limit,
                                    check_crc=options.check_crc, include_body=options.include_body,
                                    topics=options.topics, broker_name=r.broker_name, path=r.segment,
-                                   max_rows=BATCH_ROWS)
+                                   max_rows=BATCH_ROWS, columns=decoded)
         batch = _in_time_window(batch, options)
-        if batch.num_rows and options.dispatch_info:  # the dispatcher's own kernels over the same records
-            dispatch, _ = decode_dispatch(buf, pos, halt.pos, base=r.segment_start, limit=min(limit, r.segment_size),
+        if batch.num_rows and dispatch_info:  # the dispatcher's own kernels over the same records
+            dispatch, _ = decode_dispatch(buf, pos, halt.pos, base=r.segment_start, limit=segment_limit,
                                           path=r.segment, max_rows=2 * BATCH_ROWS)
-            batch = with_dispatch_info(batch, dispatch, options)
+            batch = with_dispatch_info(batch, dispatch, options, message_at)
         if batch.num_rows:
-            yield batch
+            yield batch.select(output)
         if halt.kind is StopKind.LIMIT:
             pos = halt.pos
             continue
@@ -300,10 +389,12 @@ def _in_time_window(batch: pa.RecordBatch, options: ScanOptions) -> pa.RecordBat
     return batch if keep.all() else batch.filter(pa.array(keep))
 
 
-def with_dispatch_info(batch: pa.RecordBatch, dispatch: DispatchBatch, options: ScanOptions) -> pa.RecordBatch:
+def with_dispatch_info(batch: pa.RecordBatch, dispatch: DispatchBatch, options: ScanOptions,
+                       message_at: Callable[[int], MessageExt]) -> pa.RecordBatch:
     """Add tagsCode and indexKeyHashes, what the dispatcher derives from each record (for rebuilds): taken from
     ``dispatch``, the same records through the dispatcher's compiled decode; its ``slow`` rows (scheduled
-    messages, text that is not UTF-8) one at a time, as the dispatcher takes them."""
+    messages, text that is not UTF-8) one at a time, as the dispatcher takes them: ``message_at`` decodes the
+    record at a buffer position (so the batch needs no properties column)."""
     n = batch.num_rows
     at = np.searchsorted(dispatch.phy, batch.column("commitLogOffset").to_numpy())
     assert np.array_equal(dispatch.phy[np.minimum(at, len(dispatch.phy) - 1)], batch.column("commitLogOffset")
@@ -317,14 +408,11 @@ def with_dispatch_info(batch: pa.RecordBatch, dispatch: DispatchBatch, options: 
     rows, hashes = entry_row[keep], dispatch.entry_hash[keep]
     slow = np.flatnonzero(dispatch.slow[at])
     if len(slow):
-        topics = batch.column("topic").take(pa.array(slow)).to_pylist()
-        properties = batch.column("properties").take(pa.array(slow)).to_pylist()
-        stamps = (batch.column("storeTimestamp").cast(pa.int64()).to_numpy()[slow] // 1000).tolist()
-        sys_flags = batch.column("sysFlag").to_numpy()[slow].tolist()
         slow_rows, slow_keys = [], []
-        for row, topic, pairs, stamp, sys_flag in zip(slow.tolist(), topics, properties, stamps, sys_flags,
-                                                      strict=True):
-            tags_codes[row], keys = _dispatch_info_of(topic, dict(pairs), stamp, sys_flag, options)
+        for row, record_pos in zip(slow.tolist(), dispatch.pos[at[slow]].tolist(), strict=True):
+            msg = message_at(record_pos)
+            tags_codes[row], keys = _dispatch_info_of(msg.topic, msg.properties, msg.store_timestamp, msg.sys_flag,
+                                                      options)
             slow_rows += [row] * len(keys)
             slow_keys += keys
         rows = np.concatenate([rows, np.array(slow_rows, dtype=np.int64)])

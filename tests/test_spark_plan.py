@@ -1,0 +1,76 @@
+"""Planning a scan: tasks of equal bytes covering the log once, and the columns a reader's schema picks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("pyspark")
+
+from rocketstore.errors import ConfigError
+from rocketstore.spark.partitions import LogRange, ScanOptions, even_tasks
+
+
+@st.composite
+def log_pieces(draw) -> list[LogRange]:
+    """Pieces of consecutive segments (of one or two stores) in log order, as ``plan_ranges`` collects them."""
+    pieces = []
+    for store in range(draw(st.integers(1, 2))):
+        size = draw(st.sampled_from([1000, 4096, 1 << 20]))
+        first = draw(st.integers(0, 3))
+        for n in range(first, first + draw(st.integers(1, 4))):
+            start = n * size + draw(st.integers(0, size - 1))
+            stop = draw(st.integers(start + 1, (n + 1) * size))
+            pieces.append(LogRange(f"/s{store}", f"b{store}", f"/s{store}/{n * size:020d}", n * size, size, start, stop,
+                                   stop))
+    return pieces
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(pieces=log_pieces(), min_tasks=st.integers(1, 40), max_bytes=st.integers(1, 5 << 20))
+def test_tasks_cover_every_byte_once_in_order_and_are_even(pieces, min_tasks, max_bytes):
+    tasks = even_tasks(pieces, min_tasks, max_bytes)
+    total = sum(p.stop - p.start for p in pieces)
+    assert len(tasks) == min(total, max(min_tasks, -(-total // max_bytes)))
+    flat = [r for task in tasks for r in task]
+    # in log order, each inside one piece, together exactly the pieces' bytes
+    rebuilt: list[tuple] = []
+    for r in flat:
+        assert r.start < r.stop
+        if rebuilt and rebuilt[-1][:2] == (r.root, r.segment) and rebuilt[-1][3] == r.start:
+            rebuilt[-1] = (*rebuilt[-1][:3], r.stop)
+        else:
+            rebuilt.append((r.root, r.segment, r.start, r.stop))
+    assert rebuilt == [(p.root, p.segment, p.start, p.stop) for p in pieces]
+    by_segment = {(p.root, p.segment): p for p in pieces}
+    for r in flat:  # everything but the bounds is its piece's
+        piece = by_segment[r.root, r.segment]
+        assert (r.broker_name, r.segment_start, r.segment_size, r.data_end) == (
+            piece.broker_name, piece.segment_start, piece.segment_size, piece.data_end)
+        assert piece.start <= r.start < r.stop <= piece.stop
+    sizes = [sum(r.stop - r.start for r in task) for task in tasks]
+    assert max(sizes) - min(sizes) <= 1
+    assert max(sizes) <= max(max_bytes, -(-total // len(tasks)))
+
+
+def test_no_bytes_no_tasks():
+    assert even_tasks([], 4, 1 << 20) == []
+
+
+def test_a_schema_picks_columns_and_bad_ones_are_named():
+    options = ScanOptions()
+    picked = options.with_schema([("storeTimestamp", "timestamp"), ("topic", "string"), ("tagsCode", "bigint")])
+    assert picked.output_columns == ("storeTimestamp", "topic", "tagsCode")
+    full = [(n, t) for n, t in [("topic", "string"), ("queueId", "int")]]
+    assert options.with_schema(full).output_columns == ("topic", "queueId")
+    with pytest.raises(ConfigError, match="no column 'topics'"):
+        options.with_schema([("topics", "string")])
+    with pytest.raises(ConfigError, match="column queueId is int in the rocketmq source, not bigint"):
+        options.with_schema([("queueId", "bigint")])
+    with pytest.raises(ConfigError, match="twice"):
+        options.with_schema([("topic", "string"), ("topic", "string")])
+    for bad in ("-2", "0"):
+        with pytest.raises(ConfigError, match="minPartitions must be at least 1"):
+            ScanOptions.from_options({"minPartitions": bad})
+    assert ScanOptions.from_options({"MINPARTITIONS": "7"}).min_partitions == 7
