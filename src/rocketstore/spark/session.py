@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import functools
 import os
 import shutil
 import sys
 import tempfile
+import time
 
 LOG4J2 = """\
 rootLogger.level = {level}
@@ -47,12 +49,61 @@ def log4j2_properties(verbose: bool) -> str:
 DEFAULT_MASTER = "local[*]"
 
 
+SCRATCH_PREFIX = "rocketstore-spark-"
+OWNER_FILE = ".owner"  # flock-ed by the process that made the directory, for as long as it lives
+LEGACY_AGE_S = 24 * 3600  # a directory with no owner file (an older version's) is stale after this
+_owner_locks: list[int] = []  # the open, locked owner files of this process (closed only by its exit)
+
+
 @functools.cache
 def _scratch_dir() -> str:
-    """One temporary directory per process for Spark's files and the log4j2 configuration."""
-    scratch = tempfile.mkdtemp(prefix="rocketstore-spark-")
+    """One temporary directory per process for Spark's files and the log4j2 configuration.
+
+    It goes at exit; a process that is killed cannot remove it, so each new one removes the directories
+    whose owner is gone: the owner holds an flock on a file inside for its whole life, which the kernel
+    drops when it dies (whatever pid namespace it ran in), so a lock this process can take is a dead owner's.
+    """
+    sweep_scratch_dirs()
+    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+    fd = os.open(os.path.join(scratch, ".owner.tmp"), os.O_CREAT | os.O_WRONLY, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(os.path.join(scratch, ".owner.tmp"), os.path.join(scratch, OWNER_FILE))  # appears locked
+    _owner_locks.append(fd)
     atexit.register(shutil.rmtree, scratch, True)
     return scratch
+
+
+def sweep_scratch_dirs(parent: str | None = None) -> list[str]:
+    """Remove the scratch directories under ``parent`` (default: the temp directory) of processes that are gone;
+    returns them. A directory being made right now has no owner file yet and is left alone unless it is a day
+    old (an older version made none)."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(SCRATCH_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(path).st_mtime > LEGACY_AGE_S:
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+            continue
+        except OSError:  # not ours to judge (another user's, a file): leave it
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner is alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def is_local(master: str) -> bool:
