@@ -377,6 +377,10 @@ def test_job_entry_point_runs_a_rebuild_and_reports_errors_in_one_line(spark, tm
     assert main([*base[3:], "rebuild", str(tmp_path / "s")]) == 0  # in this process: the suite's session
     out = capsys.readouterr().out
     assert "rebuilt 70 queue units" in out and "from 72 records" in out  # 2 are transactional
+    assert main([*base[3:], "summary", str(tmp_path / "s")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert {"Topic0\t17", "Topic1\t17", "Topic2\t16", "Batch\t20", "Tx\t2"} <= set(lines)
+    assert sum(int(line.split("\t")[1]) for line in lines if line[:1].isdigit()) == 72  # the per-minute rows
     missing = subprocess.run([*base, "rebuild", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120,
                              check=False)
     assert missing.returncode == 1

@@ -121,7 +121,7 @@ def _spark_step(root: Path, config: StoreConfig, master: str, by_key, by_id, *, 
 
     started = time.perf_counter()
     spark = spark_session(master, "rocketstore-demo", ship_env=ship_env, verbose=verbose)
-    df = read_store(spark, root, maxBytesPerPartition=256 << 10)
+    df = read_store(spark, root, columns=["topic", "storeTimestamp"], maxBytesPerPartition=256 << 10)
     per_topic, per_minute = messages_per_topic_and_minute(df)
     print(f"  spark   {master}, {df.rdd.getNumPartitions()} partitions over the commit log "
           f"(session ready in {time.perf_counter() - started:.1f} s)")

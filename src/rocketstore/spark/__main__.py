@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 resolve_roots(store)  # a missing store fails here, before a JVM starts
         spark = spark_session(args.master, ship_env=args.ship_env, verbose=args.verbose)
         if args.job == "summary":
-            per_topic, per_minute = job.messages_per_topic_and_minute(job.read_store(spark, args.stores))
+            df = job.read_store(spark, args.stores, columns=["topic", "storeTimestamp"])  # all the summary reads
+            per_topic, per_minute = job.messages_per_topic_and_minute(df)
             for row in per_topic.collect():
                 print(f"{row.topic}\t{row['count']}")
             for row in per_minute.collect():
