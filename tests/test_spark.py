@@ -92,8 +92,9 @@ def test_columns_read_only_what_is_asked_in_tasks_of_equal_size(spark, tmp_path)
         spark.read.format("rocketmq").schema("queueId string").load(path).collect()
     from rocketstore.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no column 'offset'"):
-        read_store(spark, path, columns=["topic", "offset"])
+    for bad, reason in ((["topic", "offset"], "no column 'offset'"), (["tags", "tags"], "twice"), ([], "no column")):
+        with pytest.raises(ConfigError, match=reason):  # on the driver, before Spark plans anything
+            read_store(spark, path, columns=bad)
 
 
 def test_filters_by_topic_time_and_offset(spark, tmp_path):

@@ -68,6 +68,8 @@ def test_a_schema_picks_columns_and_bad_ones_are_named():
         options.with_schema([("topics", "string")])
     with pytest.raises(ConfigError, match="column queueId is int in the rocketmq source, not bigint"):
         options.with_schema([("queueId", "bigint")])
+    with pytest.raises(ConfigError, match="no column asked"):
+        options.with_schema([])
     with pytest.raises(ConfigError, match="twice"):
         options.with_schema([("topic", "string"), ("topic", "string")])
     for bad in ("-2", "0"):

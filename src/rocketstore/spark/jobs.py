@@ -41,6 +41,7 @@ from .failures import in_task
 from .partitions import (
     DISPATCH_DDL,
     MESSAGE_DDL,
+    ScanOptions,
     broker_name_of,
     ddl_fields,
     require_visible,
@@ -72,10 +73,7 @@ def read_store(spark, paths: str | Path | Iterable[str | Path], *, columns: Iter
     if columns is not None:
         names = [columns] if isinstance(columns, str) else list(columns)
         types = dict(ddl_fields(MESSAGE_DDL + DISPATCH_DDL))
-        unknown = [name for name in names if name not in types]
-        if unknown or not names:
-            raise ConfigError(f"the rocketmq source has no column {unknown[0]!r}; its columns are "
-                              f"{', '.join(types)}" if unknown else "columns names no column")
+        ScanOptions().with_schema([(name, types.get(name, "")) for name in names])  # the source's checks, here
         reader = reader.schema(", ".join(f"{name} {types[name]}" for name in names))
     if not any(key.lower() == "minpartitions" for key in options):
         options["minPartitions"] = _parallelism(spark)

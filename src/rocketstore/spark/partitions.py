@@ -135,6 +135,8 @@ class ScanOptions:
         reader) in that order; a name this source does not have, or a different type, is a ``ConfigError``."""
         known = dict(ddl_fields(MESSAGE_DDL + DISPATCH_DDL))
         names = tuple(name for name, _ in fields)
+        if not names:
+            raise ConfigError("no column asked for the rocketmq source")
         if names == tuple(name for name, _ in ddl_fields(MESSAGE_DDL + (DISPATCH_DDL if self.dispatch_info
                                                                            else ""))):
             return self
