@@ -321,6 +321,44 @@ def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path,
             assert store.next_queue_offset("T", q) == 50
 
 
+def test_sync_flush_dispatches_in_few_rounds_and_readers_still_see_their_writes(tmp_path):
+    """Under SYNC_FLUSH the dispatcher rests DISPATCH_REST_SYNC between rounds (a round holds the GIL a writer
+    needs back after its msync), yet a reader waiting for its own write is served at once."""
+    from rocketstore.dispatch import DISPATCH_REST_SYNC
+
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500,
+                         flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    with MessageStore.open(tmp_path, config) as store:
+        store.put_message(Message("T", b"first"))
+        assert store.wait_for_dispatch(5)
+        rounds_before, started = store.dispatcher.rounds, time.monotonic()
+        stop = started + 0.4
+        errors: list[BaseException] = []
+
+        def producer(n: int) -> None:
+            try:
+                while time.monotonic() < stop:
+                    assert store.put_message(Message("T", b"x", queue_id=n)).ok
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=producer, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - started
+        assert not errors
+        rounds = store.dispatcher.rounds - rounds_before
+        assert rounds <= elapsed / DISPATCH_REST_SYNC + 3, (rounds, elapsed)  # 1 ms rests made ~10x more
+        result = store.put_message(Message("T", b"mine", queue_id=7))
+        waited = time.monotonic()
+        assert store.wait_for_dispatch(5)
+        assert time.monotonic() - waited < DISPATCH_REST_SYNC * 5  # no whole rest: readers cut it short
+        got = store.get_message("T", 7, result.queue_offset, 1)
+        assert [m.body for m in got.messages] == [b"mine"]
+
+
 def test_sync_flush_wait_false_skips_the_wait(tmp_path):
     config = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=500,
                          flush_disk_type="SYNC_FLUSH")
