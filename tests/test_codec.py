@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rocketstore.codec import (
@@ -46,6 +46,8 @@ from rocketstore.codec import (
     read_layout,
     tags_hash_code,
 )
+from rocketstore.codec._kernels import index_key_hash_utf8
+from rocketstore.codec.properties import property_value
 from rocketstore.codec.record import CRC32_RESERVED_LEN, property_crc_suffix, seal_property_crc
 from rocketstore.config import StoreConfig
 from rocketstore.encoder import MessageEncoder
@@ -546,6 +548,23 @@ def test_decode_properties_equals_rocketmqs_index_loop(text):
     assert decode_properties(text) == _string2message_properties(text)
 
 
+@settings(max_examples=800, deadline=None)
+@given(st.lists(st.sampled_from(["\x01", "\x02", "K", "EY", "S", "KEYS\x01", "a", " "]), max_size=30).map("".join),
+       st.sampled_from(["K", "KEY", "KEYS", "EY", "a", "Ka"]))
+@example("KEYS\x01a a", "KEYS")  # one KEYS value with a space: "a a" is no key, "a" is
+@example("KEYS\x01a\x02KEYS\x01\x02", "KEYS")  # the last KEYS is empty: the earlier one counts
+def test_property_value_is_the_parsed_maps_value(text, name):
+    """One value read from the text (what a key query checks) == the full parse's: the last pair wins, an empty
+    value falls back to an earlier one, a name inside another name or a value never matches."""
+    assert property_value(text, name) == decode_properties(text).get(name)
+    ext = MessageExt("T", b"", 0, 0, 0, 0, 0, 0, None, 0, None, 0, 0, 0, text, 0, "ID")
+    parsed = MessageExt("T", b"", 0, 0, 0, 0, 0, 0, None, 0, None, 0, 0, 0, decode_properties(text), 0, "ID")
+    for key in ("a", "a a", "K", "EY", ""):
+        assert ext.has_key(key) == (key in parsed.keys) == parsed.has_key(key)
+    assert (ext.keys, ext.tags, ext.uniq_key) == (parsed.keys, parsed.tags, parsed.uniq_key)
+    assert ext == parsed and ext.properties == parsed.properties  # the text is parsed on first use
+
+
 @pytest.mark.parametrize(
     "properties",
     [{"a\x01": "b"}, {"a": "b\x01"}, {"a\x02b": "c"}, {"a": "b\x02"}, {"": "v"}, {"k": ""}, {"ok": "1", "k": ""}],
@@ -876,6 +895,15 @@ def test_java_string_hash_matches_utf16_reference(text):
 
 
 @PROPERTY_SETTINGS
+@given(text=st.text(st.one_of(st.characters(), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+                              st.sampled_from("😀🚀𝄞中文é#")), max_size=60))
+def test_compiled_query_key_hash_equals_index_key_hash(text):
+    """A query hashes its ``topic#key`` in compiled code from UTF-8 (lone surrogates as surrogatepass writes
+    them): the same slot and entry hash as the Python hash the dispatcher's index entries agree with."""
+    assert index_key_hash_utf8(text.encode("utf-8", "surrogatepass")) == index_key_hash(text)
+
+
+@PROPERTY_SETTINGS
 @given(properties=PROPERTY_DICTS)
 def test_properties_round_trip(properties):
     encoded = encode_properties(properties)
@@ -1120,3 +1148,26 @@ def test_encoder_works_late_in_the_month(local_tz):
     local_tz("Asia/Shanghai", 6)
     _, msg = encode_and_decode(make_encoder(now_ms=LATE_IN_MONTH_MS), Message(topic="TopicTest", body=b"x"))
     assert decode_uniq_key(msg.uniq_key, now_ms=LATE_IN_MONTH_MS + 1).timestamp == LATE_IN_MONTH_MS
+
+
+def test_message_ext_is_a_value_record():
+    """MessageExt with its properties text unparsed still behaves as the record it was: value equality, a
+    copy with changes, pickling (Spark ships them), a repr without magic_code, no hash (it is mutable)."""
+    import pickle
+
+    text = "UNIQ_KEY\x01U1\x02KEYS\x01k1 k2\x02"
+    m = MessageExt("T", b"b", 1, 0, 2, 3, 0, 4, Host("1.2.3.4", 5), 6, Host("1.2.3.4", 7), 0, 0, 8, text, 9, "ID", 1)
+    assert pickle.loads(pickle.dumps(m)) == m
+    assert m.replace() == m and m.replace() is not m
+    copy = m.replace(topic="U", properties={"a": "b"})
+    assert (copy.topic, copy.properties, copy.magic_code) == ("U", {"a": "b"}, 1)
+    assert copy != m and m.topic == "T" and m.keys == ["k1", "k2"] and m.uniq_key == "U1"
+    with pytest.raises(TypeError, match="nope"):
+        m.replace(nope=1)
+    assert repr(m).startswith("MessageExt(topic='T', body=b'b', queue_id=1,") and "magic_code" not in repr(m)
+    assert "properties={'UNIQ_KEY': 'U1', 'KEYS': 'k1 k2'}" in repr(m)
+    assert m != m.replace(magic_code=2)
+    m.properties = {"x": "y"}
+    assert m.properties == {"x": "y"} and m.keys == [] and m.get_property("x") == "y"
+    with pytest.raises(TypeError):
+        hash(m)

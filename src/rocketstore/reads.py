@@ -263,7 +263,7 @@ class StoreReader:
         returned oldest first (``queryMessage``, with the client's exact filter applied)."""
         max_num = min(max_num, self.config.max_msgs_num_batch)
         return self._verified(topic, key, max_num, begin, LONG_MAX if end is None else end,
-                              lambda m: key in m.keys)
+                              lambda m: m.has_key(key))
 
     def query_by_uniq_key(self, topic: str, uniq_key: str, max_num: int | None = None) -> list[MessageExt]:
         limit = self.config.default_query_max_num if max_num is None else max_num
@@ -275,7 +275,7 @@ class StoreReader:
         found: dict[int, MessageExt] = {}
         get_message = self.commit_log.get_message
         parked = False
-        for phy in self.index.iter_candidates(topic, key, begin, end):
+        for phy in self.index.candidates(topic, key, begin, end):
             if phy in found:
                 continue
             try:
@@ -285,12 +285,14 @@ class StoreReader:
             if not begin <= msg.store_timestamp <= end or not matches(msg):
                 continue
             if msg.topic != topic:
-                if msg.topic not in PARKED_TOPICS or msg.properties.get("REAL_TOPIC") != topic:
+                if msg.topic not in PARKED_TOPICS or msg.get_property("REAL_TOPIC") != topic:
                     continue
                 parked = True
             found[phy] = msg
             if len(found) >= max_num:
                 break
+        if len(found) < 2:
+            return list(found.values())
         messages = [found[phy] for phy in sorted(found)]
         if parked:  # a delivered delay message hides its parked copy
             delivered = {m.uniq_key for m in messages if m.topic not in PARKED_TOPICS}
@@ -325,7 +327,7 @@ class StoreReader:
         with self.index.lock:
             files = list(self.index.files)
         found_q, found_phy = [], []
-        for index in reversed(files):  # newest first, as iter_candidates
+        for index in reversed(files):  # newest first, as candidates
             if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
                 q, phy = candidates_batch(index, hashes, widened_begin)
                 found_q.append(q)

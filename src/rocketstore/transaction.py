@@ -176,8 +176,8 @@ class TransactionLog:
                 self._give_up(entry, half)
                 continue
             view = committed_copy(half)
-            out.append((dataclasses.replace(half, topic=view.topic, queue_id=view.queue_id,
-                                            properties=view.properties), half.msg_id))
+            out.append((half.replace(topic=view.topic, queue_id=view.queue_id, properties=view.properties),
+                        half.msg_id))
         return out
 
     def _give_up(self, entry: OpenHalf, half: MessageExt | None) -> None:

@@ -56,6 +56,23 @@ def decode_properties(text: str) -> dict[str, str]:
                                                 for part in text.split(PROPERTY_SEPARATOR)) if name and value}
 
 
+def property_value(text: str, name: str) -> str | None:
+    """``decode_properties(text).get(name)`` without building the map (a query checks one name of each
+    candidate): the value of the last ``name`` pair, the earlier ones asked of the full parse only when that
+    value is empty."""
+    marker = f"{PROPERTY_SEPARATOR}{name}{NAME_VALUE_SEPARATOR}"
+    at = text.rfind(marker)
+    if at >= 0:
+        start = at + len(marker)
+    elif text.startswith(marker[1:]):
+        start = len(marker) - 1
+    else:
+        return None
+    end = text.find(PROPERTY_SEPARATOR, start)
+    value = text[start:] if end < 0 else text[start:end]
+    return value if value and name else decode_properties(text).get(name)
+
+
 def check_property(name: str, value: str) -> None:
     """Raise unless ``name=value`` survives encoding and decoding unchanged."""
     if not isinstance(name, str) or not isinstance(value, str):

@@ -29,7 +29,7 @@ from ..errors import (
 from ..message import MessageExt, SysFlag
 from .hashing import body_crc
 from .hosts import host_of
-from .properties import PropertyName, decode_properties
+from .properties import PropertyName
 
 MAGIC_V1: Final = -626843481  # 0xDAA320A7
 MAGIC_V2: Final = -626843477  # 0xDAA320AB
@@ -324,12 +324,13 @@ def decode_v4_at(buf, pos: int, limit: int, phy_offset: int, *, check_crc: bool,
     props_pos = topic_pos + topic_len + 2
     if _I16.unpack_from(buf, props_pos - 2)[0] != stop - props_pos:
         return None
-    if check_crc and body_len > 0 and zlib.crc32(buf[body_pos:topic_len_pos]) & 0x7FFFFFFF != crc:
+    body = bytes(buf[body_pos:topic_len_pos]) if read_body or check_crc else b""
+    if check_crc and body_len > 0 and zlib.crc32(body) & 0x7FFFFFFF != crc:
         return None
-    return MessageExt(bytes(buf[topic_pos : props_pos - 2]).decode("utf-8", "replace"),
-                      bytes(buf[body_pos:topic_len_pos]) if read_body else b"", queue_id, flag, queue_offset, phy,
-                      sys_flag, born_ts, host_of(born_raw), store_ts, host_of(store_host_raw), reconsume, prepared,
-                      crc, decode_properties(bytes(buf[props_pos:stop]).decode("utf-8", "replace")), size,
+    return MessageExt(bytes(buf[topic_pos : props_pos - 2]).decode("utf-8", "replace"), body if read_body else b"",
+                      queue_id, flag, queue_offset, phy, sys_flag, born_ts, host_of(born_raw), store_ts,
+                      host_of(store_host_raw), reconsume, prepared, crc,
+                      bytes(buf[props_pos:stop]).decode("utf-8", "replace"), size,  # properties: parsed when used
                       (store_host_raw + phy.to_bytes(8, "big", signed=True)).hex().upper(), magic)
 
 
@@ -357,7 +358,7 @@ def message_from_layout(buf, pos: int, layout: RecordLayout, *, read_body: bool 
     props = bytes(buf[layout.props_pos : layout.props_pos + layout.props_len]).decode("utf-8", "replace")
     msg_id = (store_host_raw + bytes(buf[pos + PHY_OFFSET_POS : pos + PHY_OFFSET_POS + 8])).hex().upper()
     return MessageExt(topic, body, queue_id, flag, queue_offset, phy_offset, sys_flag, born_ts, born_host, store_ts,
-                      host_of(store_host_raw), reconsume, prepared, crc, decode_properties(props), size, msg_id,
+                      host_of(store_host_raw), reconsume, prepared, crc, props, size, msg_id,
                       layout.magic)  # positional: MessageExt's field order
 
 

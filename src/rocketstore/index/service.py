@@ -12,7 +12,7 @@ Where rocketstore departs from RocketMQ, on purpose:
   chains, a slot torn by a kill between its write and the count update is re-linked, and the
   header is rewritten; re-dispatch then adds what is missing;
 * index files are flushed periodically and at shutdown, not only when full (#4463);
-* ``iter_candidates`` walks chains without RocketMQ's ``maxNum`` cut-off and with a window
+* ``candidates`` walks chains without RocketMQ's ``maxNum`` cut-off and with a window
   widened by the one-second rounding, so an exact query can keep walking past colliding keys.
 """
 
@@ -23,13 +23,14 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..checkpoint import StoreCheckpoint
+from ..codec._kernels import index_key_hash_utf8
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..errors import CorruptDataError
@@ -293,21 +294,23 @@ class IndexService:
                 break
         return offsets, last_ts, last_phy
 
-    def iter_candidates(self, topic: str, key: str, begin: int, end: int) -> Iterator[int]:
+    def candidates(self, topic: str, key: str, begin: int, end: int) -> list[int]:
         """Every offset whose entry hash matches ``topic#key``, newest first, without a count limit.
 
         The time window is widened by the index's one-second rounding; callers check the real
-        store time and the real key.
+        store time and the real key. A list, not a generator: a query reads every chain anyway.
         """
-        key_hash = index_key_hash(build_key(topic, key))
+        key_hash = index_key_hash_utf8(build_key(topic, key).encode("utf-8", "surrogatepass"))
         with self.lock:
-            files = list(self.files)
+            files = self.files[::-1]
         widened_begin = max(0, begin - 1000)
-        for index in reversed(files):
+        found: list[int] = []
+        for index in files:
             if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
-                yield from index.phy_offsets_of(key_hash, widened_begin)
+                found += index.phy_offsets_of(key_hash, widened_begin)
             if index.begin_timestamp < widened_begin:
-                return
+                break
+        return found
 
     # --- durability and retention ------------------------------------------------------------
 
