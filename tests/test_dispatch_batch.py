@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore import consumequeue as consumequeue_module
 from rocketstore import dispatch as dispatch_module
 from rocketstore.codec.batch import DispatchBatch, decode_dispatch
 from rocketstore.codec.record import read_layout
@@ -49,11 +50,13 @@ def per_record_apply(self: Dispatcher, batch: DispatchBatch, mapped) -> None:
         self.dispatch(dispatch_request(mapped.buffer, pos, layout, self.config))
 
 
-def redispatch(source: Path, target: Path, monkeypatch, *, reference: bool, rows: int) -> dict[str, list[bytes]]:
+def redispatch(source: Path, target: Path, monkeypatch, *, reference: bool, rows: int,
+               small_run: int = consumequeue_module.SMALL_RUN) -> dict[str, list[bytes]]:
     target.mkdir()
     shutil.copytree(source / "commitlog", target / "commitlog")
     with monkeypatch.context() as patch:
         patch.setattr(dispatch_module, "DISPATCH_ROWS", rows)
+        patch.setattr(consumequeue_module, "SMALL_RUN", small_run)  # whole-array runs or unit by unit
         if reference:
             patch.setattr(Dispatcher, "_apply", per_record_apply)
         MessageStore.open(target, CONFIG).close()  # no queues, no index: the open dispatches the whole log
@@ -68,13 +71,14 @@ def redispatch(source: Path, target: Path, monkeypatch, *, reference: bool, rows
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch=st.lists(messages(), min_size=1, max_size=60), rows=st.integers(1, 9))
-def test_batch_dispatch_writes_what_per_record_dispatch_writes(tmp_path_factory, monkeypatch, batch, rows):
+@given(batch=st.lists(messages(), min_size=1, max_size=60), rows=st.integers(1, 9), small_run=st.sampled_from([0, 4]))
+def test_batch_dispatch_writes_what_per_record_dispatch_writes(tmp_path_factory, monkeypatch, batch, rows,
+                                                                small_run):
     root = tmp_path_factory.mktemp("dispatch")
     with MessageStore.open(root / "src", CONFIG) as store:
         for msg in batch:
             store.put_message(msg)
-    got = redispatch(root / "src", root / "batch", monkeypatch, reference=False, rows=rows)
+    got = redispatch(root / "src", root / "batch", monkeypatch, reference=False, rows=rows, small_run=small_run)
     want = redispatch(root / "src", root / "reference", monkeypatch, reference=True, rows=rows)
     assert sorted(got) == sorted(want)
     assert got == want

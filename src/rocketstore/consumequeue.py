@@ -38,6 +38,7 @@ PRE_BLANK_SIZE = 0x7FFFFFFF
 PRE_BLANK_UNIT = _UNIT.pack(0, PRE_BLANK_SIZE, 0)
 assert _UNIT.size == CQ_UNIT_SIZE
 UNIT_DTYPE = np.dtype([("phy", ">i8"), ("size", ">i4"), ("tags", ">i8")])
+SMALL_RUN = 4  # units of one queue in a round below which put_run writes them one by one
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +198,14 @@ class ConsumeQueue:
         with size 0 first, then the sizes, so a unit torn by a kill is still never valid. Re-dispatched
         units are skipped; anything unusual (a new file, a gap, a duplicate offset) goes through
         ``put_position``. Re-running it after an eviction under it writes the same bytes again."""
+        n = len(queue_offsets)
+        if n <= SMALL_RUN:  # a few units (a round of single puts): numpy's per-call costs would be most of it
+            return sum(self.put_position(int(p), int(z), int(t), int(o))
+                       for o, p, z, t in zip(queue_offsets.tolist(), phy_offsets.tolist(), sizes.tolist(),
+                                             tags_codes.tolist(), strict=True))
         ends = phy_offsets + sizes
         first_new = int(np.searchsorted(ends, self.max_physic_offset, side="right"))  # ends <= max: re-dispatch
-        i, n, written = first_new, len(queue_offsets), 0
+        i, written = first_new, 0
         while i < n:
             mapped = self.mapped_files.last
             expected = int(queue_offsets[i]) * CQ_UNIT_SIZE
