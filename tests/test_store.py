@@ -284,6 +284,24 @@ def test_abort_file_lives_while_open_and_checkpoint_is_4096_bytes(tmp_path, smal
     assert physic == last.store_timestamp
 
 
+def concurrently(work, count: int) -> list[BaseException]:
+    """Run ``work(n)`` in ``count`` threads at once; what they raised."""
+    errors: list[BaseException] = []
+
+    def run(n: int) -> None:
+        try:
+            work(n)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path, monkeypatch):
     from rocketstore.mapped.file_queue import MappedFileQueue
 
@@ -300,22 +318,13 @@ def test_sync_flush_acknowledges_only_flushed_bytes_and_groups_commits(tmp_path,
         result = store.put_message(Message("Durable", b"durable"))
         assert result.ok and store.flushed_phy_offset >= result.commit_log_offset + result.store_size
         flushes_before = store.flusher.flush_count
-        errors: list[BaseException] = []
 
         def producer(n: int) -> None:
-            try:
-                for i in range(50):
-                    r = store.put_message(Message("T", f"{n}-{i}".encode(), queue_id=n))
-                    assert r.ok and store.flushed_phy_offset >= r.commit_log_offset + r.store_size
-            except BaseException as exc:
-                errors.append(exc)
+            for i in range(50):
+                r = store.put_message(Message("T", f"{n}-{i}".encode(), queue_id=n))
+                assert r.ok and store.flushed_phy_offset >= r.commit_log_offset + r.store_size
 
-        threads = [threading.Thread(target=producer, args=(n,)) for n in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
+        assert not concurrently(producer, 8)
         assert store.flusher.flush_count - flushes_before < 200, "group commit shares flushes between puts"
         for q in range(8):
             assert store.next_queue_offset("T", q) == 50
@@ -333,22 +342,13 @@ def test_sync_flush_dispatches_in_few_rounds_and_readers_still_see_their_writes(
         assert store.wait_for_dispatch(5)
         rounds_before, started = store.dispatcher.rounds, time.monotonic()
         stop = started + 0.4
-        errors: list[BaseException] = []
 
         def producer(n: int) -> None:
-            try:
-                while time.monotonic() < stop:
-                    assert store.put_message(Message("T", b"x", queue_id=n)).ok
-            except BaseException as exc:
-                errors.append(exc)
+            while time.monotonic() < stop:
+                assert store.put_message(Message("T", b"x", queue_id=n)).ok
 
-        threads = [threading.Thread(target=producer, args=(n,)) for n in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        assert not concurrently(producer, 4)
         elapsed = time.monotonic() - started
-        assert not errors
         rounds = store.dispatcher.rounds - rounds_before
         assert rounds <= elapsed / DISPATCH_REST_SYNC + 3, (rounds, elapsed)  # 1 ms rests made ~10x more
         result = store.put_message(Message("T", b"mine", queue_id=7))
