@@ -185,20 +185,40 @@ def test_select_batch_equals_select_phy_offsets(tmp_path_factory, puts, slots, m
     index.close()
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def walked_candidates(index: IndexFile, key_hash: int, begin: int) -> list[int]:
+    """The model: ``_walk``'s entries of the key's slot that carry its hash."""
+    return [phy for hash_read, phy, _ in index._walk(key_hash % index.hash_slot_num, begin) if hash_read == key_hash]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(puts=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(0, 3000)), min_size=0, max_size=60),
-       slots=st.integers(1, 13), begin_s=st.integers(0, 60))
-def test_candidates_batch_equals_phy_offsets_of(tmp_path_factory, puts, slots, begin_s):
-    from rocketstore.index.bulk import candidates_batch
+       slots=st.integers(1, 13), begin_s=st.integers(0, 60),
+       damage=st.lists(st.tuples(st.integers(1, 69), st.sampled_from(["prev", "diff", "slot"]),
+                                 st.one_of(st.sampled_from(["itself", "past", -1]), st.integers(-2, 72))),
+                       max_size=4))
+def test_compiled_candidates_equal_the_walk(tmp_path_factory, puts, slots, begin_s, damage):
+    """A query's candidates (one key, and many by hash) are the walk's, on sound and on damaged files
+    (links past the count or to themselves, negative time differences, slots past the entries)."""
+    from rocketstore.index.bulk import candidates_batch, key_candidates
 
     index = IndexFile.create(tmp_path_factory.mktemp("cand") / "f", slots, 70)
     ts = 1_700_000_000_000
     for i, (key, step) in enumerate(puts):
         ts += step
         index.put_key(key, i * 10, ts)
+    for drawn, field, drawn_value in damage:  # a self-link, a link past the count, a negative time difference
+        entry = 1 + drawn % max(1, index.index_count - 1)
+        value = {"itself": entry, "past": index.index_count}.get(drawn_value, drawn_value)
+        at = {"prev": 40 + slots * 4 + entry * 20 + 16, "diff": 40 + slots * 4 + entry * 20 + 12,
+              "slot": 40 + entry % slots * 4}[field]
+        index.buffer[at : at + 4] = value.to_bytes(4, "big", signed=True)
     begin = 1_700_000_000_000 + begin_s * 1000
     hashes = index_key_hashes(KEYS)
     queries, phys = candidates_batch(index, hashes, begin)
-    for i, key_hash in enumerate(hashes.tolist()):
-        assert phys[queries == i].tolist() == index.phy_offsets_of(key_hash, begin), KEYS[i]
+    for i, (key, key_hash) in enumerate(zip(KEYS, hashes.tolist(), strict=True)):
+        expected = walked_candidates(index, key_hash, begin)
+        assert phys[queries == i].tolist() == expected, key
+        assert key_candidates(index, key.encode("utf-8", "surrogatepass"), begin) == expected, key
+    mapping = index.buffer
     index.close()
+    assert mapping.closed  # the array kept for the compiled walks does not keep the file open

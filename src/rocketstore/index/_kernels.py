@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit
 
 # importing the codec's kernels installs the stable cache locator before the kernels below
-from ..codec._kernels import _be32, _be64, _put_be32, _put_be64
+from ..codec._kernels import _be32, _be64, _put_be32, _put_be64, index_key_hash_utf8
 
 _INT_MAX = 2147483647
 _ENTRY = 20
@@ -54,37 +54,57 @@ def put_entries(buf, slot_num, index_num, count, begin_ts, hashes, phys, stamps)
     return put, new_slots, begin_ts
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _chain_head(buf, slot_num, count, h):
+    """The newest entry in ``h``'s slot, 0 when there is none (an empty file, an empty or impossible slot)."""
+    if count <= 1:
+        return 0
+    n = _be32(buf, 40 + (h % slot_num) * 4)
+    return n if 0 < n <= count else 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _chain_entry(buf, entries_at, index_num, count, begin_ts, begin, n):
+    """Entry ``n`` of a chain as (valid, keyHash, phyOffset, stored time, next entry), ``_walk``'s rules: not
+    valid past the file or with a negative timeDiff (the walk ends before it); next is 0 when the walk ends
+    after it (no predecessor, an impossible or self link, or an entry older than ``begin``)."""
+    if n >= index_num:
+        return False, 0, 0, 0, 0
+    p = entries_at + n * _ENTRY
+    diff = _be32(buf, p + 12)
+    if diff < 0:
+        return False, 0, 0, 0, 0
+    when = begin_ts + diff * 1000
+    prev = _be32(buf, p + 16)
+    following = 0 if prev <= 0 or prev > count or prev == n or when < begin else prev
+    return True, _be32(buf, p), _be64(buf, p + 4), when, following
+
+
 @njit(cache=True, nogil=True)
 def chain_offsets(buf, slot_num, index_num, count, begin_ts, hashes, limits, begin, end, time_filter):
     """Walk each hash's chain with ``_walk``'s stop rules: (query number, phyOffset) of the entries with that
     hash (and, with ``time_filter``, a decoded time in [begin, end]), each query's newest first, at most
-    ``limits[q]`` per query. Without ``time_filter`` it is ``phy_offsets_of``: hash only, stop at the first
+    ``limits[q]`` per query. Without ``time_filter`` it is a query's candidates: hash only, stop at the first
     entry older than ``begin``."""
     entries_at = 40 + slot_num * 4
     cap = max(16, hashes.size * 2)
     out_q = np.empty(cap, dtype=np.int64)
     out_phy = np.empty(cap, dtype=np.int64)
     m = 0
-    if count <= 1:
-        return out_q[:0], out_phy[:0]
     for q in range(hashes.size):
         h = hashes[q]
         limit = limits[q]
         if limit <= 0:
             continue
-        n = _be32(buf, 40 + (h % slot_num) * 4)
-        if n <= 0 or n > count:
-            continue
+        n = _chain_head(buf, slot_num, count, h)
         found = 0
-        for _ in range(count):
-            if n >= index_num:
+        for _ in range(count):  # a chain visits each entry at most once; the bound survives a corrupt file
+            if n == 0:
                 break
-            p = entries_at + n * _ENTRY
-            diff = _be32(buf, p + 12)
-            if diff < 0:
+            valid, hash_read, phy, when, n = _chain_entry(buf, entries_at, index_num, count, begin_ts, begin, n)
+            if not valid:
                 break
-            when = begin_ts + diff * 1000
-            if _be32(buf, p) == h and (not time_filter or (begin <= when <= end)):
+            if hash_read == h and (not time_filter or (begin <= when <= end)):
                 if m == cap:
                     cap *= 2
                     grown_q = np.empty(cap, dtype=np.int64)
@@ -93,16 +113,35 @@ def chain_offsets(buf, slot_num, index_num, count, begin_ts, hashes, limits, beg
                     grown_phy[:m] = out_phy[:m]
                     out_q, out_phy = grown_q, grown_phy
                 out_q[m] = q
-                out_phy[m] = _be64(buf, p + 4)
+                out_phy[m] = phy
                 m += 1
                 found += 1
                 if found >= limit:
                     break
-            prev = _be32(buf, p + 16)
-            if prev <= 0 or prev > count or prev == n or when < begin:
-                break
-            n = prev
     return out_q[:m], out_phy[:m]
+
+
+@njit(cache=True, nogil=True)
+def key_candidates(key, buf, slot_num, index_num, count, begin_ts, begin):
+    """One query's candidates from the UTF-8 of its ``topic#key``: (entries with its hash, the newest one's
+    phyOffset, the hash). A key query usually has one candidate, so this answer is three integers, not an
+    array (boxing one is half the cost of a call); with more, ``chain_offsets`` lists them."""
+    h = index_key_hash_utf8(key)
+    entries_at = 40 + slot_num * 4
+    n = _chain_head(buf, slot_num, count, h)
+    matches = 0
+    newest = 0
+    for _ in range(count):
+        if n == 0:
+            break
+        valid, hash_read, phy, _when, n = _chain_entry(buf, entries_at, index_num, count, begin_ts, begin, n)
+        if not valid:
+            break
+        if hash_read == h:
+            if matches == 0:
+                newest = phy
+            matches += 1
+    return matches, newest, h
 
 
 @njit(cache=True, nogil=True)

@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 
 from ..codec import _kernels as _ck
-from ..codec.batch import as_array
 from . import _kernels as _k
 from .file import INDEX_ENTRY_SIZE, INT_MAX, IndexFile
 
@@ -103,9 +102,24 @@ def select_batch(index: IndexFile, key_hashes: np.ndarray, max_num: int, begin: 
     return _walk_chains(index, hashes, np.full(len(hashes), max_num, dtype=np.int64), begin, end, True)
 
 
+def key_candidates(index: IndexFile, key_utf8: bytes, begin: int) -> list[int]:
+    """A query's candidates in one file: every offset whose entry has the hash of ``topic#key`` (given as its
+    UTF-8), newest first, no count limit, stopping at the first entry older than ``begin``."""
+    if index.index_count <= 1:
+        return []
+    buf = index.array
+    matches, newest, key_hash = _k.key_candidates(key_utf8, buf, index.hash_slot_num, index.index_num,
+                                                  index.index_count, index.begin_timestamp, begin)
+    if matches <= 1:
+        return [newest] if matches else []
+    return _k.chain_offsets(buf, index.hash_slot_num, index.index_num, index.index_count, index.begin_timestamp,
+                            np.array([key_hash], dtype=np.int64), np.array([INT_MAX], dtype=np.int64), begin, 0,
+                            False)[1].tolist()
+
+
 def candidates_batch(index: IndexFile, key_hashes: np.ndarray, begin: int) -> tuple[np.ndarray, np.ndarray]:
-    """``IndexFile.phy_offsets_of`` for many keys: every offset with each hash, newest first, no count limit,
-    stopping at the first entry older than ``begin``."""
+    """``key_candidates`` for many keys by their hashes: (query number, phyOffset) pairs, each query's newest
+    first."""
     hashes = np.ascontiguousarray(key_hashes, dtype=np.int64)
     return _walk_chains(index, hashes, np.full(len(hashes), INT_MAX, dtype=np.int64), begin, 0, False)
 
@@ -114,9 +128,5 @@ def _walk_chains(index: IndexFile, hashes: np.ndarray, limits: np.ndarray, begin
                  time_filter: bool) -> tuple[np.ndarray, np.ndarray]:
     if index.index_count <= 1 or not len(hashes):
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    buf = as_array(index.buffer)
-    try:
-        return _k.chain_offsets(buf, index.hash_slot_num, index.index_num, index.index_count,
-                                index.begin_timestamp, hashes, limits, begin, end, time_filter)
-    finally:
-        del buf
+    return _k.chain_offsets(index.array, index.hash_slot_num, index.index_num, index.index_count,
+                            index.begin_timestamp, hashes, limits, begin, end, time_filter)

@@ -64,6 +64,7 @@ class IndexFile:
         self.read_only = read_only
         self._mm: mmap.mmap | None = mm
         self._fd = fd
+        self._array = None  # the mapping as a read-only numpy array, made on the first compiled walk
         self._entries_at = INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE
         (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
          self.hash_slot_count, self.index_count) = _HEADER.unpack_from(mm, 0)
@@ -138,6 +139,18 @@ class IndexFile:
             raise StoreIOError(9, f"index file {self.path} is closed")
         return self._mm
 
+    @property
+    def array(self):
+        """The mapping as one read-only ``uint8`` array for the compiled walks, kept across calls (making one
+        is a third of a single-key lookup) and dropped by ``close``. A walk running while the file closes
+        keeps its own reference: the mapping then goes when that walk ends."""
+        array = self._array
+        if array is None:
+            from ..codec.batch import as_array
+
+            array = self._array = as_array(self.buffer)
+        return array
+
     _FIELD_NAMES: ClassVar[dict[int, str]] = {_BEGIN_TS: "begin_timestamp", _END_TS: "end_timestamp",
                                               _BEGIN_PHY: "begin_phy_offset", _END_PHY: "end_phy_offset"}
 
@@ -208,29 +221,6 @@ class IndexFile:
                 break
         return result
 
-    def phy_offsets_of(self, key_hash: int, begin: int = 0) -> list[int]:
-        """Every offset in the chain of ``key_hash`` (``index_key_hash``) with that hash, newest first, stopping
-        as RocketMQ does at the first entry older than ``begin`` (no count limit, no upper time bound).
-        ``_walk``'s rules in one loop: a query's candidates are read on every call."""
-        buf, count, entries_at = self.buffer, self.index_count, self._entries_at
-        n = _I32.unpack_from(buf, INDEX_HEADER_SIZE + key_hash % self.hash_slot_num * HASH_SLOT_SIZE)[0]
-        found: list[int] = []
-        if n <= INVALID_INDEX or n > count or count <= 1:
-            return found
-        begin_ts, index_num, unpack = self.begin_timestamp, self.index_num, _ENTRY.unpack_from
-        for _ in range(count):
-            if n >= index_num:
-                break
-            hash_read, phy_read, time_diff, prev = unpack(buf, entries_at + n * INDEX_ENTRY_SIZE)
-            if time_diff < 0:
-                break
-            if hash_read == key_hash:
-                found.append(phy_read)
-            if prev <= INVALID_INDEX or prev > count or prev == n or begin_ts + time_diff * 1000 < begin:
-                break
-            n = prev
-        return found
-
     def _walk(self, slot: int, begin: int) -> Iterator[tuple[int, int, int]]:
         """(keyHash, phyOffset, decoded time) of each entry of a slot's chain, with RocketMQ's stop rules."""
         buf = self.buffer
@@ -272,6 +262,7 @@ class IndexFile:
             raise FlushError(exc.errno, f"msync of {self.path} failed: {exc.strerror}") from exc
 
     def close(self) -> None:
+        self._array = None  # the view would keep the mapping from closing
         close_mapping(self._mm, self._fd)
         self._mm, self._fd = None, -1
 

@@ -30,13 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import StoreCheckpoint
-from ..codec._kernels import index_key_hash_utf8
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..errors import CorruptDataError
 from ..mapped.file import STAGING_DIR
 from ..message import SysFlag
-from .bulk import put_hashes
+from .bulk import key_candidates, put_hashes
 from .file import INDEX_HEADER_SIZE, IndexFile
 
 INDEX_DIR = "index"
@@ -91,7 +90,7 @@ class IndexService:
         self.read_only = read_only
         self.hash_slot_num = config.max_hash_slot_num
         self.index_num = config.max_index_num
-        self.files: list[IndexFile] = []
+        self.files: tuple[IndexFile, ...] = ()  # replaced, never changed in place: queries read it unlocked
         self.lock = threading.RLock()
         self._clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.dirty = False
@@ -109,8 +108,8 @@ class IndexService:
         names = sorted(e.name for e in os.scandir(self.directory) if _NAME.fullmatch(e.name))
         for name in names:
             try:
-                self.files.append(IndexFile.open(self.directory / name, self.hash_slot_num, self.index_num,
-                                                 read_only=self.read_only))
+                self.files += (IndexFile.open(self.directory / name, self.hash_slot_num, self.index_num,
+                                              read_only=self.read_only),)
             except CorruptDataError as exc:
                 log.error("index file %s is damaged: %s", name, exc)
                 if not self.read_only:
@@ -120,7 +119,7 @@ class IndexService:
     def _set_aside(self) -> None:
         for index in self.files:
             index.close()
-        self.files = []
+        self.files = ()
         target = self.directory.parent / "recovery" / f"index-{time.strftime('%Y%m%d%H%M%S')}"
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(self.directory, target)
@@ -141,7 +140,7 @@ class IndexService:
                 if newest.index_count > 1 and newest.begin_phy_offset >= log_end and len(self.files) > 1:
                     removed += newest.index_count - 1
                     newest.destroy()
-                    self.files.pop()
+                    self.files = self.files[:-1]
                     continue
                 removed += _repair_file(newest, log_end, store_time)
                 break
@@ -169,7 +168,7 @@ class IndexService:
                             "holds are not found until a writer opens the store and rebuilds it",
                             index.path.name, problem)
                 self.damaged.append(index.path.name)
-                self.files.remove(index)
+                self.files = tuple(f for f in self.files if f is not index)
                 index.close()
             return not self.damaged
 
@@ -193,7 +192,7 @@ class IndexService:
         created = IndexFile.create(self.directory / index_file_name(now), self.hash_slot_num, self.index_num,
                                    end_phy, end_ts, preallocate=self.config.preallocate,
                                    staging=self.directory.parent / STAGING_DIR)
-        self.files.append(created)
+        self.files += (created,)
         return created
 
     def end_phy_offset(self) -> int:
@@ -300,14 +299,13 @@ class IndexService:
         The time window is widened by the index's one-second rounding; callers check the real
         store time and the real key. A list, not a generator: a query reads every chain anyway.
         """
-        key_hash = index_key_hash_utf8(build_key(topic, key).encode("utf-8", "surrogatepass"))
-        with self.lock:
-            files = self.files[::-1]
+        key_utf8 = build_key(topic, key).encode("utf-8", "surrogatepass")
+        files = self.files[::-1]
         widened_begin = max(0, begin - 1000)
         found: list[int] = []
         for index in files:
             if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
-                found += index.phy_offsets_of(key_hash, widened_begin)
+                found += key_candidates(index, key_utf8, widened_begin)
             if index.begin_timestamp < widened_begin:
                 break
         return found
@@ -340,7 +338,7 @@ class IndexService:
                     break
             for index in self.files[:doomed]:
                 index.destroy()
-            del self.files[:doomed]
+            self.files = self.files[doomed:]
             return doomed
 
     def close(self) -> None:
@@ -350,7 +348,7 @@ class IndexService:
                     index.flush()
             for index in self.files:
                 index.close()
-            self.files = []
+            self.files = ()
 
 
 def _repair_file(index: IndexFile, log_end: int, store_time: StoreTimeLookup) -> int:
