@@ -73,7 +73,8 @@ class MessageExt:
     """A stored message, decoded. Field names follow RocketMQ's ``MessageExt`` in snake_case.
 
     ``msg_id`` is the offset message id (store host + commit-log offset), as ``MessageDecoder``
-    sets it; ``uniq_key`` is the producer's id (what consumers call msgId).
+    sets it (made from those two when first read if given as None: a key query builds messages whose id
+    nobody reads); ``uniq_key`` is the producer's id (what consumers call msgId).
 
     ``properties`` may be given as the record's properties text: it is parsed on first use, and ``keys``,
     ``tags`` and ``uniq_key`` read their one value from the text until then (a key query checks KEYS of every
@@ -81,8 +82,8 @@ class MessageExt:
     ``replace`` for a changed copy (as ``dataclasses.replace``).
     """
 
-    __slots__ = ("_properties", "body", "body_crc", "born_host", "born_timestamp", "commit_log_offset", "flag",
-                 "magic_code", "msg_id", "prepared_transaction_offset", "queue_id", "queue_offset", "reconsume_times",
+    __slots__ = ("_msg_id", "_properties", "body", "body_crc", "born_host", "born_timestamp", "commit_log_offset",
+                 "flag", "magic_code", "prepared_transaction_offset", "queue_id", "queue_offset", "reconsume_times",
                  "store_host", "store_size", "store_timestamp", "sys_flag", "topic")
     __match_args__ = _EXT_FIELDS
     __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
@@ -90,7 +91,7 @@ class MessageExt:
     def __init__(self, topic: str, body: bytes, queue_id: int, flag: int, queue_offset: int, commit_log_offset: int,
                  sys_flag: int, born_timestamp: int, born_host: Host, store_timestamp: int, store_host: Host,
                  reconsume_times: int, prepared_transaction_offset: int, body_crc: int,
-                 properties: dict[str, str] | str, store_size: int, msg_id: str, magic_code: int = 0) -> None:
+                 properties: dict[str, str] | str, store_size: int, msg_id: str | None, magic_code: int = 0) -> None:
         self.topic = topic
         self.body = body
         self.queue_id = queue_id
@@ -107,8 +108,20 @@ class MessageExt:
         self.body_crc = body_crc
         self._properties = properties
         self.store_size = store_size
-        self.msg_id = msg_id
+        self._msg_id = msg_id
         self.magic_code = magic_code
+
+    @property
+    def msg_id(self) -> str:
+        msg_id = self._msg_id
+        if msg_id is None:
+            raw = self.store_host.to_bytes() + self.commit_log_offset.to_bytes(8, "big", signed=True)
+            msg_id = self._msg_id = raw.hex().upper()
+        return msg_id
+
+    @msg_id.setter
+    def msg_id(self, value: str) -> None:
+        self._msg_id = value
 
     @property
     def properties(self) -> dict[str, str]:

@@ -262,14 +262,16 @@ class StoreReader:
         """Messages of ``topic`` whose KEYS contain ``key``, stored in [begin, end]; newest ``max_num``,
         returned oldest first (``queryMessage``, with the client's exact filter applied)."""
         max_num = min(max_num, self.config.max_msgs_num_batch)
-        return self._verified(topic, key, max_num, begin, LONG_MAX if end is None else end,
-                              lambda m: m.has_key(key))
+        return self._verified(topic, key, max_num, begin, LONG_MAX if end is None else end, False)
 
     def query_by_uniq_key(self, topic: str, uniq_key: str, max_num: int | None = None) -> list[MessageExt]:
         limit = self.config.default_query_max_num if max_num is None else max_num
-        return self._verified(topic, uniq_key, limit, 0, LONG_MAX, lambda m: m.uniq_key == uniq_key)
+        return self._verified(topic, uniq_key, limit, 0, LONG_MAX, True)
 
-    def _verified(self, topic: str, key: str, max_num: int, begin: int, end: int, matches) -> list[MessageExt]:
+    def _verified(self, topic: str, key: str, max_num: int, begin: int, end: int, by_uniq_key: bool
+                  ) -> list[MessageExt]:
+        """The candidates' records that really are ``topic``'s (or parked for it), stored in [begin, end], with
+        ``key`` among their KEYS (or as their UNIQ_KEY): a hash match proves nothing."""
         if self.index is None or max_num <= 0:
             return []
         found: dict[int, MessageExt] = {}
@@ -282,7 +284,8 @@ class StoreReader:
                 msg = get_message(phy)
             except (MessageNotFoundError, CorruptDataError):
                 continue
-            if not begin <= msg.store_timestamp <= end or not matches(msg):
+            if (not begin <= msg.store_timestamp <= end
+                    or not (msg.uniq_key == key if by_uniq_key else msg.has_key(key))):
                 continue
             if msg.topic != topic:
                 if msg.topic not in PARKED_TOPICS or msg.get_property("REAL_TOPIC") != topic:

@@ -288,7 +288,8 @@ def decode_record(buf, pos: int = 0, limit: int | None = None, *, check_crc: boo
 def decode_v4_at(buf, pos: int, limit: int, phy_offset: int, *, check_crc: bool,
                  read_body: bool = True) -> MessageExt | None:
     """The record at ``buf[pos]`` that says it is at ``phy_offset``, checked and decoded from one unpack of its
-    88 fixed bytes: the common layout of a single-message read (two IPv4 hosts).
+    88 fixed bytes: the common layout of a single-message read (two IPv4 hosts). ``buf`` is a mapping or
+    ``bytes``, whose slices are ``bytes`` already.
 
     ``None`` whenever this form does not apply or a check fails (an IPv6 host, another offset, a blank, any
     damage): the caller then takes ``read_layout``'s path, which names the failure. What it accepts is exactly
@@ -324,14 +325,14 @@ def decode_v4_at(buf, pos: int, limit: int, phy_offset: int, *, check_crc: bool,
     props_pos = topic_pos + topic_len + 2
     if _I16.unpack_from(buf, props_pos - 2)[0] != stop - props_pos:
         return None
-    body = bytes(buf[body_pos:topic_len_pos]) if read_body or check_crc else b""
+    body = buf[body_pos:topic_len_pos] if read_body or check_crc else b""
     if check_crc and body_len > 0 and zlib.crc32(body) & 0x7FFFFFFF != crc:
         return None
-    return MessageExt(bytes(buf[topic_pos : props_pos - 2]).decode("utf-8", "replace"), body if read_body else b"",
+    return MessageExt(buf[topic_pos : props_pos - 2].decode("utf-8", "replace"), body if read_body else b"",
                       queue_id, flag, queue_offset, phy, sys_flag, born_ts, host_of(born_raw), store_ts,
                       host_of(store_host_raw), reconsume, prepared, crc,
-                      bytes(buf[props_pos:stop]).decode("utf-8", "replace"), size,  # properties: parsed when used
-                      (store_host_raw + phy.to_bytes(8, "big", signed=True)).hex().upper(), magic)
+                      buf[props_pos:stop].decode("utf-8", "replace"), size,  # properties: parsed when used
+                      None, magic)  # msg_id: made when read
 
 
 def message_from_layout(buf, pos: int, layout: RecordLayout, *, read_body: bool = True,
