@@ -323,8 +323,15 @@ def test_query_messages_arrow_refuses_what_is_not_a_list_of_pairs(many_keys_stor
     from rocketstore.errors import InvalidQueryError
 
     store, _stamps = many_keys_store
-    for bad in ("Tk", [("T2",)], [("T2", 5)], [None], [("T2", "k7", "x")], 7):
+    for bad in ("Tk", [("T2",)], [("T2", 5)], [None], [("T2", "k7", "x")], 7, ["ab"], [("T2", "k7"), ("T2",)],
+                [("T2", "k7"), ["T2", b"k7"]], [("T2", "k7", "x"), ("T2", "k7", "y")]):
         with pytest.raises(InvalidQueryError):
             store.query_messages_arrow(bad)
     assert store.query_messages_arrow(iter([("T2", "k27")])).num_rows == 0, "any iterable of pairs"
     assert store.query_messages_arrow([["T2", "k7"]]).num_rows == 4
+    assert store.query_messages_arrow([["T2", "k7"], ("T2", "k7")]).num_rows == 8
+
+    class Text(str):
+        pass
+
+    assert store.query_messages_arrow([(Text("T2"), Text("k7"))]).num_rows == 4, "str subclasses are strings"

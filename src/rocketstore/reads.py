@@ -325,7 +325,7 @@ class StoreReader:
         topics, keys = _query_columns(queries)
         if self.index is None or max_num <= 0 or not topics:
             return pa.RecordBatch.from_pylist([], schema=schema)
-        hashes = index_key_hashes([build_key(t, k) for t, k in zip(topics, keys, strict=True)])
+        hashes = index_key_hashes(list(map(build_key, topics, keys)))
         widened_begin = max(0, begin - 1000)
         with self.index.lock:
             files = list(self.index.files)
@@ -428,10 +428,25 @@ class StoreReader:
             offset = result.next_begin_offset
 
 
+_PAIR_TYPES = {tuple, list}
+_STR = {str}
+
+
 def _query_columns(queries) -> tuple[list[str], list[str]]:
     """(topics, keys) of a sequence of (topic, key) string pairs; ``InvalidQueryError`` names the first bad one."""
     if isinstance(queries, str | bytes) or not isinstance(queries, Iterable):
         raise InvalidQueryError(f"queries must be a sequence of (topic, key) pairs, not {type(queries).__name__}")
+    queries = queries if type(queries) is list or type(queries) is tuple else list(queries)
+    if not queries:
+        return [], []
+    if {type(pair) for pair in queries} <= _PAIR_TYPES:  # the usual call, checked column by column in C
+        try:
+            topic_column, key_column = zip(*queries, strict=True)
+        except ValueError:
+            pass  # a pair of another length: named below
+        else:
+            if set(map(type, topic_column)) == _STR and set(map(type, key_column)) == _STR:
+                return list(topic_column), list(key_column)
     topics: list[str] = []
     keys: list[str] = []
     for n, pair in enumerate(queries):
