@@ -47,6 +47,17 @@ DISPATCH_REST = 0.001
 # group commit by its own cost (4 writer threads: 9,400 puts/s with 1 ms rests, 12,700 with 10 ms, 13,200
 # with no dispatcher at all). Consumers then see a message up to 10 ms after its flush.
 DISPATCH_REST_SYNC = 0.01
+# How far (bytes of log) dispatch may fall behind before a put waits for it. A producer that runs Python
+# without pause holds the GIL; the dispatcher gives the GIL up at every compiled kernel and large numpy call
+# and waits up to the switch interval (5 ms) to get it back, so under one busy producer a round of 8,192
+# records took ~300 ms of wall for ~30 ms of work and the lag grew without bound (put_messages(32) for 4 s:
+# 286 MB of log, a million messages no consumer could see). A put that finds dispatch further behind
+# than this waits, with the GIL released, until it is back under half of it; the wait gives up after
+# KEEP_UP_TIMEOUT, and never fails the put, which is already written. 16 MB (~60,000 small messages, ~0.1 s
+# of ingest here) costs put_batch ~10% against an unbounded lag (4 MB: half); ingest figures include the
+# time to dispatch everything, so they were never faster for letting the lag grow.
+MAX_DISPATCH_LAG = 16 << 20
+KEEP_UP_TIMEOUT = 1.0
 _FIELDS = struct.Struct(">iiqq")  # queue id, flag, queue offset, phy offset at record position 12
 _TS = struct.Struct(">q")
 
@@ -127,6 +138,7 @@ class Dispatcher:
         self.reput_from_offset = 0
         self.rounds = 0  # dispatch rounds that delivered records (consumers wait on it)
         self.attempts = 0  # dispatch rounds started (a waiter judges a failure by a round after it came)
+        self.held_back = 0  # puts that waited for dispatch to catch up (keep_up)
         self._on_logic_timestamp = on_logic_timestamp
         self._cond = threading.Condition()
         self._work = threading.Event()
@@ -318,6 +330,26 @@ class Dispatcher:
                     return False
                 self._cond.wait(min(remaining, 0.05))
         return True
+
+    def keep_up(self) -> None:
+        """Called by a producer after its put: wait while dispatch is more than ``MAX_DISPATCH_LAG`` behind."""
+        end = self.confirm_offset()
+        if end - self.reput_from_offset <= MAX_DISPATCH_LAG:
+            return
+        thread = self._thread
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            return  # no thread to wait for (stopped, or this put comes from a dispatch round)
+        target = end - MAX_DISPATCH_LAG // 2
+        deadline = time.monotonic() + KEEP_UP_TIMEOUT
+        with self._cond:
+            self.held_back += 1
+            while self.reput_from_offset < target and self.health.dispatch_error is None and thread.is_alive():
+                self._work.set()
+                self._urgent.set()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._cond.wait(min(remaining, 0.05))
 
     def behind_bytes(self) -> int:
         return max(0, self.commit_log.max_offset - self.reput_from_offset)

@@ -432,6 +432,7 @@ class MessageStore:
             if not self.flusher.wait_flushed(phy + len(pending.data)):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
+        self.dispatcher.keep_up()
         host = self._store_host_hex
         results = []
         for uniq_key, queue_offset, size in zip(pending.uniq_keys, queue_offsets, pending.sizes, strict=True):
@@ -462,6 +463,7 @@ class MessageStore:
             if not self.flusher.wait_flushed(int(phys[-1] + batch.sizes[-1])):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
+        self.dispatcher.keep_up()
         from .codec.batch_encode import offset_msg_ids, uniq_key_strings
 
         # the ids are made on first read from what they need, not from the batch (its records stay unreferenced)
