@@ -45,13 +45,15 @@ from .mapped.file import STAGING_DIR, MappedFile, deleted_under, reading
 from .mapped.file_queue import MappedFileQueue
 from .message import MessageExt
 
-_BYTES_8 = np.arange(8, dtype=np.int64)
 _I64 = struct.Struct(">q")
 
 
 def _put_i64(data: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
-    """Write big-endian i64 ``values`` at byte ``positions`` of ``data`` (one scatter for the whole batch)."""
-    data[positions[:, None] + _BYTES_8] = values.astype(">i8").view(np.uint8).reshape(-1, 8)
+    """Write big-endian i64 ``values`` at byte ``positions`` of ``data`` (one compiled loop for the batch; a
+    numpy scatter of 8 bytes per row was 0.15 ms per 10,000 rows, three times per ``put_batch``)."""
+    from .codec._kernels import put_be64_at  # numba loads with the first batch, not with the CLI
+
+    put_be64_at(data, positions.astype(np.int64, copy=False), values.astype(np.int64, copy=False))
 
 if TYPE_CHECKING:
     from .codec.batch_encode import EncodedBatch

@@ -110,6 +110,14 @@ def _put_be64(buf, p, v):
 
 
 @njit(cache=True, nogil=True)
+def put_be64_at(buf, positions, values):
+    """Write each ``values[i]`` as a big-endian i64 at byte ``positions[i]`` (a batch's queue offsets, store
+    time and commit-log offsets, written into its encoded records once they are known)."""
+    for i in range(positions.size):
+        _put_be64(buf, positions[i], values[i])
+
+
+@njit(cache=True, nogil=True)
 def encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off, topic_data, topic_index, queue_ids,
               flags, born_ts, born_hosts, store_host):
     """Records back to back into ``out`` for the common layout (IPv4 hosts, one-byte topic lengths): the fixed
