@@ -107,7 +107,8 @@ def property_bytes(draw) -> bytes:
     if draw(st.booleans()):
         pieces.append(draw(st.sampled_from([b"\x02", b"\x01\x02", b"x\x01\x02", b"\x01y\x02", b"ab", b"a\x01b",
                                             b"KEYS\x01dup\x02", b"\xff\x01\xfe\x02", b"T\x01\xe2\x82\x02",
-                                            b"a\x01b\x01c\x02", b"\xed\xa0\x80\x01s\x02", b"TAGS\x01t\x01u\x02"])))
+                                            b"a\x01b\x01c\x02", b"\xed\xa0\x80\x01s\x02", b"TAGS\x01t\x01u\x02",
+                                            b"TAGSX\x01no\x02", b"KEYS\x02", b"UNIQ_KE\x01no\x02"])))
     draw(st.randoms()).shuffle(pieces)
     return b"".join(pieces)
 
@@ -531,3 +532,82 @@ def test_partition_reader_equals_the_per_record_reader_with_filters_skips_and_di
 
     assert [(item["offset"], item["bytes"]) for item in corrupt_report(tmp_path / "bad")] == skipped
     assert len(skipped) == 3
+
+
+@SETTINGS
+@given(data=segments(), check_crc=st.booleans(), rows=st.integers(1, 9))
+def test_dispatch_fields_equal_the_one_record_path(data, check_crc, rows):
+    """``decode_dispatch`` (one compiled pass: fields, topics, tags codes, index hashes) against the record codec's
+    ``dispatch_request`` for each record the layout walk accepts, on odd properties, foreign text and damage,
+    decoded in steps of ``rows``; the stop is the walk's."""
+    from rocketstore.codec.batch import decode_dispatch
+    from rocketstore.codec.hashing import index_key_hash
+    from rocketstore.dispatch import dispatch_request
+    from rocketstore.index.service import build_key, index_keys
+
+    config = StoreConfig()
+    want, starts, pos = [], [], 0
+    while pos < len(data):
+        try:
+            layout = read_layout(data, pos, len(data), check_crc=check_crc)
+        except CorruptDataError:
+            break
+        if layout is None:
+            break
+        want.append(dispatch_request(data, pos, layout, config))
+        starts.append(pos)
+        pos += layout.size
+    got, start = [], 0
+    while True:
+        batch, stop = decode_dispatch(data, start, len(data), base=0, max_rows=rows, check_crc=check_crc)
+        owners = batch.entry_owner.tolist()
+        for r in range(len(batch)):
+            text = data[batch.pos[r]:batch.pos[r] + batch.size[r]]
+            got.append((int(batch.pos[r]), int(batch.phy[r]), int(batch.size[r]), int(batch.queue_id[r]),
+                        int(batch.queue_offset[r]), int(batch.sys_flag[r]), int(batch.store_ts[r]),
+                        batch.topics[batch.topic_code[r]], bool(batch.slow[r]), int(batch.tags_code[r]),
+                        [int(h) for h, o in zip(batch.entry_hash.tolist(), owners, strict=True) if o == r], text))
+        if stop.kind is not StopKind.LIMIT:
+            break
+        start = stop.offset
+    assert len(got) == len(want)
+    assert [row[0] for row in got] == starts
+    for row, req in zip(got, want, strict=True):
+        pos_, phy, size, queue_id, queue_offset, sys_flag, store_ts, topic, slow, tags_code, hashes, text = row
+        assert (pos_, phy, size, queue_id, queue_offset, sys_flag, store_ts, topic) == (
+            pos_, req.commit_log_offset, req.size, req.queue_id, req.queue_offset, req.sys_flag, req.store_timestamp,
+            req.topic)
+        raw = read_layout(data, pos_, len(data))
+        props = data[raw.props_pos:raw.props_pos + raw.props_len]
+        foreign = True
+        try:
+            data[raw.topic_pos:raw.topic_pos + raw.topic_len].decode()
+            props.decode()
+            foreign = False
+        except UnicodeDecodeError:
+            pass
+        assert slow == foreign, text
+        if not slow:
+            assert tags_code == req.tags_code
+            assert hashes == [index_key_hash(build_key(req.index_topic, key))
+                              for key in index_keys(req.uniq_key, req.keys)], props
+    assert stop.offset == pos  # where the reference walk stopped
+
+
+def test_dispatch_numbers_many_topics_and_topics_whose_hashes_collide():
+    """The compiled topic table grows past its first size, and topics with one hash ("Aa" and "BB" have the same
+    ``hashCode``) stay apart; a topic's number is the same everywhere in the batch."""
+    from rocketstore.codec.batch import decode_dispatch
+
+    names = [f"t{i}" for i in range(150)] + ["Aa", "BB", "AaAa", "BBBB", "AaBB", "BBAa", ""]
+    order = [names[(7 * i) % len(names)] for i in range(3 * len(names))]
+    data = bytearray()
+    for topic in order:
+        data += encode_record(topic=topic.encode(), body=b"x", properties=b"TAGS\x01t\x02", queue_id=0, flag=0,
+                              sys_flag=0, born_timestamp=0, born_host=V4_HOSTS[0].to_bytes(),
+                              store_host=V4_HOSTS[0].to_bytes(), reconsume_times=0, prepared_transaction_offset=0,
+                              queue_offset=0, phy_offset=len(data), store_timestamp=0, version=MAGIC_V1)
+    batch, stop = decode_dispatch(bytes(data), 0, len(data), base=0)
+    assert stop.kind is StopKind.END and len(batch) == len(order)
+    assert [batch.topics[c] for c in batch.topic_code] == order
+    assert sorted(batch.topics) == sorted(names)  # each once

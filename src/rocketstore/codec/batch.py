@@ -374,31 +374,34 @@ def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None =
     arr = as_array(buf)
     try:
         limit = len(arr) if limit is None else min(limit, len(arr))
-        f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max_rows, DEFAULT_MAX_BYTES)
+        fields_end = min(end, limit)
+        if check_crc:  # verify's pass: the CRC walk first, then the dispatch fields of what it accepted
+            _f, crc_n, crc_pos = k.walk(arr, start, fields_end, limit, True, max_rows, DEFAULT_MAX_BYTES)
+            fields_end = min(fields_end, crc_pos)
+        d, n, pos, ok, count, rep_pos, rep_len, entry_hash, owner = k.dispatch_walk(
+            arr, start, fields_end, limit, max_rows, DEFAULT_MAX_BYTES, _NAMES[PropertyName.UNIQ_KEY],
+            _NAMES[PropertyName.TAGS], _NAMES[PropertyName.KEYS])
+        if check_crc:
+            n, pos = crc_n, crc_pos
         stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, DEFAULT_MAX_BYTES)
-        f = np.ascontiguousarray(f[:, :n])
-        topics, topic_code = _intern_topics(buf, arr, f[k.F_TOPIC_POS], f[k.F_TOPIC_LEN])
-        slow = ~k.text_ok(arr, f, n)
-        for slow_topic in slow_topics:
-            if slow_topic in topics:
-                slow |= topic_code == topics.index(slow_topic)
-        fast = np.flatnonzero(~slow)
-        g = f[:, fast] if len(fast) < n else f
-        found, found_len = k.find_properties(
-            arr, g[k.F_PROPS_POS], g[k.F_PROPS_LEN], _NAMES[PropertyName.UNIQ_KEY], _NAMES[PropertyName.TAGS],
-            _NAMES[PropertyName.KEYS])
-        key_offsets, tok_pos, tok_len = k.split_keys(arr, found[2], found_len[2])
-        fast_tags, entry_hash, owner = k.dispatch_hashes(arr, g[k.F_TOPIC_POS], g[k.F_TOPIC_LEN], found[0],
-                                                         found_len[0], found[1], found_len[1], key_offsets,
-                                                         tok_pos, tok_len)
     finally:
         del arr
-    tags_code = np.zeros(n, dtype=np.int64)
-    tags_code[fast] = fast_tags
-    batch = DispatchBatch(pos=f[k.F_POS], phy=f[k.F_PHY_OFFSET], size=f[k.F_SIZE], queue_id=f[k.F_QUEUE_ID],
-                          queue_offset=f[k.F_QUEUE_OFFSET], sys_flag=f[k.F_SYS_FLAG], store_ts=f[k.F_STORE_TS],
+    d = d[:, :n]
+    topics = [bytes(buf[p : p + m]).decode("utf-8", "replace")
+              for p, m in zip(rep_pos[:count].tolist(), rep_len[:count].tolist(), strict=True)]
+    topic_code = d[k.D_TOPIC].astype(np.int32)
+    slow = ~ok[:n]
+    tags_code = d[k.D_TAGS]
+    parked = [topics.index(name) for name in slow_topics if name in topics]
+    if parked:  # their tags code and keys are the real topic's: the one-record path makes them
+        slow |= np.isin(topic_code, parked)
+        tags_code = np.where(slow, 0, tags_code)
+        keep = ~slow[owner]
+        entry_hash, owner = entry_hash[keep], owner[keep]
+    batch = DispatchBatch(pos=d[k.D_POS], phy=d[k.D_PHY], size=d[k.D_SIZE], queue_id=d[k.D_QUEUE_ID],
+                          queue_offset=d[k.D_QUEUE_OFFSET], sys_flag=d[k.D_SYS_FLAG], store_ts=d[k.D_STORE_TS],
                           topic_code=topic_code, topics=topics, tags_code=tags_code, entry_hash=entry_hash,
-                          entry_owner=fast[owner], slow=slow)
+                          entry_owner=owner, slow=slow)
     return batch, stop
 
 
