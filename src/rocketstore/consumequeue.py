@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .codec._kernels import put_queue_units
 from .config import StoreConfig
 from .errors import CorruptDataError
 from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, retry_evicted
@@ -215,20 +216,13 @@ class ConsumeQueue:
                 i += 1
                 continue
             room = (mapped.file_size - mapped.wrote_position) // CQ_UNIT_SIZE
-            stop = min(n, i + room)
-            steps = np.flatnonzero(np.diff(queue_offsets[i:stop]) != 1)
-            if len(steps):
-                stop = i + int(steps[0]) + 1
-            count = stop - i
-            units = np.zeros(count, dtype=UNIT_DTYPE)
-            units["phy"], units["tags"] = phy_offsets[i:stop], tags_codes[i:stop]
             pos = mapped.wrote_position
-            mapped.write(pos, units.tobytes())
-            view = np.frombuffer(mapped.buffer, dtype=UNIT_DTYPE, count=count, offset=pos)
+            target = np.frombuffer(mapped.buffer, dtype=np.uint8)
             try:
-                view["size"] = sizes[i:stop]
+                count = put_queue_units(target, pos, room, queue_offsets, phy_offsets, sizes, tags_codes, i)
             finally:
-                del view  # an exported view would keep the mapping from ever closing
+                del target  # an exported view would keep the mapping from ever closing
+            stop = i + count
             mapped.wrote_position = pos + count * CQ_UNIT_SIZE
             self.max_physic_offset = int(ends[stop - 1])
             written += count

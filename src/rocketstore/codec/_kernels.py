@@ -235,6 +235,25 @@ def plain_properties(uniq_raw, tags_off, tags_data, has_tags, list_off, key_off,
 
 
 @njit(cache=True, nogil=True)
+def put_queue_units(buf, pos, room, queue_offsets, phy, sizes, tags, i):
+    """Write consume-queue units (phy i64, size i32, tags i64, big-endian) at ``buf[pos:]`` for rows ``i``,
+    ``i + 1``, ... while their queue offsets run on by one and ``room`` units fit; returns how many. Offsets and
+    tags codes go in first and the sizes after, so a unit a kill tears in the middle keeps size 0 (invalid)."""
+    n = min(queue_offsets.size - i, room)
+    count = 1 if n > 0 else 0
+    while count < n and queue_offsets[i + count] == queue_offsets[i + count - 1] + 1:
+        count += 1
+    for u in range(count):
+        p = pos + 20 * u
+        _put_be64(buf, p, phy[i + u])
+        _put_be32(buf, p + 8, 0)
+        _put_be64(buf, p + 12, tags[i + u])
+    for u in range(count):
+        _put_be32(buf, pos + 20 * u + 8, sizes[i + u])
+    return count
+
+
+@njit(cache=True, nogil=True)
 def first_bad_text(offsets, data, check, forbid_space, allow_empty):
     """The first string ``j`` with ``check[j]`` (``data[offsets[j]:offsets[j+1]]``) that holds a property
     separator (\\x01, \\x02), with ``forbid_space`` a space (the KEYS separator), or unless ``allow_empty`` is

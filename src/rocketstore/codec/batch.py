@@ -151,6 +151,8 @@ def load_dispatch_kernels() -> None:
     empty = np.zeros(MIN_DISPATCH_PROBE, dtype=np.uint8)
     decode_dispatch(empty, 0, 0, base=0)
     validate_records(empty, 0, 0)
+    none = np.zeros(0, dtype=np.int64)
+    k.put_queue_units(empty, 0, 0, none, none, none, none, 0)  # consume-queue runs
 
 
 MIN_DISPATCH_PROBE = 8
