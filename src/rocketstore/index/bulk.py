@@ -79,8 +79,8 @@ def put_hashes(index: IndexFile, key_hashes: np.ndarray, phy_offsets: np.ndarray
     stamps = np.ascontiguousarray(timestamps[:m], dtype=np.int64)
     buf = np.frombuffer(index.buffer, dtype=np.uint8)
     try:
-        put, new_slots, _begin = _k.put_entries(buf, index.hash_slot_num, index.index_num, c0,
-                                                index.begin_timestamp, hashes, phys, stamps)
+        put, new_slots, _begin, _touched = _k.put_entries(buf, index.hash_slot_num, index.index_num, c0,
+                                                          index.begin_timestamp, hashes, phys, stamps)
     finally:
         del buf  # no view of the mapping may outlive the call: the file must stay closable
     if c0 <= 1:
