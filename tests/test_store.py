@@ -107,6 +107,25 @@ def test_batch_is_contiguous_shares_store_time_and_moves_whole_to_next_segment(t
         assert b.commit_log_offset == a.commit_log_offset + a.store_size
 
 
+@pytest.mark.parametrize("count", [1, 3, 12])  # 12: the compiled encoding path of larger puts
+def test_each_result_names_its_own_record(tmp_path, small_config, count):
+    """Every field of every result of a put is that message's: its msgId reads back its body, its offset and
+    size are where the record is, its UNIQ_KEY is the one stored with it."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.put_message(Message("T", b"first"))
+        batch = [Message(f"T{i % 2}", f"body-{i}".encode() * (1 + i % 3), tags="t", keys=[f"k{i}"])
+                 for i in range(count)]
+        results = store.put_messages(batch)
+        assert len(results) == count
+        for msg, result in zip(batch, results, strict=True):
+            assert result.ok and type(result.msg_id) is str and type(result.commit_log_offset) is int
+            assert decode_offset_msg_id(result.msg_id)[1] == result.commit_log_offset
+            stored = store.view_message_by_id(result.msg_id)
+            assert stored.body == msg.body and stored.uniq_key == result.uniq_key
+            assert stored.store_size == result.store_size and stored.queue_offset == result.queue_offset
+            assert stored.store_timestamp == result.store_timestamp
+
+
 def test_batch_may_span_topics_and_queues(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         results = store.put_messages([Message("A", b"1"), Message("B", b"2", queue_id=5), Message("A", b"3")])

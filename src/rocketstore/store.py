@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -433,12 +435,7 @@ class MessageStore:
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
         self.dispatcher.keep_up()
-        host = self._store_host_hex
-        results = []
-        for uniq_key, queue_offset, size in zip(pending.uniq_keys, queue_offsets, pending.sizes, strict=True):
-            results.append(PutMessageResult(status, f"{host}{phy:016X}", uniq_key, phy, queue_offset, store_ts, size))
-            phy += size
-        return results
+        return put_results(status, self._store_host_hex, phy, pending.uniq_keys, queue_offsets, store_ts, pending.sizes)
 
     def put_batch(self, table) -> PutBatchResult:
         """Store a ``pyarrow.Table``/``RecordBatch`` of messages, encoded column-wise (the fast way in).
@@ -722,3 +719,17 @@ def _clear_staging(staging: Path) -> None:
             shutil.rmtree(entry.path, ignore_errors=True)  # a rebuild killed before it was complete
 
 
+_new_put_result = functools.partial(tuple.__new__, PutMessageResult)
+
+
+def put_results(status: PutMessageStatus, host_hex: str, first: int, uniq_keys: Sequence[str | None],
+                queue_offsets: Sequence[int], store_ts: int, sizes: Sequence[int]) -> list[PutMessageResult]:
+    """One ``PutMessageResult`` per record of a put, built by C loops: the offsets' hex in one pass and the tuples
+    made from ``zip`` (a Python loop with an f-string and the named tuple's ``__new__`` per record was 0.5-0.9
+    us a message, a sixth of ``put_messages(32)``)."""
+    n = len(sizes)
+    phys = list(itertools.accumulate(sizes[: n - 1], initial=first))
+    hexes = struct.pack(f">{n}q", *phys).hex().upper()
+    ids = [host_hex + hexes[i : i + 16] for i in range(0, 16 * n, 16)]
+    return list(map(_new_put_result, zip(itertools.repeat(status, n), ids, uniq_keys, phys, queue_offsets,
+                                          itertools.repeat(store_ts, n), sizes, strict=True)))
