@@ -115,8 +115,13 @@ def test_each_result_names_its_own_record(tmp_path, small_config, count):
         store.put_message(Message("T", b"first"))
         batch = [Message(f"T{i % 2}", f"body-{i}".encode() * (1 + i % 3), tags="t", keys=[f"k{i}"])
                  for i in range(count)]
+        # records of two layouts in one put (the store time sits 12 bytes later after an IPv6 born host) and
+        # the per-message path's properties: a put that the compiled stamping takes whole
+        batch += [Message("T0", b"v6", born_host="[2001:db8::7]:4000", queue_id=1),
+                  Message("T1", b"props", properties={"a": "b"}, born_timestamp=5)]
         results = store.put_messages(batch)
-        assert len(results) == count
+        assert len(results) == count + 2
+        store.wait_for_dispatch(10)
         for msg, result in zip(batch, results, strict=True):
             assert result.ok and type(result.msg_id) is str and type(result.commit_log_offset) is int
             assert decode_offset_msg_id(result.msg_id)[1] == result.commit_log_offset
@@ -124,6 +129,10 @@ def test_each_result_names_its_own_record(tmp_path, small_config, count):
             assert stored.body == msg.body and stored.uniq_key == result.uniq_key
             assert stored.store_size == result.store_size and stored.queue_offset == result.queue_offset
             assert stored.store_timestamp == result.store_timestamp
+            assert stored.commit_log_offset == result.commit_log_offset
+            assert (stored.topic, stored.queue_id) == (msg.topic, msg.queue_id)
+            queued = store.get_message(msg.topic, msg.queue_id, result.queue_offset, 1).messages
+            assert queued[0].msg_id == result.msg_id
 
 
 def test_batch_may_span_topics_and_queues(tmp_path, small_config):

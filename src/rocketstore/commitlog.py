@@ -46,6 +46,9 @@ from .mapped.file_queue import MappedFileQueue
 from .message import MessageExt
 
 _I64 = struct.Struct(">q")
+# From this many records an append stamps them with one compiled call (~2 us of array set-up) instead of
+# three ``pack_into`` per record (~0.5 us each record).
+_STAMP_MIN = 4
 
 
 def _put_i64(data: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
@@ -83,6 +86,7 @@ class CommitLog:
         self.last_store_timestamp = 0
         self.last_append: tuple[int, int] = (0, 0)  # (end offset, store time) of the newest record
         self._batch_limit = config.mapped_file_size_commit_log - BLANK_RECORD_LEN
+        self._stamp_kernel = None
 
     def load(self) -> None:
         self.mapped_files.load()
@@ -128,30 +132,37 @@ class CommitLog:
                 self.health.fail_flush(exc)
                 raise
             pos = mapped.wrote_position
-            first = phy = mapped.file_from_offset + pos
+            first = mapped.file_from_offset + pos
             offsets = self.queue_offsets
             assigned: dict[tuple[str, int], int] = {}
             queue_offsets = []
-            start = 0
-            pack = _I64.pack_into
-            for topic, queue_id, takes, ts_pos, size in zip(pending.topics, pending.queue_ids,
-                                                             pending.takes_queue_offset, pending.store_ts_pos,
-                                                             pending.sizes, strict=True):
+            for key, takes in zip(zip(pending.topics, pending.queue_ids, strict=True), pending.takes_queue_offset,
+                                  strict=True):
                 queue_offset = 0
                 if takes:
-                    key = (topic, queue_id)
                     queue_offset = assigned.get(key)
                     if queue_offset is None:
                         queue_offset = offsets.get(key, 0)
                     assigned[key] = queue_offset + 1
-                pack(data, start + QUEUE_OFFSET_POS, queue_offset)
-                pack(data, start + PHY_OFFSET_POS, phy)
-                pack(data, start + ts_pos, store_ts)
-                if seal:
-                    seal_property_crc(data, start, size)
                 queue_offsets.append(queue_offset)
-                phy += size
-                start += size
+            if len(queue_offsets) >= _STAMP_MIN and not seal:
+                stamped = self._stamp(np.frombuffer(data, dtype=np.uint8), np.array(pending.sizes, dtype=np.int64),
+                                      np.array(pending.store_ts_pos, dtype=np.int64),
+                                      np.array(queue_offsets, dtype=np.int64), first, store_ts)
+                if stamped != total:  # sizes that do not add up to the data: a bug, never a torn record
+                    raise AssertionError(f"stamped {stamped} bytes of a {total}-byte append")
+            else:
+                start = 0
+                phy = first
+                pack = _I64.pack_into
+                for queue_offset, ts_pos, size in zip(queue_offsets, pending.store_ts_pos, pending.sizes, strict=True):
+                    pack(data, start + QUEUE_OFFSET_POS, queue_offset)
+                    pack(data, start + PHY_OFFSET_POS, phy)
+                    pack(data, start + ts_pos, store_ts)
+                    if seal:
+                        seal_property_crc(data, start, size)
+                    phy += size
+                    start += size
             # everything but the first 8 bytes, then those 8 bytes: the commit point (a process killed
             # between the two leaves a zero size, the end of the log, never half a record)
             view = memoryview(data)
@@ -160,8 +171,16 @@ class CommitLog:
             mapped.wrote_position = pos + total
             offsets.update(assigned)
             self.last_store_timestamp = store_ts
-            self.last_append = (phy, store_ts)
+            self.last_append = (first + total, store_ts)
         return first, queue_offsets, store_ts
+
+    def _stamp(self, data, sizes, store_ts_pos, queue_offsets, phy: int, store_ts: int) -> int:
+        stamp = self._stamp_kernel
+        if stamp is None:  # numba loads with the first put of several records, not with the CLI
+            from .codec._kernels import stamp_records as stamp
+
+            self._stamp_kernel = stamp
+        return stamp(data, sizes, store_ts_pos, queue_offsets, phy, store_ts)
 
     def append_batch(self, batch: EncodedBatch) -> tuple[np.ndarray, np.ndarray, int]:
         """Append a table's records in row order (``put_batch``); returns (phy offsets, queue offsets, store time).

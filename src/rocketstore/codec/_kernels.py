@@ -109,6 +109,24 @@ def _put_be64(buf, p, v):
         u = u >> np.uint64(8)
 
 
+@njit(cache=True)
+def stamp_records(data, sizes, store_ts_pos, queue_offsets, phy, store_ts):
+    """Fill the three fields known only under the put lock into records back to back in ``data``: each one's
+    queue offset, its physical offset (``phy`` for the first) and the store time at ``store_ts_pos[i]``. Holds
+    the GIL: it runs for a microsecond under the put lock, and giving the GIL up there hands it to another
+    thread for up to a switch interval. Returns the bytes covered, or -1 (nothing written past ``data``) when a
+    record would run past the end or is too short to hold its fields."""
+    p = 0
+    for i in range(sizes.size):
+        if p + sizes[i] > data.size or sizes[i] < store_ts_pos[i] + 8 or store_ts_pos[i] < 36:
+            return -1
+        _put_be64(data, p + 20, queue_offsets[i])
+        _put_be64(data, p + 28, phy + p)
+        _put_be64(data, p + store_ts_pos[i], store_ts)
+        p += sizes[i]
+    return p
+
+
 @njit(cache=True, nogil=True)
 def put_be64_at(buf, positions, values):
     """Write each ``values[i]`` as a big-endian i64 at byte ``positions[i]`` (a batch's queue offsets, store
