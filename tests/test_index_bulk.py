@@ -180,8 +180,10 @@ def test_select_batch_equals_select_phy_offsets(tmp_path_factory, puts, slots, m
         index.put_key(key, i * 10, ts)
     begin = 1_700_000_000_000 + min(window) * 1000
     end = 1_700_000_000_000 + max(window) * 1000
-    queries, phys = select_batch(index, index_key_hashes(KEYS), max_num, begin, end)
-    for i, key in enumerate(KEYS):
+    asked = KEYS * 4  # more queries than the walk has lanes (16): lanes refill while others still walk
+    queries, phys = select_batch(index, index_key_hashes(asked), max_num, begin, end)
+    assert (np.diff(queries) >= 0).all()  # grouped by query, in query order
+    for i, key in enumerate(asked):
         assert phys[queries == i].tolist() == index.select_phy_offsets(key, max_num, begin, end), key
     index.close()
 
@@ -214,9 +216,11 @@ def test_compiled_candidates_equal_the_walk(tmp_path_factory, puts, slots, begin
               "slot": 40 + entry % slots * 4}[field]
         index.buffer[at : at + 4] = value.to_bytes(4, "big", signed=True)
     begin = 1_700_000_000_000 + begin_s * 1000
-    hashes = index_key_hashes(KEYS)
+    asked = KEYS * 4  # more queries than the walk has lanes (16)
+    hashes = index_key_hashes(asked)
     queries, phys = candidates_batch(index, hashes, begin)
-    for i, (key, key_hash) in enumerate(zip(KEYS, hashes.tolist(), strict=True)):
+    assert (np.diff(queries) >= 0).all()  # grouped by query, in query order
+    for i, (key, key_hash) in enumerate(zip(asked, hashes.tolist(), strict=True)):
         expected = walked_candidates(index, key_hash, begin)
         assert phys[queries == i].tolist() == expected, key
         assert key_candidates(index, key.encode("utf-8", "surrogatepass"), begin) == expected, key

@@ -92,31 +92,57 @@ def _chain_entry(buf, entries_at, index_num, count, begin_ts, begin, n):
     return True, _be32(buf, p), _be64(buf, p + 4), when, following
 
 
+_LANES = 16  # chains walked in step: one step of each in turn, so their cache misses overlap
+
+
 @njit(cache=True, nogil=True)
 def chain_offsets(buf, slot_num, index_num, count, begin_ts, hashes, limits, begin, end, time_filter):
     """Walk each hash's chain with ``_walk``'s stop rules: (query number, phyOffset) of the entries with that
     hash (and, with ``time_filter``, a decoded time in [begin, end]), each query's newest first, at most
     ``limits[q]`` per query. Without ``time_filter`` it is a query's candidates: hash only, stop at the first
-    entry older than ``begin``."""
+    entry older than ``begin``.
+
+    Every step of a chain is a cache miss in a 400 MB file that depends on the one before, so one chain at a
+    time leaves the memory system idle; ``_LANES`` chains are walked in turn, one step each, and their misses
+    overlap. Results arrive interleaved and are put in query order at the end (stable: each chain's own order
+    is kept)."""
     entries_at = 40 + slot_num * 4
-    cap = max(16, hashes.size * 2)
+    queries = hashes.size
+    cap = max(16, queries * 2)
     out_q = np.empty(cap, dtype=np.int64)
     out_phy = np.empty(cap, dtype=np.int64)
     m = 0
-    for q in range(hashes.size):
-        h = hashes[q]
-        limit = limits[q]
-        if limit <= 0:
-            continue
-        n = _chain_head(buf, slot_num, count, h)
-        found = 0
-        for _ in range(count):  # a chain visits each entry at most once; the bound survives a corrupt file
-            if n == 0:
-                break
-            valid, hash_read, phy, when, n = _chain_entry(buf, entries_at, index_num, count, begin_ts, begin, n)
-            if not valid:
-                break
-            if hash_read == h and (not time_filter or (begin <= when <= end)):
+    lane_q = np.full(_LANES, -1, dtype=np.int64)  # the query a lane walks, -1 when free
+    lane_n = np.zeros(_LANES, dtype=np.int64)  # its next entry
+    lane_found = np.zeros(_LANES, dtype=np.int64)
+    lane_steps = np.zeros(_LANES, dtype=np.int64)  # a chain visits each entry at most once: bounded by count
+    next_q = 0
+    active = 0
+    while True:
+        for lane in range(_LANES):
+            while lane_q[lane] < 0 and next_q < queries:
+                q = next_q
+                next_q += 1
+                if limits[q] <= 0:
+                    continue
+                n = _chain_head(buf, slot_num, count, hashes[q])
+                if n == 0:
+                    continue
+                lane_q[lane] = q
+                lane_n[lane] = n
+                lane_found[lane] = 0
+                lane_steps[lane] = 0
+                active += 1
+        if active == 0:
+            break
+        for lane in range(_LANES):
+            q = lane_q[lane]
+            if q < 0:
+                continue
+            valid, hash_read, phy, when, n = _chain_entry(buf, entries_at, index_num, count, begin_ts, begin,
+                                                          lane_n[lane])
+            done = not valid
+            if valid and hash_read == hashes[q] and (not time_filter or (begin <= when <= end)):
                 if m == cap:
                     cap *= 2
                     grown_q = np.empty(cap, dtype=np.int64)
@@ -127,10 +153,29 @@ def chain_offsets(buf, slot_num, index_num, count, begin_ts, hashes, limits, beg
                 out_q[m] = q
                 out_phy[m] = phy
                 m += 1
-                found += 1
-                if found >= limit:
-                    break
-    return out_q[:m], out_phy[:m]
+                lane_found[lane] += 1
+                if lane_found[lane] >= limits[q]:
+                    done = True
+            lane_steps[lane] += 1
+            if done or n == 0 or lane_steps[lane] >= count:
+                lane_q[lane] = -1
+                active -= 1
+            else:
+                lane_n[lane] = n
+    # query order, each query's entries in the order its chain gave them: a stable counting sort
+    starts = np.zeros(queries + 1, dtype=np.int64)
+    for i in range(m):
+        starts[out_q[i] + 1] += 1
+    for q in range(queries):
+        starts[q + 1] += starts[q]
+    sorted_q = np.empty(m, dtype=np.int64)
+    sorted_phy = np.empty(m, dtype=np.int64)
+    for i in range(m):
+        at = starts[out_q[i]]
+        sorted_q[at] = out_q[i]
+        sorted_phy[at] = out_phy[i]
+        starts[out_q[i]] = at + 1
+    return sorted_q, sorted_phy
 
 
 @njit(cache=True, nogil=True)
