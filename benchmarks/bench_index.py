@@ -49,6 +49,7 @@ def warm_up(path: Path) -> None:
     """Load the compiled kernels first, as Java's figure is JIT-compiled (bench_scan measures first calls)."""
     index = IndexFile.create(path, 11, 100)
     put_hashes(index, index_key_hashes(keys(0, 50)), np.arange(50, dtype=np.int64), np.arange(50, dtype=np.int64))
+    index_key_hashes(pa.array(keys(0, 5), pa.string()))
     select_batch(index, index_key_hashes(keys(0, 5)), 64, 0, LONG_MAX)
     index.close()
     path.unlink()

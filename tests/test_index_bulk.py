@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rocketstore.index import IndexFile
+from rocketstore.index import IndexFile, bulk
 from rocketstore.index.bulk import index_key_hashes, put_hashes
 
 KEYS = ["T#a", "T#b", "T#Aa", "T#BB", "polygenelubricants", "T#订单", "T#😀", "U#a", "T#c", "T#d"]
+_POOL = ThreadPoolExecutor(3, thread_name_prefix="test-index-bulk")
+
+
+@contextlib.contextmanager
+def sharing_among(workers: int):
+    """Bulk puts and hashes of any size split among ``workers`` threads (one: the single kernel call), whatever
+    the cores, so small generated inputs take the path big ones take."""
+    with mock.patch.object(bulk, "_PARALLEL_MIN", 1), \
+            mock.patch.object(bulk, "_workers", lambda: (_POOL, workers) if workers > 1 else (None, 1)):
+        yield
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(puts=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(0, 3000)), min_size=1, max_size=80),
        cuts=st.lists(st.integers(1, 80), max_size=6), slots=st.integers(1, 17), entries=st.integers(2, 60),
-       inherit=st.booleans())
-def test_bulk_equals_sequential(tmp_path_factory, puts, cuts, slots, entries, inherit):
+       inherit=st.booleans(), workers=st.sampled_from([1, 2, 3]))
+def test_bulk_equals_sequential(tmp_path_factory, puts, cuts, slots, entries, inherit, workers):
+    """Also with the entries shared among threads by slot range (the bytes of one call)."""
     folder = tmp_path_factory.mktemp("bulk")
     end_phy, end_ts = (5000, 1_699_999_990_500) if inherit else (0, 0)
     one = IndexFile.create(folder / "one", slots, entries, end_phy, end_ts)
@@ -37,10 +51,11 @@ def test_bulk_equals_sequential(tmp_path_factory, puts, cuts, slots, entries, in
         accepted += 1
     hashes, phy_arr, ts_arr = index_key_hashes(keys), np.array(phys), np.array(stamps)
     done, bounds = 0, [*sorted({c for c in cuts if c < len(keys)}), len(keys)]
-    for bound in bounds:
-        done += put_hashes(many, hashes[done:bound], phy_arr[done:bound], ts_arr[done:bound])
-        if done < bound:
-            break
+    with sharing_among(workers):
+        for bound in bounds:
+            done += put_hashes(many, hashes[done:bound], phy_arr[done:bound], ts_arr[done:bound])
+            if done < bound:
+                break
     assert done == accepted
     for index in (one, many):
         index.flush()
@@ -154,6 +169,9 @@ def test_vectorised_hashes_equal_java_string_hash(keys, prefix, skip):
     assert index_key_hashes(keys, prefix).tolist() == expected
     column = pa.array(["x"] * skip + keys, pa.string()).slice(skip)  # UTF-8 where it lies, an offset slice too
     assert index_key_hashes(column, prefix).tolist() == expected
+    for workers in (2, 3):
+        with sharing_among(workers):
+            assert index_key_hashes(column, prefix).tolist() == expected
     assert index_key_hashes(pa.chunked_array([column], pa.string()), prefix).tolist() == expected
 
 
@@ -229,10 +247,11 @@ def test_compiled_candidates_equal_the_walk(tmp_path_factory, puts, slots, begin
     assert mapping.closed  # the array kept for the compiled walks does not keep the file open
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("entries", [4500, 6000])
-def test_bulk_equals_sequential_across_read_ahead_blocks(tmp_path, entries):
+def test_bulk_equals_sequential_across_read_ahead_blocks(tmp_path, entries, workers):
     """More entries than the kernel reads slots ahead for (2048), in one call, with the file filling up in the
-    middle of a block or not at all."""
+    middle of a block or not at all; in one kernel call or two at once."""
     keys = [f"k{i % 1300}" for i in range(5000)]
     phys = np.arange(5000, dtype=np.int64) * 100 + 10_000
     stamps = 1_700_000_000_000 + np.arange(5000, dtype=np.int64) * 7
@@ -243,9 +262,31 @@ def test_bulk_equals_sequential_across_read_ahead_blocks(tmp_path, entries):
         if not one.put_key(key, phy, stamp):
             break
         accepted += 1
-    assert put_hashes(many, index_key_hashes(keys), phys, stamps) == accepted == min(5000, entries - 1)
+    with sharing_among(workers):
+        assert put_hashes(many, index_key_hashes(keys), phys, stamps) == accepted == min(5000, entries - 1)
     for index in (one, many):
         index.flush()
     assert (tmp_path / "one").read_bytes() == (tmp_path / "many").read_bytes()
     one.close()
     many.close()
+
+
+def test_a_big_put_on_the_real_cores_writes_what_one_kernel_call_writes(tmp_path):
+    """Above the size where puts and hashes are shared among the process's cores (if it has several), with the
+    first entry setting the begin timestamp the others' time diffs count from."""
+    import pyarrow as pa
+
+    n = bulk._PARALLEL_MIN + 5000
+    column = pa.array([f"TopicTest#key-{i % 50_000}" for i in range(n)], pa.string())
+    phys = np.arange(n, dtype=np.int64) * 180
+    stamps = 1_700_000_000_000 + np.arange(n, dtype=np.int64) * 3
+    files = {name: IndexFile.create(tmp_path / name, 40_009, n + 10, 0, 0) for name in ("shared", "one")}
+    assert put_hashes(files["shared"], index_key_hashes(column), phys, stamps) == n
+    with sharing_among(1):
+        hashes = index_key_hashes(column)
+        assert put_hashes(files["one"], hashes, phys, stamps) == n
+    assert index_key_hashes(column).tolist() == hashes.tolist()
+    for index in files.values():
+        index.flush()
+        index.close()
+    assert (tmp_path / "shared").read_bytes() == (tmp_path / "one").read_bytes()

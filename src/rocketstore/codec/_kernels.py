@@ -768,11 +768,10 @@ def _signed32(h):
 
 
 @njit(cache=True, nogil=True)
-def index_hashes_utf8(data, offsets, prefix):
+def index_hashes_utf8(data, offsets, prefix, out):
     """``indexKeyHashMethod`` of ``prefix`` + each UTF-8 text ``data[offsets[i]:offsets[i+1]]`` (an Arrow string
-    column's buffers): Java's ``hashCode`` over UTF-16 units, |h|, Integer.MIN_VALUE -> 0."""
+    column's buffers) into ``out[i]``: Java's ``hashCode`` over UTF-16 units, |h|, Integer.MIN_VALUE -> 0."""
     n = offsets.size - 1
-    out = np.empty(n, dtype=np.int64)
     for i in range(n):
         s = _signed32(_java_hash_utf8(data, offsets[i], offsets[i + 1] - offsets[i], prefix))
         out[i] = 0 if s == -0x80000000 else abs(s)

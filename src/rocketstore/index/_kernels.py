@@ -24,9 +24,12 @@ _AHEAD = 2048  # slots read ahead of the chain (32-128 KB of cache lines): indep
 
 
 @njit(cache=True, nogil=True)
-def put_entries(buf, slot_num, index_num, count, begin_ts, hashes, phys, stamps):
-    """``put_hash`` for each entry in order until the file is full: returns (entries put, slots newly used,
-    the begin timestamp after them, a byte of no meaning). The caller writes the header fields from these.
+def put_entries(buf, slot_num, index_num, count, begin_ts, hashes, phys, stamps, slot_lo, slot_hi):
+    """``put_hash`` for each entry in order until the file is full, for the entries whose slot lies in
+    ``[slot_lo, slot_hi)``: returns (entries put, slots newly used, the begin timestamp after them, a byte of no
+    meaning). Entry ``i`` goes to position ``count + i`` whatever its slot, so disjoint slot ranges can be put by
+    concurrent calls and give the bytes of one call over all slots (each chain lives in one range). The caller
+    writes the header fields from the results.
 
     Each entry reads and writes a random slot of a 20 MB table, and the chain's loop, with its stores, keeps
     few of those cache misses in flight; so the slots of the next ``_AHEAD`` entries are read first in a loop
@@ -40,28 +43,33 @@ def put_entries(buf, slot_num, index_num, count, begin_ts, hashes, phys, stamps)
     for block in range(0, total, _AHEAD):
         last = min(block + _AHEAD, total)
         for i in range(block, last):
-            touched ^= buf[40 + (hashes[i] % slot_num) * 4]
+            s = hashes[i] % slot_num
+            if s >= slot_lo and s < slot_hi:
+                touched ^= buf[40 + s * 4]
         for i in range(block, last):
             h = hashes[i]
-            slot_pos = 40 + (h % slot_num) * 4
+            s = h % slot_num
+            if s < slot_lo or s >= slot_hi:
+                continue
+            at = count + i
+            slot_pos = 40 + s * 4
             prev = _be32(buf, slot_pos)
-            if prev <= 0 or prev > count:
+            if prev <= 0 or prev > at:
                 prev = 0
             diff = np.int64(0)
             if begin_ts > 0:
                 d = stamps[i] - begin_ts
                 diff = 0 if d < 0 else min(d // 1000, _INT_MAX)
-            p = entries_at + count * _ENTRY
+            p = entries_at + at * _ENTRY
             _put_be32(buf, p, h)
             _put_be64(buf, p + 4, phys[i])
             _put_be32(buf, p + 12, diff)
             _put_be32(buf, p + 16, prev)
-            _put_be32(buf, slot_pos, count)
-            if count <= 1:
+            _put_be32(buf, slot_pos, at)
+            if at <= 1:
                 begin_ts = stamps[i]
             if prev == 0:
                 new_slots += 1
-            count += 1
             put += 1
     return put, new_slots, begin_ts, touched
 

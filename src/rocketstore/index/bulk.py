@@ -8,7 +8,11 @@ numpy form (the previous one) did several passes where one suffices.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import os
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -61,11 +65,67 @@ def index_key_hashes(keys: Iterable[str] | pa.Array, prefix: str = "") -> np.nda
         start = 0  # the prefix's hash: Java's hashCode is Horner's rule over UTF-16 units, so it continues
         for unit in np.frombuffer(prefix.encode("utf-16-le", "surrogatepass"), dtype="<u2").tolist():
             start = (start * 31 + unit) & 0xFFFFFFFF
-        return _ck.index_hashes_utf8(data, offsets.astype(np.int64), np.int64(start))
+        return _hash_utf8(data, offsets.astype(np.int64), np.int64(start))
     if prefix:
         keys = [prefix + k for k in keys]
     h = java_string_hashes(keys if isinstance(keys, list) else list(keys)).astype(np.int64)
     return np.where(h == -(1 << 31), 0, np.abs(h))
+
+
+_PARALLEL_MIN = 1 << 16  # entries below which a thread hand-off costs more than sharing the work saves
+_MAX_WORKERS = 4  # each worker reads every hash to find its own: more than a few only adds those passes
+
+
+@functools.cache
+def _shared_pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="rocketstore-index")
+
+
+os.register_at_fork(after_in_child=_shared_pool.cache_clear)  # a forked child has none of its parent's threads
+
+
+def _workers() -> tuple[ThreadPoolExecutor | None, int]:
+    """The shared threads of the bulk kernels (which release the GIL) and how many of them to use: one per
+    core this process may run on, or none on one core."""
+    n = min(len(os.sched_getaffinity(0)), _MAX_WORKERS)
+    return (_shared_pool(n), n) if n > 1 else (None, 1)
+
+
+def _hash_utf8(data: np.ndarray, offsets: np.ndarray, prefix: np.int64) -> np.ndarray:
+    """The kernel over the whole column, or on several cores over one slice of it per worker at once."""
+    out = np.empty(offsets.size - 1, dtype=np.int64)
+    pool, n = _workers() if out.size >= _PARALLEL_MIN else (None, 1)
+    if pool is None:
+        _ck.index_hashes_utf8(data, offsets, prefix, out)
+        return out
+    bounds = [out.size * w // n for w in range(n + 1)]
+    for part in [pool.submit(_ck.index_hashes_utf8, data, offsets[lo:hi + 1], prefix, out[lo:hi])
+                 for lo, hi in itertools.pairwise(bounds)]:
+        part.result()
+    return out
+
+
+def _put_entries(buf: np.ndarray, index: IndexFile, count: int, begin_ts: int, hashes: np.ndarray,
+                 phys: np.ndarray, stamps: np.ndarray) -> tuple[int, int, int]:
+    """(entries put, slots newly used, begin timestamp): one kernel call, or on several cores one per range of
+    slots at once, each putting the entries of the chains in its range (the same bytes: see the kernel)."""
+    slot_num, index_num = index.hash_slot_num, index.index_num
+    pool, n = _workers() if hashes.size >= _PARALLEL_MIN else (None, 1)
+    if pool is None:
+        put, new_slots, begin_ts, _touched = _k.put_entries(buf, slot_num, index_num, count, begin_ts, hashes, phys,
+                                                            stamps, 0, slot_num)
+        return put, new_slots, begin_ts
+    head = max(0, 2 - count)  # the entries at positions 0 and 1 set the begin timestamp the others' diffs use
+    put, new_slots, begin_ts, _touched = _k.put_entries(buf, slot_num, index_num, count, begin_ts, hashes[:head],
+                                                        phys[:head], stamps[:head], 0, slot_num)
+    bounds = [slot_num * w // n for w in range(n + 1)]
+    parts = [pool.submit(_k.put_entries, buf, slot_num, index_num, count + head, begin_ts, hashes[head:],
+                         phys[head:], stamps[head:], lo, hi) for lo, hi in itertools.pairwise(bounds)]
+    for part in parts:
+        part_put, part_new, _begin, _touched = part.result()
+        put += part_put
+        new_slots += part_new
+    return put, new_slots, begin_ts
 
 
 def put_hashes(index: IndexFile, key_hashes: np.ndarray, phy_offsets: np.ndarray, timestamps: np.ndarray) -> int:
@@ -79,8 +139,7 @@ def put_hashes(index: IndexFile, key_hashes: np.ndarray, phy_offsets: np.ndarray
     stamps = np.ascontiguousarray(timestamps[:m], dtype=np.int64)
     buf = np.frombuffer(index.buffer, dtype=np.uint8)
     try:
-        put, new_slots, _begin, _touched = _k.put_entries(buf, index.hash_slot_num, index.index_num, c0,
-                                                          index.begin_timestamp, hashes, phys, stamps)
+        put, new_slots, _begin = _put_entries(buf, index, c0, index.begin_timestamp, hashes, phys, stamps)
     finally:
         del buf  # no view of the mapping may outlive the call: the file must stay closable
     if c0 <= 1:
