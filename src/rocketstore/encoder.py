@@ -271,7 +271,7 @@ class MessageEncoder:
         """``encode_many`` for puts that need none of ``encode``'s rarer rules, or None (nothing taken)."""
         encode_v1 = self._encode_v1
         if encode_v1 is None:  # numba loads on the first put, not when the CLI imports the store
-            from .codec._kernels import encode_v1
+            from .codec._kernels import encode_v1_holding_gil as encode_v1
 
             self._encode_v1 = encode_v1
         topics_known, born_hosts = self._topics, self._born_hosts
