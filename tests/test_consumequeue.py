@@ -182,3 +182,44 @@ def test_queue_starting_past_zero_is_padded_with_pre_blank_units(tmp_path):
     data = (tmp_path / "consumequeue" / "T" / "3" / f"{20 * 10:020d}").read_bytes()
     assert data[:20] == (0).to_bytes(8, "big") + (0x7FFFFFFF).to_bytes(4, "big") + bytes(8)
     queue.close()
+
+
+_WRITE_ORDER_PROBE = """
+import json
+import numpy as np
+from rocketstore.codec._kernels import put_queue_units
+log = []
+class Recording(np.ndarray):
+    def __setitem__(self, index, value):
+        log.append((int(index), int(value)))
+        super().__setitem__(index, value)
+buf = np.zeros(100, np.uint8).view(Recording)
+put = put_queue_units(buf, 20, 4, np.array([5, 6, 7, 9]), np.array([1 << 40, 200, 300, 400]),
+                      np.array([50, 60, 70, 80]), np.array([-1, 2, 3, 4]), 0)
+print(json.dumps({"put": put, "log": log, "bytes": np.asarray(buf).tobytes().hex()}))
+"""
+
+
+def test_queue_units_get_their_sizes_after_everything_else():
+    """A kill in the middle of a run of units must leave no unit with a size but a torn offset or tags code: the
+    kernel writes every unit's offset and tags (size 0) first, then the sizes. Run as plain Python (numba's JIT
+    off) over an array that records each byte store in order."""
+    import json
+    import os
+    import struct
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    out = subprocess.run([sys.executable, "-c", _WRITE_ORDER_PROBE], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    probe = json.loads(out.stdout)
+    assert probe["put"] == 3  # queue offsets 5, 6, 7 run on; 9 does not
+    expected = bytes(20) + b"".join(struct.pack(">qiq", phy, size, tags) for phy, size, tags in
+                                    [(1 << 40, 50, -1), (200, 60, 2), (300, 70, 3)]) + bytes(20)
+    assert bytes.fromhex(probe["bytes"]) == expected
+    size_bytes = {20 + 20 * unit + 8 + k for unit in range(3) for k in range(4)}
+    log = probe["log"]
+    last_other = max(i for i, (index, _value) in enumerate(log) if index not in size_bytes)
+    sized = [i for i, (index, value) in enumerate(log) if index in size_bytes and value]
+    assert sized and min(sized) > last_other
