@@ -290,3 +290,28 @@ def test_a_big_put_on_the_real_cores_writes_what_one_kernel_call_writes(tmp_path
         index.flush()
         index.close()
     assert (tmp_path / "shared").read_bytes() == (tmp_path / "one").read_bytes()
+
+
+def test_a_forked_child_makes_its_own_threads():
+    """The pool's threads do not survive a fork: a child that reused its parent's pool would wait forever for
+    its first big hash (PySpark's workers are forked)."""
+    import multiprocessing
+
+    import pyarrow as pa
+
+    column = pa.array([f"k{i}" for i in range(bulk._PARALLEL_MIN + 10)], pa.string())
+    expected = index_key_hashes(column)  # the parent's pool exists now (on several cores)
+    with mock.patch.object(bulk, "_workers", lambda: (bulk._shared_pool(2), 2)):
+        index_key_hashes(column)
+        child = multiprocessing.get_context("fork").Process(target=_hash_in_child, args=(column, expected))
+        child.start()
+        child.join(60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+            child.join()
+    assert not alive and child.exitcode == 0
+
+
+def _hash_in_child(column, expected) -> None:
+    assert index_key_hashes(column).tolist() == expected.tolist()

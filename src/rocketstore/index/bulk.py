@@ -87,7 +87,8 @@ os.register_at_fork(after_in_child=_shared_pool.cache_clear)  # a forked child h
 def _workers() -> tuple[ThreadPoolExecutor | None, int]:
     """The shared threads of the bulk kernels (which release the GIL) and how many of them to use: one per
     core this process may run on, or none on one core."""
-    n = min(len(os.sched_getaffinity(0)), _MAX_WORKERS)
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    n = min(len(usable), _MAX_WORKERS)
     return (_shared_pool(n), n) if n > 1 else (None, 1)
 
 
