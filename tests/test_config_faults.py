@@ -387,7 +387,7 @@ while True:
         offsets.commit(f"g{g}", "T", n % 8, n)
     offsets.persist()
     n += 1
-    if n == 1:
+    if n == 2:  # the second write made the .bak: from here on both files must always be whole
         print("writing", flush=True)
 """
 
