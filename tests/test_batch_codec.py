@@ -121,7 +121,8 @@ def records(draw, phy_offset: int) -> bytes:
                            TEXT.map(str.encode)))
     version = MAGIC_V2 if len(topic) > 127 or draw(st.booleans()) else MAGIC_V1
     sys_flag = (0x10 if born.is_ipv6 else 0) | (0x20 if store.is_ipv6 else 0) | draw(st.sampled_from([0, 4, 8, 0xC]))
-    body = draw(st.binary(max_size=200))
+    # short bodies take the table CRC, long ones zlib's (``_kernels.ZLIB_CRC_MIN``): both paths every run
+    body = draw(st.one_of(st.binary(max_size=200), st.binary(min_size=300, max_size=1500)))
     if draw(st.integers(0, 4)) == 0:
         body = zlib.compress(body)
         sys_flag |= SysFlag.COMPRESSED | draw(st.sampled_from([0, SysFlag.COMPRESSION_ZLIB]))
@@ -165,6 +166,19 @@ SETTINGS = settings(max_examples=300, deadline=None, database=None, suppress_hea
 
 
 @SETTINGS
+@given(data=st.binary(min_size=1, max_size=3000), cut=st.tuples(st.integers(0, 3000), st.integers(0, 3000)))
+def test_the_compiled_crc_is_zlibs_on_both_sides_of_its_switch(data, cut):
+    """Short spans go through the table, long ones through zlib's own function: each equals ``zlib.crc32``."""
+    from rocketstore.codec._kernels import ZLIB_CRC_MIN, crc32
+
+    start, stop = sorted(min(c, len(data)) for c in cut)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    assert crc32(arr, start, stop - start) == zlib.crc32(data[start:stop])
+    assert crc32(arr, 0, len(data)) == zlib.crc32(data)
+    long = np.frombuffer(data * (ZLIB_CRC_MIN // len(data) + 1), dtype=np.uint8)
+    assert crc32(long, 0, len(long)) == zlib.crc32(long.tobytes())
+
+
 @given(data=segments(), check_crc=st.booleans(), include_body=st.booleans(), decompress=st.booleans())
 def test_batch_equals_record_codec_on_every_field(data, check_crc, include_body, decompress):
     assert_same_as_reference(data, 0, len(data), check_crc=check_crc, include_body=include_body,

@@ -39,7 +39,7 @@ texts = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters
 props = st.dictionaries(st.sampled_from(["a", "b", "ORDER", "TAGS", "DELAY", "WAIT", "zz"]), texts, max_size=4)
 rows = st.lists(st.fixed_dictionaries({
     "topic": topics,
-    "body": st.binary(max_size=300),
+    "body": st.one_of(st.binary(max_size=300), st.binary(min_size=300, max_size=1500)),  # both CRC paths
     "keys": st.lists(texts, max_size=3),
     "tags": st.one_of(st.none(), texts),
     "queue_id": st.integers(0, 7),
