@@ -8,6 +8,8 @@ back every way: by queue, by key, by UNIQ_KEY and msgId, across segment boundari
 from __future__ import annotations
 
 import hashlib
+import threading
+import zlib
 from pathlib import Path
 from unittest import mock
 
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 
 from rocketstore import FlushDiskType, Message, MessageStore, PutMessageStatus, StoreConfig
 from rocketstore.codec.batch_encode import BatchEncoder
+from rocketstore.codec.scratch import KEEP_MAX, scratch
 from rocketstore.encoder import MessageEncoder
 from rocketstore.errors import (
     InvalidFlagError,
@@ -116,6 +119,7 @@ def test_batch_and_single_encoders_write_the_same_bytes(items, prop_crc, store_h
     batch = BatchEncoder(MessageEncoder(config))
     counter = single.uniq_keys._counter
     batch.encoder.uniq_keys = single.uniq_keys  # the same generator, rewound between the two runs
+    poison_scratch()
     with mock.patch("time.time_ns", return_value=NOW * 1_000_000):
         encoded = batch.encode(shaped(items, shape, cut))
         single.uniq_keys._counter = counter
@@ -124,6 +128,44 @@ def test_batch_and_single_encoders_write_the_same_bytes(items, prop_crc, store_h
     assert encoded.uniq_keys.to_pylist() == [rec.uniq_key for rec in records]
     assert [encoded.topics[i] for i in encoded.topic_index] == [rec.topic for rec in records]
     assert encoded.queue_ids.tolist() == [rec.queue_id for rec in records]
+
+
+def poison_scratch() -> None:
+    """Fill this thread's encode buffer with bytes no encoder writes there, so a byte an encoder leaves
+    unwritten shows up as a difference instead of as the previous put's byte."""
+    view = scratch(1 << 20)
+    view[:] = b"\xa5" * len(view)
+
+
+def test_each_thread_reuses_its_own_scratch_buffer():
+    first = scratch(1000)
+    assert scratch(500).obj is first.obj  # kept between puts: no new pages to fault in
+    grown = scratch(10_000)
+    assert len(grown) == 10_000 and scratch(10).obj is grown.obj
+    other = []
+    thread = threading.Thread(target=lambda: other.append(scratch(1000).obj))
+    thread.start()
+    thread.join()
+    assert other[0] is not grown.obj  # another thread never writes into this one's records
+    huge = scratch(KEEP_MAX + 1)
+    assert len(huge) == KEEP_MAX + 1 and scratch(10).obj is grown.obj  # a huge put is not kept
+
+
+def test_puts_after_a_bigger_put_keep_every_byte(tmp_path):
+    """The scratch buffer holds an older, larger put's bytes: a later put's records are exactly its own."""
+    with MessageStore.open(tmp_path, StoreConfig()) as store:
+        store.put_messages([Message("T", b"\xee" * 5000, tags="old", keys=["old"]) for _ in range(8)])
+        store.put_batch(pa.table({"topic": ["T"] * 8, "body": [b"\xee" * 5000] * 8}))
+        small = [Message("T", bytes([i]) * 10, tags=f"t{i}", keys=[f"k{i}"]) for i in range(8)]
+        phys = [r.commit_log_offset for r in store.put_messages(small)]
+        phys += store.put_batch(pa.table({"topic": ["T"] * 8, "body": [m.body for m in small],
+                                          "tags": [m.tags for m in small],
+                                          "keys": [m.keys for m in small]})).commit_log_offsets.tolist()
+        size = len(MessageEncoder(StoreConfig()).encode(small[0]).data)
+        for msg, phy in zip(small + small, phys, strict=True):
+            got = store.look_message_by_offset(phy)
+            assert got.store_size == size and got.body_crc == zlib.crc32(msg.body) & 0x7FFFFFFF
+            assert (got.body, got.tags, got.keys) == (msg.body, msg.tags, msg.keys)
 
 
 def fast_table(n: int, start: int = 0, topics: int = 3) -> pa.Table:
@@ -354,6 +396,7 @@ def encoders(config: StoreConfig | None = None) -> tuple[MessageEncoder, Message
 def same_outcome(single: MessageEncoder, many: MessageEncoder, msgs: list[Message], counter: int) -> None:
     with mock.patch("time.time_ns", return_value=NOW * 1_000_000):
         single.uniq_keys._counter = counter
+        poison_scratch()
         pending = outcome(lambda: many.encode_many(msgs))
         single.uniq_keys._counter = counter
         records = outcome(lambda: [single.encode(m) for m in msgs])

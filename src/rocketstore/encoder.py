@@ -40,6 +40,7 @@ from .codec.record import (
     record_length,
     store_timestamp_pos,
 )
+from .codec.scratch import scratch
 from .config import StoreConfig
 from .errors import (
     IllegalDeliveryTimeError,
@@ -140,7 +141,7 @@ class PendingRecord:
 class PendingRecords:
     """The encoded records of one put, back to back in ``data``, waiting for the put lock."""
 
-    data: bytearray
+    data: bytearray | memoryview  # a plain put's records sit in the thread's scratch buffer
     sizes: Sequence[int]
     topics: Sequence[str]  # stored topic per record (a delayed message's schedule topic)
     queue_ids: Sequence[int]  # stored queue per record
@@ -347,7 +348,7 @@ class MessageEncoder:
         sizes = [_PLAIN_FIXED_LEN + b + t + p for b, t, p in zip(body_len, topic_len, props_len, strict=True)]
         if max(props_len) > MAX_PROPERTIES_LEN or max(sizes) > self.max_record_len:
             return None  # ``encode`` names it
-        out = bytearray(sum(sizes))
+        out = scratch(sum(sizes))  # this thread's buffer: the records live until the append copies them
         topic_bytes = [topics_known[t][0] for t in codes]
         columns = np.array([queue_ids, flags, borns, row_codes], dtype=np.int64)
         written = encode_v1(np.frombuffer(out, dtype=np.uint8), np.array(sizes, dtype=np.int64),

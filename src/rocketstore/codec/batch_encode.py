@@ -42,6 +42,7 @@ from .record import (
     MAX_TIME_MS,
     MAX_TOPIC_LEN_V1,
 )
+from .scratch import scratch
 
 _INT32_MAX = (1 << 31) - 1
 _HEX = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8)
@@ -52,7 +53,7 @@ OPTIONAL_COLUMNS = ("keys", "tags", "properties", "queue_id", "flag", "born_time
 class EncodedBatch:
     """Records ready for ``CommitLog.append_batch``: back to back in ``data``, row order kept."""
 
-    data: bytearray
+    data: bytearray | memoryview
     sizes: np.ndarray  # int64, per record
     topics: list[str]  # distinct stored topics
     topic_index: np.ndarray  # int32 per row, into ``topics``
@@ -350,12 +351,12 @@ class BatchEncoder:
     # --- assembly ------------------------------------------------------------------------------------
 
     def _assemble_v4(self, sizes, bodies, topic_bytes, topic_index, props_off, props_data, queue_ids, flags,
-                     born_ts, born_raw) -> bytearray:
+                     born_ts, born_raw) -> memoryview:
         """The common case (IPv4 hosts, V1 topics): every record written by one compiled loop."""
         from ._kernels import encode_v1
 
         total = int(sizes.sum())
-        out = bytearray(total)
+        out = scratch(total)  # this thread's buffer: the records live until the append copies them
         topic_off = np.zeros(len(topic_bytes) + 1, dtype=np.int64)
         np.cumsum([len(t) for t in topic_bytes], out=topic_off[1:])
         topic_data = np.frombuffer(b"".join(topic_bytes), dtype=np.uint8)
