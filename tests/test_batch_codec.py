@@ -625,3 +625,33 @@ def test_dispatch_numbers_many_topics_and_topics_whose_hashes_collide():
     assert stop.kind is StopKind.END and len(batch) == len(order)
     assert [batch.topics[c] for c in batch.topic_code] == order
     assert sorted(batch.topics) == sorted(names)  # each once
+
+
+def test_zlibs_crc32_is_found_without_the_usual_soname_or_named_when_missing(monkeypatch):
+    import ctypes
+
+    from rocketstore.codec import _kernels
+
+    real = ctypes.CDLL
+    tried = []
+
+    def only_the_module(name, *args, **kwargs):
+        tried.append(name)
+        if name == "libz.so.1":
+            raise OSError("libz.so.1: cannot open shared object file")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(ctypes, "CDLL", only_the_module)
+    _kernels._register_zlib_crc32()  # through the zlib module's own link to libz
+    assert tried[:2] == ["libz.so.1", zlib.__file__]
+    data = np.frombuffer(bytes(range(256)) * 4, dtype=np.uint8)
+    assert _kernels.crc32(data, 0, len(data)) == zlib.crc32(data.tobytes())
+
+    def nothing(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", nothing)
+    with pytest.raises(ImportError, match="needs zlib's shared library"):
+        _kernels._register_zlib_crc32()
+    monkeypatch.undo()
+    _kernels._register_zlib_crc32()  # leave the usual registration behind
