@@ -165,7 +165,7 @@ def segments(draw) -> bytes:
 SETTINGS = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@SETTINGS
+@settings(deadline=None)
 @given(data=st.binary(min_size=1, max_size=3000), cut=st.tuples(st.integers(0, 3000), st.integers(0, 3000)))
 def test_the_compiled_crc_is_zlibs_on_both_sides_of_its_switch(data, cut):
     """Short spans go through the table, long ones through zlib's own function: each equals ``zlib.crc32``."""
@@ -179,6 +179,7 @@ def test_the_compiled_crc_is_zlibs_on_both_sides_of_its_switch(data, cut):
     assert crc32(long, 0, len(long)) == zlib.crc32(long.tobytes())
 
 
+@SETTINGS
 @given(data=segments(), check_crc=st.booleans(), include_body=st.booleans(), decompress=st.booleans())
 def test_batch_equals_record_codec_on_every_field(data, check_crc, include_body, decompress):
     assert_same_as_reference(data, 0, len(data), check_crc=check_crc, include_body=include_body,
