@@ -11,6 +11,8 @@ commit log (the bytes the records occupy), on the same data in the same run:
   with pyarrow's threads (both cores) and with one thread;
 * the old path: ``read_layout`` + ``message_from_layout`` + Python lists per record, as the Spark
   partition reader did before the batch decoder (timed on the first ``--old-mb`` MB only);
+* ``iter_messages`` (one ``MessageExt`` per record, found by the compiled walk) against the
+  record-at-a-time walk it replaced (``iter_layouts`` + ``message_from_layout``), on the same MB;
 * where the time goes: the numba walk alone (validation, CRCs, fixed fields) with and without CRC;
 * the JIT: first-call time in a fresh process with an empty numba cache, and with the cache warm.
 
@@ -93,6 +95,22 @@ def old_path(root: Path, max_bytes: int) -> tuple[float, int]:
         return time.perf_counter() - started, done
 
 
+def message_objects(root: Path, max_bytes: int, compiled: bool) -> tuple[float, int]:
+    """One ``MessageExt`` per record with CRCs, over the first ``max_bytes`` of log: ``iter_messages`` (the
+    compiled walk, then one unpack per record) or the record-at-a-time walk it replaced."""
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        log = store.commit_log
+        end = log.min_offset + max_bytes
+        started = time.perf_counter()
+        if compiled:
+            count = sum(1 for _msg in log.iter_messages(to_offset=end, check_crc=True))
+        else:
+            count = sum(1 for mapped, pos, layout in log.iter_layouts(to_offset=end, check_crc=True)
+                        if message_from_layout(mapped.buffer, pos, layout, path=str(mapped.path),
+                                               base=mapped.file_from_offset))
+        return time.perf_counter() - started, count
+
+
 def walk_only(root: Path, check_crc: bool) -> float:
     """The numba walk alone over every segment: validation, CRCs and fixed fields, nothing built."""
     with MessageStore.open(root, CONFIG, read_only=True) as store:
@@ -146,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         walk_s = walk_only(root, False)
         old_bytes = min(log_bytes, (1 if args.quick else args.old_mb) * 1_000_000)
         old_s, _ = old_path(root, old_bytes)
+        iter_s, iter_n = message_objects(root, old_bytes, compiled=True)
+        layouts_s, layouts_n = message_objects(root, old_bytes, compiled=False)
+        assert iter_n == layouts_n, (iter_n, layouts_n)
         parquet = Path(tmp) / "scan.parquet"
         with MessageStore.open(root, CONFIG, read_only=True) as store:
             # one write_table: pyarrow's default row groups (1 Mi rows), the fastest file to read back
@@ -168,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                f"8192-row batches, {crc:.0f} MB/s", crc),
         Result("scan", "scan_arrow without CRC", mb_log / nocrc_s, "MB/s", f"with CRC, {crc:.0f} MB/s", crc),
         Result("scan", "scan_arrow without body", mb_log / nobody_s, "MB/s", f"with CRC, {crc:.0f} MB/s", crc),
+        Result("scan", "iter_messages with CRC (a MessageExt each)", iter_n / iter_s, "msg/s",
+               f"record-at-a-time walk, {layouts_n / layouts_s:,.0f}/s", layouts_n / layouts_s),
         Result("scan", "numba walk alone, with CRC", mb_log / walk_crc_s, "MB/s", f"scan_arrow, {crc:.0f} MB/s", crc),
         Result("scan", "numba walk alone, no CRC", mb_log / walk_s, "MB/s", f"scan_arrow, {crc:.0f} MB/s", crc),
     ]

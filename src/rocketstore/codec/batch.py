@@ -493,6 +493,41 @@ def scan_dispatch(commit_log: CommitLog, begin: int | None = None, end: int | No
     return _walk_log(commit_log, begin, end, decode)
 
 
+@dataclass(frozen=True, slots=True)
+class RecordRun:
+    """Consecutive records of one segment that the compiled walk accepted: where each starts in ``mapped`` and
+    the commit-log offset it says it is at, and where the readable bytes end (``read_layout``'s limit)."""
+
+    mapped: object  # MappedFile
+    starts: list[int]
+    phy_offsets: list[int]
+    limit: int
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
+def scan_records(commit_log: CommitLog, begin: int | None = None, end: int | None = None, *, check_crc: bool,
+                 max_rows: int = 4096) -> Iterator[RecordRun]:
+    """``scan_arrow``'s walk yielding the accepted records' positions, ``max_rows`` at a time, for readers that
+    build one object per record (``CommitLog.iter_messages``): the checks, CRCs included, are the compiled
+    ``walk``'s, and the first record it does not accept raises ``read_layout``'s error after every run before
+    it was yielded. No view of a segment is held between runs, so the store can unmap it meanwhile."""
+
+    def decode(mapped, pos: int, seg_end: int, limit: int) -> tuple[RecordRun, Stop]:
+        buf = mapped.buffer
+        arr = as_array(buf)
+        try:
+            f, n, stop_pos = k.walk(arr, pos, seg_end, limit, check_crc, max_rows, DEFAULT_MAX_BYTES)
+        finally:
+            del arr
+        stop = _classify(buf, stop_pos, pos, seg_end, n, limit, mapped.file_from_offset, check_crc, str(mapped.path),
+                         max_rows, DEFAULT_MAX_BYTES)
+        return RecordRun(mapped, f[k.F_POS, :n].tolist(), f[k.F_PHY_OFFSET, :n].tolist(), limit), stop
+
+    return _walk_log(commit_log, begin, end, decode)
+
+
 def _walk_log(commit_log: CommitLog, begin: int | None, end: int | None, decode) -> Iterator:
     """The segments' written bytes from ``begin`` to ``end``, decoded batch by batch by ``decode``."""
     stop_at = commit_log.max_offset if end is None else min(end, commit_log.max_offset)
