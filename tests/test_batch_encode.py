@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -209,6 +210,42 @@ def test_put_batch_round_trip_across_segments(tmp_path, mode):
         assert sum(1 for _ in reopened.iter_messages()) == 301
 
 
+@settings(max_examples=200, deadline=None)
+@given(keys=st.lists(st.one_of(st.integers(0, 40), st.integers(-(1 << 63), (1 << 63) - 1)), max_size=300))
+def test_queue_groups_numbers_keys_by_first_appearance_and_ranks_rows(keys):
+    """The compiled grouping behind put_batch's queue offsets, against a dict: wide keys make its open-addressing
+    table probe, small ones repeat."""
+    from rocketstore.codec._kernels import queue_groups
+
+    group, rank, group_keys, counts = queue_groups(np.array(keys, dtype=np.int64))
+    numbering: dict[int, int] = {}
+    seen: dict[int, int] = {}
+    want_group, want_rank = [], []
+    for key in keys:
+        want_group.append(numbering.setdefault(key, len(numbering)))
+        want_rank.append(seen.get(key, 0))
+        seen[key] = want_rank[-1] + 1
+    assert group.tolist() == want_group and rank.tolist() == want_rank
+    assert group_keys.tolist() == list(numbering) and counts.tolist() == [seen[k] for k in numbering]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(puts=st.lists(st.lists(st.tuples(st.sampled_from(["A", "B", "C"]), st.integers(0, 5)), min_size=1,
+                              max_size=60), min_size=1, max_size=4))
+def test_put_batch_queue_offsets_run_on_per_queue_across_puts(tmp_path_factory, puts):
+    expected_next: dict[tuple[str, int], int] = {}
+    with MessageStore.open(tmp_path_factory.mktemp("q"), SMALL) as store:
+        for rows_ in puts:
+            result = store.put_batch(pa.table({"topic": [t for t, _q in rows_], "body": [b"x" * 700] * len(rows_),
+                                               "queue_id": pa.array([q for _t, q in rows_], pa.int32())}))
+            want = []
+            for queue in rows_:
+                want.append(expected_next.get(queue, 0))
+                expected_next[queue] = want[-1] + 1
+            assert result.queue_offsets.tolist() == want
+        assert {q: store.next_queue_offset(*q) for q in expected_next} == expected_next
+
+
 def store_bytes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("lock", "abort")}
@@ -272,6 +309,8 @@ def test_delayed_rows_go_to_the_schedule_topic_and_are_findable_by_key(tmp_path)
         assert late.topic == "SCHEDULE_TOPIC_XXXX" and late.queue_id == 1
         assert late.properties["REAL_TOPIC"] == "Late"
         assert [m.body for m in store.query_message("Late", "late-1")] == [b"later"]
+        # the stored topic goes through the topic rules too, as with put_message: it exists now
+        assert store.topic_config.get("SCHEDULE_TOPIC_XXXX").write_queue_nums == len(SMALL.delay_levels_ms)
 
 
 def test_put_batch_columns_come_back_through_scan_arrow(tmp_path):

@@ -154,9 +154,9 @@ def _put_be64(buf, p, v):
 def stamp_records(data, sizes, store_ts_pos, queue_offsets, phy, store_ts):
     """Fill the three fields known only under the put lock into records back to back in ``data``: each one's
     queue offset, its physical offset (``phy`` for the first) and the store time at ``store_ts_pos[i]``. Holds
-    the GIL: it runs for a microsecond under the put lock, and giving the GIL up there hands it to another
-    thread for up to a switch interval. Returns the bytes covered, or -1 (nothing written past ``data``) when a
-    record would run past the end or is too short to hold its fields."""
+    the GIL: it runs for a microsecond under the put lock (~30 us for a 10,000-row ``put_batch``), and giving
+    the GIL up there hands it to another thread for up to a switch interval. Returns the bytes covered, or -1
+    (nothing written past ``data``) when a record would run past the end or is too short to hold its fields."""
     p = 0
     for i in range(sizes.size):
         if p + sizes[i] > data.size or sizes[i] < store_ts_pos[i] + 8 or store_ts_pos[i] < 36:
@@ -169,11 +169,41 @@ def stamp_records(data, sizes, store_ts_pos, queue_offsets, phy, store_ts):
 
 
 @njit(cache=True, nogil=True)
-def put_be64_at(buf, positions, values):
-    """Write each ``values[i]`` as a big-endian i64 at byte ``positions[i]`` (a batch's queue offsets, store
-    time and commit-log offsets, written into its encoded records once they are known)."""
-    for i in range(positions.size):
-        _put_be64(buf, positions[i], values[i])
+def queue_groups(keys):
+    """Number the distinct ``keys`` (a batch's topic and queue of each row, packed in an int64) in order of first
+    appearance and rank each row within its key: returns (group per row, rank per row, the keys by group, rows
+    per group). A row's queue offset is then its queue's next offset plus its rank: one pass over the rows
+    where numpy needed a stable argsort, a gather and a scatter."""
+    n = keys.size
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    slot_group = np.full(cap, -1, dtype=np.int64)
+    group_keys = np.empty(n, dtype=np.int64)
+    counts = np.zeros(n, dtype=np.int64)
+    group = np.empty(n, dtype=np.int64)
+    rank = np.empty(n, dtype=np.int64)
+    groups = 0
+    mask = cap - 1
+    for i in range(n):
+        key = keys[i]
+        h = (np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+        s = np.int64(h) & mask
+        while True:
+            g = slot_group[s]
+            if g < 0:
+                g = groups
+                groups += 1
+                slot_group[s] = g
+                group_keys[g] = key
+                break
+            if group_keys[g] == key:
+                break
+            s = (s + 1) & mask
+        group[i] = g
+        rank[i] = counts[g]
+        counts[g] += 1
+    return group, rank, group_keys[:groups], counts[:groups]
 
 
 @njit(cache=True, nogil=True)

@@ -102,8 +102,17 @@ def offset_msg_ids(store_host_raw: bytes, phys: np.ndarray) -> pa.StringArray:
 
 def _first_true(mask) -> int | None:
     arr = np.asarray(mask.to_numpy(zero_copy_only=False) if isinstance(mask, pa.Array | pa.ChunkedArray) else mask)
-    hits = np.flatnonzero(arr)
-    return int(hits[0]) if len(hits) else None
+    if not arr.size:
+        return None
+    first = int(arr.argmax())  # a boolean argmax stops at the first True
+    return first if arr[first] else None
+
+
+def _max_by_code(codes: np.ndarray, values: np.ndarray, count: int) -> list[int]:
+    """The largest of ``values`` for each code in ``range(count)`` (each occurs at least once)."""
+    highest = np.full(count, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(highest, codes, values)
+    return highest.tolist()
 
 
 def as_array(column) -> pa.Array:
@@ -187,9 +196,11 @@ class BatchEncoder:
             data = self._assemble_v4(sizes, bodies, topic_bytes, topic_index, props_off, props_data, queue_ids, flags,
                                      born_ts, born_raw)
         store_ts_pos = np.where(born_v6, 68, 56).astype(np.int64)
-        checks = {t: int(queue_in[topic_codes == i].max()) for i, t in enumerate(topics_in)}
-        for i, t in enumerate(stored_topics):
-            checks[t] = max(checks.get(t, 0), int(queue_ids[topic_index == i].max()))
+        checks = dict(zip(topics_in, _max_by_code(topic_codes, queue_in, len(topics_in)), strict=True))
+        if stored_topic_names is not None:  # some rows moved (DELAY): their stored topics' queues are checked too
+            for t, highest in zip(stored_topics, _max_by_code(topic_index, queue_ids, len(stored_topics)),
+                                  strict=True):
+                checks[t] = max(checks.get(t, 0), highest)
         return EncodedBatch(data, sizes, stored_topics, topic_index, queue_ids.astype(np.int32), store_ts_pos,
                             uniq_raw, uniq_texts, bool(wait_rows), sorted(checks.items()))
 
@@ -198,7 +209,7 @@ class BatchEncoder:
     def _topics(self, column: pa.Array) -> tuple[list[str], np.ndarray]:
         if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
             raise MessageIllegalError(f"column 'topic' must be strings, not {column.type}")
-        bad = _first_true(column.is_null())
+        bad = _first_true(column.is_null()) if column.null_count else None
         if bad is not None:
             raise MessageIllegalError(f"row {bad}: topic is null")
         encoded = column.dictionary_encode()
@@ -218,7 +229,7 @@ class BatchEncoder:
             column = column.cast(pa.binary())
         if not pa.types.is_binary(column.type) and not pa.types.is_large_binary(column.type):
             raise MessageIllegalError(f"column 'body' must be binary, not {column.type}")
-        bad = _first_true(column.is_null())
+        bad = _first_true(column.is_null()) if column.null_count else None
         if bad is not None:
             raise MessageIllegalError(f"row {bad}: body is null")
         lengths = pc.binary_length(column).to_numpy(zero_copy_only=False)
@@ -235,7 +246,7 @@ class BatchEncoder:
             return np.full(n, default, dtype=np.int64)
         if not pa.types.is_integer(column.type):
             raise InvalidFlagError(f"column {name!r} must be integers, not {column.type}")
-        values = column.fill_null(default).to_numpy(zero_copy_only=False)
+        values = (column.fill_null(default) if column.null_count else column).to_numpy(zero_copy_only=False)
         bad = _first_true((values < bounds[0]) | (values > bounds[1])) if values.dtype != np.uint64 else \
             _first_true(values > bounds[1])
         if bad is not None:
