@@ -180,8 +180,8 @@ class CommitLog:
 
         A table that fits one segment is one crash-atomic append (first 8 bytes last), all or nothing, as
         ``append``; a larger one is one such append per segment, so a kill keeps a prefix of whole rows,
-        never part of a record. Queue offsets, physical offsets and the store time are filled
-        into the encoded bytes with numpy.
+        never part of a record. Queue offsets come from one compiled grouping of the rows by queue; they, the
+        physical offsets and the store time are stamped into the encoded bytes by one compiled pass per segment.
         """
         from .codec._kernels import queue_groups, stamp_records  # numba loads with the first batch, not the CLI
 

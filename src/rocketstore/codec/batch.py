@@ -39,6 +39,7 @@ from .record import MAX_TIME_MS, message_from_layout, read_layout
 
 if TYPE_CHECKING:
     from ..commitlog import CommitLog
+    from ..mapped.file import MappedFile
 
 _TS = pa.timestamp("us", tz="UTC")
 _STRING = pa.string()
@@ -498,7 +499,7 @@ class RecordRun:
     """Consecutive records of one segment that the compiled walk accepted: where each starts in ``mapped`` and
     the commit-log offset it says it is at, and where the readable bytes end (``read_layout``'s limit)."""
 
-    mapped: object  # MappedFile
+    mapped: MappedFile
     starts: list[int]
     phy_offsets: list[int]
     limit: int
