@@ -361,6 +361,39 @@ def test_the_compiled_encoder_refuses_sizes_that_disagree_with_the_pieces():
     assert written == -1 and not out[size:].any()
 
 
+def test_the_plain_put_kernel_refuses_lengths_that_disagree_with_its_blob():
+    """``encode_plain_v1`` sizes records from the lengths it is given: lengths that do not add up to the blob, a
+    topic code out of range or an output one byte short are refused with nothing written past the output."""
+    from rocketstore.codec._kernels import encode_plain_v1
+
+    body, topic, props = b"hello", b"T", b"TAGS\x01a\x02"
+    size = 88 + len(body) + 1 + len(topic) + 2 + len(props)
+    store_host = bytes([127, 0, 0, 1, 0, 0, 0x2A, 0x9F])
+
+    def run(body_lens, codes=(0, 0), room=2 * size, blob_extra=b""):
+        n = len(body_lens)
+        meta = np.zeros(7 * n + 2, dtype=np.int64)
+        meta[0:n] = body_lens
+        meta[n : 2 * n] = len(props)
+        meta[2 * n : 3 * n] = codes
+        meta[3 * n : 4 * n] = [3, 5]
+        meta[6 * n] = len(topic)
+        blob = body * n + props * n + topic + bytes(8 * n) + store_host + blob_extra
+        out = np.zeros(room, dtype=np.uint8)
+        written = encode_plain_v1(out, meta, np.frombuffer(blob, np.uint8), n, 1)
+        return written, out, meta
+
+    written, out, meta = run([len(body), len(body)])
+    assert written == 2 * size
+    assert meta[6 * 2 + 1 : 7 * 2 + 1].tolist() == [size, size] and meta[-1] == 5  # sizes, highest queue id
+    assert bytes(out[64:72]) == store_host
+    two = [len(body)] * 2
+    for bad in ({"body_lens": [len(body), len(body) - 1]}, {"body_lens": two, "codes": (0, 1)},
+                {"body_lens": two, "blob_extra": b"x"}, {"body_lens": two, "room": 2 * size - 1}):
+        written, out, _ = run(**bad)
+        assert written == -1 and not out[size:].any()
+
+
 # --- put_messages: the same compiled loop for lists of Message ---------------------------------------------
 
 nasty = st.text(st.characters(blacklist_categories=("Cs",)), max_size=6)  # separators and spaces too
@@ -415,9 +448,9 @@ def outcome(encode):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(msgs=messages(), prop_crc=st.booleans(), counter=st.sampled_from([None, 0xFFF8]))
 def test_encode_many_writes_what_encode_writes(msgs, prop_crc, counter, store_host):
-    """``put_messages``' encoder (one pass + ``encode_v1`` for plain messages, ``encode`` for the rest) against
-    ``encode`` per message: same bytes, same record facts, the same error type for a bad message; a UNIQ_KEY
-    counter about to wrap wraps the same way."""
+    """``put_messages``' encoder (one columnar pass + ``encode_plain_v1`` for plain messages, ``encode`` for the
+    rest) against ``encode`` per message: same bytes, same record facts, the same error type for a bad message; a
+    UNIQ_KEY counter about to wrap wraps the same way."""
     single, many = encoders(StoreConfig(enabled_append_prop_crc=prop_crc, store_host=store_host))
     same_outcome(single, many, msgs, single.uniq_keys._counter if counter is None else counter)
 

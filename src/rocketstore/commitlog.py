@@ -139,8 +139,11 @@ class CommitLog:
                     assigned[key] = queue_offset + 1
                 queue_offsets.append(queue_offset)
             if len(queue_offsets) >= _STAMP_MIN and not seal:
-                stamped = self._stamp(np.frombuffer(data, dtype=np.uint8), np.array(pending.sizes, dtype=np.int64),
-                                      np.array(pending.store_ts_pos, dtype=np.int64),
+                sizes = pending.size_array
+                ts_pos = pending.store_ts_pos
+                stamped = self._stamp(np.frombuffer(data, dtype=np.uint8),
+                                      np.array(pending.sizes, dtype=np.int64) if sizes is None else sizes,
+                                      ts_pos if isinstance(ts_pos, np.ndarray) else np.array(ts_pos, dtype=np.int64),
                                       np.array(queue_offsets, dtype=np.int64), first, store_ts)
                 if stamped != total:  # sizes that do not add up to the data: a bug, never a torn record
                     raise AssertionError(f"stamped {stamped} bytes of a {total}-byte append")
