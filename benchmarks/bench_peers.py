@@ -98,25 +98,29 @@ def sqlite_ingest(path: Path, data: list[tuple], batch: int) -> float:
 INGEST_RUNS = 3  # this VM: one run of the same ingest varied 1.2-1.9 M msg/s (page-cache copies at times 10x slower)
 
 
-def ingest_pair(tmp_path: Path, data: list[tuple], batch: int, runs: int) -> tuple[list[float], list[float]]:
-    """Each engine's ingest rates over ``runs`` alternating runs (who goes first alternates too); the last run's
-    database and store stay at ``ingest-<batch>.db`` and ``store-<batch>`` for the reads that follow."""
-    peer, ours = [], []
+def ingest_pair(tmp_path: Path, data: list[tuple], batch: int, runs: int) -> tuple[list[float], list[float], dict]:
+    """Each engine's ingest rates over ``runs`` alternating runs (who goes first alternates too), and how far the
+    store's dispatch fell behind its producer; the last run's database and store stay at ``ingest-<batch>.db``
+    and ``store-<batch>`` for the reads that follow."""
+    peer, ours, lags = [], [], []
     db, store = tmp_path / f"ingest-{batch}.db", tmp_path / f"store-{batch}"
     for run in range(runs):
         for path in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
             path.unlink(missing_ok=True)
         shutil.rmtree(store, ignore_errors=True)
         if run % 2:
-            ours.append(store_ingest(store, data, batch))
+            lags.append(store_ingest(store, data, batch))
             peer.append(sqlite_ingest(db, data, batch))
         else:
             peer.append(sqlite_ingest(db, data, batch))
-            ours.append(store_ingest(store, data, batch))
-    return peer, ours
+            lags.append(store_ingest(store, data, batch))
+        ours.append(lags[-1].pop("rate"))
+    return peer, ours, {key: [lag[key] for lag in lags] for key in lags[0]}
 
 
-def store_ingest(root: Path, data: list[tuple], batch: int) -> float:
+def store_ingest(root: Path, data: list[tuple], batch: int) -> dict:
+    """The rate (dispatch included), the largest dispatch lag seen every 64 puts (MB of log the consume queues
+    and index were behind the producer) and how often a put waited for dispatch to catch up."""
     if batch >= 1000:
         prepared = [as_table(data[i : i + batch]) for i in range(0, len(data), batch)]
     else:
@@ -125,18 +129,21 @@ def store_ingest(root: Path, data: list[tuple], batch: int) -> float:
     with MessageStore.open(root, StoreConfig()) as store:
         store.put_messages(as_messages(warm_rows()))
         store.wait_for_dispatch(60)
+        log, dispatcher = store.commit_log, store.dispatcher
+        lag = 0
         started = time.perf_counter()
-        if batch >= 1000:
-            for table in prepared:
-                store.put_batch(table)
-        elif batch == 1:
-            for group in prepared:
+        for i, group in enumerate(prepared):
+            if batch >= 1000:
+                store.put_batch(group)
+            elif batch == 1:
                 store.put_message(group[0])
-        else:
-            for group in prepared:
+            else:
                 store.put_messages(group)
+            if not i & 63:
+                lag = max(lag, log.max_offset - dispatcher.reput_from_offset)
         store.wait_for_dispatch(60)
-        return len(data) / (time.perf_counter() - started)
+        return {"rate": len(data) / (time.perf_counter() - started), "dispatch_lag_max_MB": round(lag / 1e6, 1),
+                "held_back": dispatcher.held_back}
 
 
 def sqlite_lookups(path: Path, keys: list[tuple[str, str]]) -> np.ndarray:
@@ -267,12 +274,12 @@ def run(quick: bool) -> list[Result]:
                   (1, "put_message", 1.0)]
         for batch, api, target in ingest:
             n = count if batch > 1 else count // 4
-            peer, ours = ingest_pair(tmp_path, data[:n], batch, 1 if quick else INGEST_RUNS)
+            peer, ours, lags = ingest_pair(tmp_path, data[:n], batch, 1 if quick else INGEST_RUNS)
             results.append(Result("peers: ingest", f"{api}, batches of {batch:,} ({n:,} msgs)",
                                   float(np.median(ours)), "msg/s",
                                   f"SQLite executemany, {float(np.median(peer)):,.0f}/s", float(np.median(peer)),
                                   target, notes={"runs": [round(x) for x in ours],
-                                                 "sqlite_runs": [round(x) for x in peer]}))
+                                                 "sqlite_runs": [round(x) for x in peer], **lags}))
             if batch != ingest[0][0]:  # only the first store is read below; each holds 1.4 GB of preallocated
                 shutil.rmtree(tmp_path / f"store-{batch}")  # files, and a filling disk slowed the next row 2x
         full_db, full_store = tmp_path / f"ingest-{ingest[0][0]}.db", tmp_path / f"store-{ingest[0][0]}"

@@ -175,6 +175,33 @@ def test_truncate_dirty_and_recover(tmp_path):
     again.close()
 
 
+@pytest.mark.parametrize("present", [0, 1, 5, 12])
+def test_a_run_that_repeats_written_units_writes_only_the_new_ones(tmp_path, present):
+    """``put_run`` (a dispatch round's units of one queue, a whole run at a time) after a crash re-dispatches
+    records the queue already has: it writes the same bytes ``put_position`` would, unit by unit, rolling
+    files, and skips what is there."""
+    import numpy as np
+
+    config = StoreConfig(mapped_file_size_consume_queue=20 * 4)
+    offsets, phys = np.arange(12, dtype=np.int64), np.arange(12, dtype=np.int64) * 100
+    sizes, tags = np.full(12, 100, dtype=np.int64), np.arange(12, dtype=np.int64) * 7
+    batch, single = ConsumeQueue(tmp_path / "run", "T", 0, config), ConsumeQueue(tmp_path / "one", "T", 0, config)
+    for queue in (batch, single):
+        for q in range(present):
+            queue.put_position(q * 100, 100, q * 7, q)
+    assert batch.put_run(offsets, phys, sizes, tags) == 12 - present
+    assert batch.put_run(offsets, phys, sizes, tags) == 0, "all of it is there now"
+    for q in range(present, 12):
+        single.put_position(q * 100, 100, q * 7, q)
+    assert batch.max_offset_in_queue == single.max_offset_in_queue == 12
+    assert batch.max_physic_offset == single.max_physic_offset == 1200
+    batch.close()
+    single.close()
+    files = [sorted((tmp_path / side / "consumequeue" / "T" / "0").iterdir()) for side in ("run", "one")]
+    assert [f.name for f in files[0]] == [f.name for f in files[1]] and len(files[0]) == 3
+    assert [f.read_bytes() for f in files[0]] == [f.read_bytes() for f in files[1]]
+
+
 def test_queue_starting_past_zero_is_padded_with_pre_blank_units(tmp_path):
     queue = ConsumeQueue(tmp_path, "T", 3, StoreConfig(mapped_file_size_consume_queue=20 * 10))
     assert queue.put_position(500, 50, 0, 17)

@@ -103,7 +103,7 @@ def test_records_with_text_that_is_not_utf8_dispatch_one_at_a_time_in_their_plac
     report = verify_store(tmp_path / "reference", CONFIG)  # verify takes the slow row the same way
     assert report.clean and report.records == 12, report.problems[:3]
     batch, _stop = decode_dispatch(data, 0, len(data), base=0, limit=int(store.commit_log.max_offset))
-    assert batch.slow.tolist() == [i == 5 for i in range(12)]
+    assert batch.slow.tolist() == [i == 5 for i in range(12)] and batch.slow_count == 1
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8192])
@@ -117,3 +117,55 @@ def test_a_store_dispatched_in_batches_serves_its_messages(tmp_path, monkeypatch
             got = store.get_message(f"T{i % 3}", i % 2, put.queue_offset, 1, tags=f"t{i % 2}").messages
             assert [m.commit_log_offset for m in got] == [put.commit_log_offset]
             assert [m.body for m in store.query_message(f"T{i % 3}", f"k{i}")] == [f"b{i}".encode()]
+
+
+def plan_reference(batch: dict, lo: int, hi: int, index_from: int):
+    """``plan_dispatch`` in plain Python: queued rows grouped by (topic, queue) in order of first appearance,
+    log order inside a group; index entries of rows that are not ROLLBACK, at or after ``index_from``."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r in range(lo, hi):
+        if batch["sys_flag"][r] & SysFlag.TRANSACTION_MASK in (SysFlag.TRANSACTION_NOT_TYPE,
+                                                                SysFlag.TRANSACTION_COMMIT_TYPE):
+            groups.setdefault((batch["topic_code"][r], batch["queue_id"][r]), []).append(r)
+    units = [[batch[f][r] for rows in groups.values() for r in rows]
+             for f in ("queue_offset", "phy", "size", "tags_code")]
+    taken = [j for j, r in enumerate(batch["entry_owner"]) if lo <= r < hi and batch["phy"][r] >= index_from
+             and batch["sys_flag"][r] & SysFlag.TRANSACTION_MASK != SysFlag.TRANSACTION_ROLLBACK_TYPE]
+    entries = [[batch["entry_hash"][j] for j in taken], [batch["phy"][batch["entry_owner"][j]] for j in taken],
+               [batch["store_ts"][batch["entry_owner"][j]] for j in taken]]
+    follow = not taken or batch["entry_owner"][taken[-1]] < hi - 1
+    last = max((r for rows in groups.values() for r in rows), default=-1)
+    starts = [0]
+    for rows in groups.values():
+        starts.append(starts[-1] + len(rows))
+    return units, [t for t, _ in groups], [q for _, q in groups], starts, last, entries, follow
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(0, 40))
+def test_the_dispatch_plan_kernel_groups_and_filters_as_the_reference_does(data, n):
+    import numpy as np
+
+    from rocketstore.codec._kernels import plan_dispatch
+
+    ints = st.integers(-(1 << 40), 1 << 40)
+    column = lambda elements: np.array(data.draw(st.lists(elements, min_size=n, max_size=n)), dtype=np.int64)  # noqa: E731
+    batch = {"topic_code": column(st.integers(0, 3)), "queue_id": column(st.integers(0, 2) | st.just(0x7FFFFFFF)),
+             "sys_flag": column(st.sampled_from([0, 0x4, 0x8, 0xC, 0x1 | 0x8, 0x2])),
+             "queue_offset": column(ints), "phy": np.sort(column(st.integers(0, 1 << 40))), "size": column(ints),
+             "tags_code": column(ints), "store_ts": column(ints)}
+    owners = sorted(data.draw(st.lists(st.integers(0, n - 1), max_size=3 * n))) if n else []
+    batch["entry_owner"] = np.array(owners, dtype=np.int64)
+    batch["entry_hash"] = np.array(data.draw(st.lists(ints, min_size=len(owners), max_size=len(owners))),
+                                   dtype=np.int64)
+    lo = data.draw(st.integers(0, n))
+    hi = data.draw(st.integers(lo, n))
+    index_from = data.draw(st.sampled_from([0, int(batch["phy"][n // 2]) if n else 0, 1 << 41]))
+    names = ("topic_code", "queue_id", "sys_flag", "queue_offset", "phy", "size", "tags_code", "store_ts",
+             "entry_owner", "entry_hash")
+    units, topic_codes, queue_ids, starts, last, entries, follow = plan_dispatch(
+        *(batch[name] for name in names), lo, hi, index_from)
+    want = plan_reference(batch, lo, hi, index_from)
+    assert units.tolist() == want[0]
+    assert (topic_codes.tolist(), queue_ids.tolist(), starts.tolist(), last) == want[1:5]
+    assert entries.tolist() == want[5] and follow == want[6]

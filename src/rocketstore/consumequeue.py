@@ -204,9 +204,9 @@ class ConsumeQueue:
             return sum(self.put_position(int(p), int(z), int(t), int(o))
                        for o, p, z, t in zip(queue_offsets.tolist(), phy_offsets.tolist(), sizes.tolist(),
                                              tags_codes.tolist(), strict=True))
-        ends = phy_offsets + sizes
-        first_new = int(np.searchsorted(ends, self.max_physic_offset, side="right"))  # ends <= max: re-dispatch
-        i, written = first_new, 0
+        i, written = 0, 0
+        if int(phy_offsets[0]) + int(sizes[0]) <= self.max_physic_offset:  # a re-dispatch: skip what is there
+            i = int(np.searchsorted(phy_offsets + sizes, self.max_physic_offset, side="right"))
         while i < n:
             mapped = self.mapped_files.last
             expected = int(queue_offsets[i]) * CQ_UNIT_SIZE
@@ -224,7 +224,7 @@ class ConsumeQueue:
                 del target  # an exported view would keep the mapping from ever closing
             stop = i + count
             mapped.wrote_position = pos + count * CQ_UNIT_SIZE
-            self.max_physic_offset = int(ends[stop - 1])
+            self.max_physic_offset = int(phy_offsets[stop - 1]) + int(sizes[stop - 1])
             written += count
             i = stop
         return written

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .codec._kernels import plan_dispatch
 from .codec.batch import DispatchBatch, StopKind, decode_dispatch, load_dispatch_kernels
 from .codec.hashing import java_string_hash
 from .codec.properties import PropertyName, decode_properties
@@ -48,14 +49,17 @@ DISPATCH_REST = 0.001
 # with no dispatcher at all). Consumers then see a message up to 10 ms after its flush.
 DISPATCH_REST_SYNC = 0.01
 # How far (bytes of log) dispatch may fall behind before a put waits for it. A producer that runs Python
-# without pause holds the GIL; the dispatcher gives the GIL up at every compiled kernel and large numpy call
-# and waits up to the switch interval (5 ms) to get it back, so under one busy producer a round of 8,192
-# records took ~300 ms of wall for ~30 ms of work and the lag grew without bound (put_messages(32) for 4 s:
-# 286 MB of log, a million messages no consumer could see). A put that finds dispatch further behind
-# than this waits, with the GIL released, until it is back under half of it; the wait gives up after
-# KEEP_UP_TIMEOUT, and never fails the put, which is already written. 16 MB (~60,000 small messages, ~0.1 s
-# of ingest here) costs put_batch ~10% against an unbounded lag (4 MB: half); ingest figures include the
-# time to dispatch everything, so they were never faster for letting the lag grow.
+# without pause holds the GIL, and each time the dispatcher gives it up (a compiled kernel that releases it, a
+# large numpy call) it waits up to the switch interval (5 ms) to get it back. A round gave it up at every
+# queue's units and a dozen numpy calls: under one busy producer 8,192 records took ~0.5 s of wall for ~50 ms
+# of work, the lag grew without bound (put_messages(32) for 4 s: 286 MB of log no consumer could see) and, with
+# this bound, the producer stopped every 16 MB to let dispatch catch up while holding the GIL no longer (stop
+# 37: 3 stops per 200,000 messages, the dispatch done mostly then and at the end, serially). A round now gives
+# it up twice, in the walk and in the index's put, and keeps it through ``plan_dispatch`` and the queues'
+# units: put_messages(32) runs ~2 MB ahead of dispatch at most and never waits. The bound stays for what is
+# left (a producer on many more cores, a slow disk under the queues): a put that finds dispatch further behind
+# waits, with the GIL released, until it is back under half of it; the wait gives up after KEEP_UP_TIMEOUT,
+# and never fails the put, which is already written. Ingest figures include the time to dispatch everything.
 MAX_DISPATCH_LAG = 16 << 20
 KEEP_UP_TIMEOUT = 1.0
 _FIELDS = struct.Struct(">iiqq")  # queue id, flag, queue offset, phy offset at record position 12
@@ -225,49 +229,41 @@ class Dispatcher:
         """One decoded batch into consume-queue units and index entries, as the one-record path would put them,
         with whole arrays per queue; slow rows (delayed messages, text that is not UTF-8) one at a time in
         their place."""
-        if not batch.slow.any():
+        if not batch.slow_count:
             self._apply_run(batch, 0, len(batch))
             return
         start = 0
-        for row in np.flatnonzero(batch.slow):
-            self._apply_run(batch, start, int(row))
+        for row in np.flatnonzero(batch.slow).tolist():
+            self._apply_run(batch, start, row)
             pos = int(batch.pos[row])
             layout = read_layout(mapped.buffer, pos, mapped.wrote_position, path=str(mapped.path),
                                  base=mapped.file_from_offset)
             assert layout is not None  # the walk accepted it
             self.dispatch(dispatch_request(mapped.buffer, pos, layout, self.config))
-            start = int(row) + 1
+            start = row + 1
         self._apply_run(batch, start, len(batch))
 
     def _apply_run(self, batch: DispatchBatch, lo: int, hi: int) -> None:
+        """Rows ``lo``..``hi`` (none slow) through ``plan_dispatch``, which holds the GIL: from the walk to the
+        index this round gives the GIL up twice, in the walk and the index's put, each worth its wait."""
         if lo >= hi:
             return
-        rows = slice(lo, hi)
-        tran = batch.sys_flag[rows] & SysFlag.TRANSACTION_MASK
-        queued = lo + np.flatnonzero((tran == SysFlag.TRANSACTION_NOT_TYPE) | (tran == SysFlag.TRANSACTION_COMMIT_TYPE))
-        if len(queued):
-            group = batch.topic_code[queued].astype(np.int64) << 32 | (batch.queue_id[queued] & 0xFFFFFFFF)
-            order = np.argsort(group, kind="stable")
-            ordered, sorted_groups = queued[order], group[order]
-            cuts = np.flatnonzero(np.diff(sorted_groups)) + 1
+        index_from = self.index.end_phy_offset() if self.index is not None else 0
+        units, topic_codes, queue_ids, starts, last, entries, records_follow = plan_dispatch(
+            batch.topic_code, batch.queue_id, batch.sys_flag, batch.queue_offset, batch.phy, batch.size,
+            batch.tags_code, batch.store_ts, batch.entry_owner, batch.entry_hash, lo, hi, index_from)
+        if last >= 0:
             wrote = False
-            for members in np.split(ordered, cuts):
-                first = members[0]
-                queue = self.queues.find_or_create(batch.topics[batch.topic_code[first]], int(batch.queue_id[first]))
-                wrote |= queue.put_run(batch.queue_offset[members], batch.phy[members], batch.size[members],
-                                       batch.tags_code[members]) > 0
+            bounds = starts.tolist()
+            for code, queue_id, a, b in zip(topic_codes.tolist(), queue_ids.tolist(), bounds, bounds[1:],
+                                            strict=False):
+                queue = self.queues.find_or_create(batch.topics[code], queue_id)
+                wrote |= queue.put_run(units[0, a:b], units[1, a:b], units[2, a:b], units[3, a:b]) > 0
             if wrote:
-                self._on_logic_timestamp(int(batch.store_ts[queued[-1]]))
+                self._on_logic_timestamp(int(batch.store_ts[last]))
         if self.index is None or not self.config.message_index_enable:
             return
-        take = (batch.entry_owner >= lo) & (batch.entry_owner < hi)
-        owners = batch.entry_owner[take]
-        hashes = batch.entry_hash[take]
-        keep = (batch.sys_flag[owners] & SysFlag.TRANSACTION_MASK) != SysFlag.TRANSACTION_ROLLBACK_TYPE
-        keep &= batch.phy[owners] >= self.index.end_phy_offset()  # already indexed: a re-dispatch
-        owners, hashes = owners[keep], hashes[keep]
-        records_follow = not len(owners) or int(owners[-1]) < hi - 1
-        self.index.build_index_hashes(hashes, batch.phy[owners], batch.store_ts[owners], records_follow=records_follow)
+        self.index.build_index_hashes(entries[0], entries[1], entries[2], records_follow=records_follow)
 
     def dispatch(self, req: DispatchRequest) -> None:
         """Both dispatchers for one record."""

@@ -23,6 +23,7 @@ import zlib
 import numpy as np
 from numba import njit, types
 
+from ..message import SysFlag
 from ._numba_cache import install as _install_cache_locator
 from .record import FIXED_PART_LEN, MAGIC_V1, MAGIC_V2, MIN_RECORD_LEN, PHY_OFFSET_POS, SYSFLAG_POS, V6_EXTRA_LEN
 
@@ -379,11 +380,13 @@ def plain_properties(uniq_raw, tags_off, tags_data, has_tags, list_off, key_off,
     return offsets, out
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def put_queue_units(buf, pos, room, queue_offsets, phy, sizes, tags, i):
     """Write consume-queue units (phy i64, size i32, tags i64, big-endian) at ``buf[pos:]`` for rows ``i``,
     ``i + 1``, ... while their queue offsets run on by one and ``room`` units fit; returns how many. Offsets and
-    tags codes go in first and the sizes after, so a unit a kill tears in the middle keeps size 0 (invalid)."""
+    tags codes go in first and the sizes after, so a unit a kill tears in the middle keeps size 0 (invalid).
+    Holds the GIL, as ``plan_dispatch`` does: a few microseconds of work, where giving the GIL up would cost the
+    dispatcher up to a switch interval to get it back from a producer running Python."""
     n = min(queue_offsets.size - i, room)
     count = 1 if n > 0 else 0
     while count < n and queue_offsets[i + count] == queue_offsets[i + count - 1] + 1:
@@ -960,11 +963,13 @@ def dispatch_walk(buf, pos, end, limit, max_rows, max_bytes, uniq_name, tags_nam
     round instead of one per pass (a producer running Python makes each reacquire wait up to the switch
     interval). Six passes took 375 ns a record, this one 215. Topics are numbered by their bytes in order of
     first appearance, each topic's UTF-8 check and key prefix hash made once. Returns (fields
-    [N_DISPATCH_FIELDS, rows], rows, stop position, text ok per row, topic count, each topic's position and
-    length, entry hashes, entry owners); rows whose text is not UTF-8 get tags code 0 and no entries."""
+    [N_DISPATCH_FIELDS, rows], rows, stop position, whether a row's text is not UTF-8, how many such rows, topic
+    count, each topic's position and length, entry hashes, entry owners); rows whose text is not UTF-8 get tags
+    code 0 and no entries."""
     cap = max(min(max_rows, (end - pos) // MIN_RECORD_LEN + 1), 0)
     d = np.empty((N_DISPATCH_FIELDS, cap), dtype=np.int64)
-    ok = np.empty(cap, dtype=np.bool_)
+    bad_text = np.empty(cap, dtype=np.bool_)
+    bad_count = 0
     rep_pos = np.empty(cap, dtype=np.int64)
     rep_len = np.empty(cap, dtype=np.int64)
     rep_hash = np.empty(cap, dtype=np.int64)
@@ -1019,8 +1024,9 @@ def dispatch_walk(buf, pos, end, limit, max_rows, max_bytes, uniq_name, tags_nam
         d[D_TOPIC, n] = c
         d[D_TAGS, n] = 0
         text = rep_ok[c] and _utf8_ok(buf, props_pos, props_len)
-        ok[n] = text
+        bad_text[n] = not text
         if not text:
+            bad_count += 1
             n += 1
             pos = stop
             continue
@@ -1076,7 +1082,76 @@ def dispatch_walk(buf, pos, end, limit, max_rows, max_bytes, uniq_name, tags_nam
                 i = j + 1
         n += 1
         pos = stop
-    return d, n, pos, ok, topics, rep_pos, rep_len, hashes[:m], owner[:m]
+    return d, n, pos, bad_text[:n], bad_count, topics, rep_pos, rep_len, hashes[:m], owner[:m]
+
+
+_TRAN_MASK = int(SysFlag.TRANSACTION_MASK)
+_TRAN_COMMIT = int(SysFlag.TRANSACTION_COMMIT_TYPE)
+_TRAN_NOT = int(SysFlag.TRANSACTION_NOT_TYPE)
+_TRAN_ROLLBACK = int(SysFlag.TRANSACTION_ROLLBACK_TYPE)
+
+
+@njit(cache=True)
+def plan_dispatch(topic_code, queue_id, sys_flag, queue_offset, phy, size, tags_code, store_ts, entry_owner, entry_hash,
+                  lo, hi, index_from):
+    """What rows ``lo``..``hi`` of a dispatch batch put where, in one pass that holds the GIL.
+
+    Consume queues take the NOT and COMMIT transaction types: their units (queue offset, phy, size, tags code:
+    the four rows of ``units``) grouped by topic and queue, groups in order of first appearance and rows in log
+    order within each; group ``g`` is ``topic_codes[g]``, ``queue_ids[g]``, units ``starts[g]:starts[g + 1]``.
+    ``last`` is the last such row (-1: none). The index takes every entry of a row that is not a ROLLBACK and
+    lies at or after ``index_from`` (before it: indexed already, a re-dispatch): their hashes, their rows' phy
+    offsets and store times, and whether rows without entries follow the last one (``records_follow``).
+
+    Why one kernel: the numpy form of this was a dozen calls, each of which may give the GIL up, and under a
+    producer that runs Python without pause every reacquire waits up to the switch interval (5 ms): a round of
+    8,192 records took ~0.5 s of wall for ~50 ms of work, dispatch fell megabytes behind and the producer had to
+    stop and wait for it."""
+    n = hi - lo
+    keys = np.empty(n, dtype=np.int64)
+    rows = np.empty(n, dtype=np.int64)
+    m = 0
+    last = -1
+    for r in range(lo, hi):
+        tran = sys_flag[r] & _TRAN_MASK
+        if tran in (_TRAN_NOT, _TRAN_COMMIT):
+            keys[m] = (np.int64(topic_code[r]) << 32) | (queue_id[r] & 0xFFFFFFFF)
+            rows[m] = r
+            m += 1
+            last = r
+    group, _rank, group_keys, counts = queue_groups(keys[:m])
+    k = group_keys.size
+    starts = np.empty(k + 1, dtype=np.int64)
+    starts[0] = 0
+    for g in range(k):
+        starts[g + 1] = starts[g] + counts[g]
+    fill = starts[:k].copy()
+    units = np.empty((4, m), dtype=np.int64)
+    for j in range(m):
+        r = rows[j]
+        u = fill[group[j]]
+        fill[group[j]] += 1
+        units[0, u] = queue_offset[r]
+        units[1, u] = phy[r]
+        units[2, u] = size[r]
+        units[3, u] = tags_code[r]
+    topic_codes = group_keys >> 32
+    queue_ids = group_keys & 0xFFFFFFFF
+    taken = np.empty(entry_owner.size, dtype=np.int64)
+    e = 0
+    for j in range(entry_owner.size):
+        r = entry_owner[j]
+        if lo <= r < hi and sys_flag[r] & _TRAN_MASK != _TRAN_ROLLBACK and phy[r] >= index_from:
+            taken[e] = j
+            e += 1
+    entries = np.empty((3, e), dtype=np.int64)
+    for j in range(e):
+        r = entry_owner[taken[j]]
+        entries[0, j] = entry_hash[taken[j]]
+        entries[1, j] = phy[r]
+        entries[2, j] = store_ts[r]
+    records_follow = e == 0 or entry_owner[taken[e - 1]] < hi - 1
+    return units, topic_codes, queue_ids, starts, last, entries, records_follow
 
 
 @njit(cache=True, nogil=True, inline="always")

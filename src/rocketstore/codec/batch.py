@@ -360,6 +360,7 @@ class DispatchBatch:
     entry_hash: np.ndarray  # index entries of the fast rows, in put order
     entry_owner: np.ndarray  # the row each entry belongs to
     slow: np.ndarray
+    slow_count: int  # how many ``slow`` rows (counted by the walk: asking numpy may give the GIL up)
 
     def __len__(self) -> int:
         return len(self.pos)
@@ -381,30 +382,34 @@ def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None =
         if check_crc:  # verify's pass: the CRC walk first, then the dispatch fields of what it accepted
             _f, crc_n, crc_pos = k.walk(arr, start, fields_end, limit, True, max_rows, DEFAULT_MAX_BYTES)
             fields_end = min(fields_end, crc_pos)
-        d, n, pos, ok, count, rep_pos, rep_len, entry_hash, owner = k.dispatch_walk(
+        d, n, pos, slow, slow_count, count, rep_pos, rep_len, entry_hash, owner = k.dispatch_walk(
             arr, start, fields_end, limit, max_rows, DEFAULT_MAX_BYTES, _NAMES[PropertyName.UNIQ_KEY],
             _NAMES[PropertyName.TAGS], _NAMES[PropertyName.KEYS])
         if check_crc:
             n, pos = crc_n, crc_pos
+            slow = slow[:n]
+            slow_count = int(np.count_nonzero(slow))
         stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, DEFAULT_MAX_BYTES)
     finally:
         del arr
+    # views and Python only from here on the usual path: the dispatcher calls this beside a producer running
+    # Python, and a numpy call that gives the GIL up may wait a switch interval to get it back
     d = d[:, :n]
     topics = [bytes(buf[p : p + m]).decode("utf-8", "replace")
               for p, m in zip(rep_pos[:count].tolist(), rep_len[:count].tolist(), strict=True)]
-    topic_code = d[k.D_TOPIC].astype(np.int32)
-    slow = ~ok[:n]
+    topic_code = d[k.D_TOPIC]
     tags_code = d[k.D_TAGS]
     parked = [topics.index(name) for name in slow_topics if name in topics]
     if parked:  # their tags code and keys are the real topic's: the one-record path makes them
-        slow |= np.isin(topic_code, parked)
+        slow = slow | np.isin(topic_code, parked)
+        slow_count = int(np.count_nonzero(slow))
         tags_code = np.where(slow, 0, tags_code)
         keep = ~slow[owner]
         entry_hash, owner = entry_hash[keep], owner[keep]
     batch = DispatchBatch(pos=d[k.D_POS], phy=d[k.D_PHY], size=d[k.D_SIZE], queue_id=d[k.D_QUEUE_ID],
                           queue_offset=d[k.D_QUEUE_OFFSET], sys_flag=d[k.D_SYS_FLAG], store_ts=d[k.D_STORE_TS],
                           topic_code=topic_code, topics=topics, tags_code=tags_code, entry_hash=entry_hash,
-                          entry_owner=owner, slow=slow)
+                          entry_owner=owner, slow=slow, slow_count=slow_count)
     return batch, stop
 
 
