@@ -150,7 +150,7 @@ def test_the_dispatch_plan_kernel_groups_and_filters_as_the_reference_does(data,
 
     ints = st.integers(-(1 << 40), 1 << 40)
     column = lambda elements: np.array(data.draw(st.lists(elements, min_size=n, max_size=n)), dtype=np.int64)  # noqa: E731
-    batch = {"topic_code": column(st.integers(0, 3)), "queue_id": column(st.integers(0, 2) | st.just(0x7FFFFFFF)),
+    batch = {"topic_code": column(st.integers(0, 3)), "queue_id": column(st.integers(-1, 2) | st.just(0x7FFFFFFF)),
              "sys_flag": column(st.sampled_from([0, 0x4, 0x8, 0xC, 0x1 | 0x8, 0x2])),
              "queue_offset": column(ints), "phy": np.sort(column(st.integers(0, 1 << 40))), "size": column(ints),
              "tags_code": column(ints), "store_ts": column(ints)}

@@ -51,8 +51,8 @@ DISPATCH_REST_SYNC = 0.01
 # How far (bytes of log) dispatch may fall behind before a put waits for it. A producer that runs Python
 # without pause holds the GIL, and each time the dispatcher gives it up (a compiled kernel that releases it, a
 # large numpy call) it waits up to the switch interval (5 ms) to get it back. A round gave it up at every
-# queue's units and a dozen numpy calls: under one busy producer 8,192 records took ~0.5 s of wall for ~50 ms
-# of work, the lag grew without bound (put_messages(32) for 4 s: 286 MB of log no consumer could see) and, with
+# queue's units and a dozen numpy calls: under one busy producer 200,000 records took ~0.65 s of wall for
+# ~0.09 s of work, the lag grew without bound (put_messages(32) for 4 s: 286 MB of log no consumer could see) and, with
 # this bound, the producer stopped every 16 MB to let dispatch catch up while holding the GIL no longer (stop
 # 37: 3 stops per 200,000 messages, the dispatch done mostly then and at the end, serially). A round now gives
 # it up twice, in the walk and in the index's put, and keeps it through ``plan_dispatch`` and the queues'
