@@ -343,13 +343,17 @@ def test_the_compiled_encoder_refuses_sizes_that_disagree_with_the_pieces():
     body, topic, props = b"hello", b"T", b"TAGS\x01a\x02"
     size = 88 + len(body) + 1 + len(topic) + 2 + len(props)
 
-    def run(sizes, room):
-        out = np.zeros(room, dtype=np.uint8)
+    def run(sizes, room, body_off=None, props_off=None, topic_index=None, queue_ids=None, strided=False):
+        out = np.zeros(2 * room if strided else room, dtype=np.uint8)
         n = len(sizes)
-        written = encode_v1(out, np.array(sizes, np.int64), np.arange(n + 1, dtype=np.int32) * len(body),
-                            np.frombuffer(body * n, np.uint8), np.arange(n + 1, dtype=np.int32) * len(props),
+        written = encode_v1(out[::2] if strided else out, np.array(sizes, np.int64),
+                            np.arange(n + 1, dtype=np.int32) * len(body) if body_off is None else body_off,
+                            np.frombuffer(body * n, np.uint8),
+                            np.arange(n + 1, dtype=np.int32) * len(props) if props_off is None else props_off,
                             np.frombuffer(props * n, np.uint8), np.array([0, 1], np.int64),
-                            np.frombuffer(topic, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                            np.frombuffer(topic, np.uint8),
+                            np.zeros(n, np.int64) if topic_index is None else topic_index,
+                            np.zeros(n, np.int64) if queue_ids is None else queue_ids,
                             np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros((n, 8), np.uint8),
                             np.zeros(8, np.uint8))
         return written, out
@@ -359,6 +363,43 @@ def test_the_compiled_encoder_refuses_sizes_that_disagree_with_the_pieces():
     assert written == -1 and not out[size:].any()
     written, out = run([size, size], 2 * size - 1)  # the output is one byte short
     assert written == -1 and not out[size:].any()
+    # the pieces are copied unchecked (memmove): offsets outside their buffers are refused before any copy
+    shifted = np.array([0, len(body), 2 * len(body) + 1], np.int32)  # the last body would end past the data
+    assert run([size, size + 1], 2 * size + 1, body_off=shifted)[0] == -1
+    backwards = np.array([0, len(props), 0], np.int32)
+    assert run([size, size - len(props) * 2], 2 * size, props_off=backwards)[0] == -1
+    assert run([size, size], 2 * size, topic_index=np.array([0, 1], np.int64))[0] == -1  # one topic only
+    assert run([size, size], 2 * size, topic_index=np.array([0, -1], np.int64))[0] == -1
+    assert run([size, size], 2 * size, queue_ids=np.zeros(1, np.int64))[0] == -1  # a column one row short
+    written, out = run([size, size], 2 * size, strided=True)  # an output that is not contiguous
+    assert written == -1 and not out.any()
+
+
+def test_the_compiled_copies_refuse_runs_outside_their_buffers():
+    """``gather`` (the decoder's strings) and ``plain_properties`` (the encoder's) copy with memmove: a run
+    outside its buffer raises instead of reading past it."""
+    from rocketstore.codec._kernels import gather, plain_properties
+
+    buf = np.arange(64, dtype=np.uint8)
+    offsets, data = gather(buf, np.array([0, -1, 60], np.int64), np.array([3, 9, 4], np.int64))
+    assert offsets.tolist() == [0, 3, 3, 7] and data.tolist() == [0, 1, 2, 60, 61, 62, 63]
+    with pytest.raises(ValueError, match="outside"):
+        gather(buf, np.array([0, 61], np.int64), np.array([3, 4], np.int64))
+    with pytest.raises(ValueError, match="contiguous"):
+        gather(buf[::2], np.array([0], np.int64), np.array([3], np.int64))
+
+    def props(key_off, tags_off=(0, 1)):
+        return plain_properties(np.zeros((1, 16), np.uint8), np.array(tags_off, np.int32),
+                                np.frombuffer(b"t", np.uint8), np.ones(1, bool), np.array([0, 1], np.int32),
+                                np.array(key_off, np.int32), np.frombuffer(b"key", np.uint8), np.ones(1, bool),
+                                np.array([[0, 1, 2]] * 4, np.int64), 0)
+
+    text = bytes(props([0, 3])[1]).decode()
+    assert text == "UNIQ_KEY\x01" + "0" * 32 + "\x02TAGS\x01t\x02KEYS\x01key\x02"
+    with pytest.raises(ValueError, match="key offset"):
+        props([0, 4])
+    with pytest.raises(ValueError, match="tags offset"):
+        props([0, 3], tags_off=(1, 0))
 
 
 def test_the_plain_put_kernel_refuses_lengths_that_disagree_with_its_blob():

@@ -12,6 +12,11 @@ set-up costs more than it saves on short input. Measured here, GB/s, table again
 256 B 2.25 / 1.96, 320 B 2.2 / 2.9, 1 KiB 2.2 / 3.9, 4 KiB 2.2 / 5.8. zlib's function is registered with
 LLVM under a name of rocketstore's own when this module loads, so cached machine code refers to it by
 that name and is linked to wherever libz is mapped in each process, never to a baked address.
+
+Byte runs (bodies, topics, properties) are copied by the C library's ``memmove``, registered the same way:
+numba's slice assignment builds two array views and a strided loop per copy, which was 40% of encoding a
+10,000-row table of 100-byte bodies (1.71 -> 0.99 ms with memmove). Raw copies check no bounds, so every
+caller checks its offsets against its buffers first.
 """
 
 from __future__ import annotations
@@ -84,6 +89,32 @@ def _register_zlib_crc32() -> None:
 
 _register_zlib_crc32()
 _zlib_crc32 = types.ExternalFunction(_ZLIB_CRC32_SYMBOL, types.uint64(types.uint64, types.voidptr, types.uint32))
+
+_MEMMOVE_SYMBOL = "rocketstore_memmove"
+
+
+def _register_memmove() -> None:
+    """The C library's ``memmove`` (ctypes exports its address on every platform), callable from kernels."""
+    import llvmlite.binding as llvm
+
+    llvm.add_symbol(_MEMMOVE_SYMBOL, ctypes.cast(ctypes.memmove, ctypes.c_void_p).value)
+
+
+_register_memmove()
+_memmove = types.ExternalFunction(_MEMMOVE_SYMBOL, types.voidptr(types.voidptr, types.voidptr, types.uint64))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _contiguous(a):
+    """What ``_copy`` needs of an array: its bytes back to back (an empty one may have a zero stride)."""
+    return a.size < 2 or a.strides[0] == 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _copy(dst, d, src, s, n):
+    """``dst[d:d+n] = src[s:s+n]`` for 1-D contiguous uint8 arrays, unchecked: the caller has checked the bounds."""
+    if n > 0:
+        _memmove(dst.ctypes.data + d, src.ctypes.data + s, np.uint64(n))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -271,13 +302,28 @@ def _encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off
     properties, with the 31-bit body CRC computed on the way. The columns are Arrow buffers (data + offsets);
     ``born_hosts`` is (n, 8). Returns the bytes written, or -1 (nothing past ``out``'s end touched) when a
     record's pieces do not add up to its size."""
+    n = sizes.size
+    topics = topic_off.size - 1
+    if not (_contiguous(out) and _contiguous(body_data) and _contiguous(topic_data) and _contiguous(props_data)):
+        return -1
+    if (body_off.size <= n or props_off.size <= n or topic_index.size < n or queue_ids.size < n or flags.size < n
+            or born_ts.size < n or born_hosts.shape[0] < n or born_hosts.shape[1] < 8 or store_host.size < 8
+            or topics < 0 or topic_off[0] < 0 or topic_off[topics] > topic_data.size):
+        return -1
+    for t in range(topics):
+        if topic_off[t + 1] < topic_off[t]:
+            return -1
     p = 0
-    for i in range(sizes.size):
+    for i in range(n):
         b0, b1 = body_off[i], body_off[i + 1]
+        r0, r1 = props_off[i], props_off[i + 1]
+        ti = topic_index[i]
+        if (b0 < 0 or b1 < b0 or b1 > body_data.size or r0 < 0 or r1 < r0 or r1 > props_data.size
+                or ti < 0 or ti >= topics):
+            return -1
         body_len = b1 - b0
-        topic_len = topic_off[topic_index[i] + 1] - topic_off[topic_index[i]]
-        if (88 + body_len + 1 + topic_len + 2 + props_off[i + 1] - props_off[i] != sizes[i]
-                or p + sizes[i] > out.size):
+        t0, t1 = topic_off[ti], topic_off[ti + 1]
+        if 88 + body_len + 1 + t1 - t0 + 2 + r1 - r0 != sizes[i] or p + sizes[i] > out.size:
             return -1
         _put_be32(out, p, sizes[i])
         _put_be32(out, p + 4, MAGIC_V1)
@@ -297,16 +343,14 @@ def _encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off
         _put_be64(out, p + 76, 0)  # prepared transaction offset
         _put_be32(out, p + 84, body_len)
         q = p + 88
-        out[q : q + body_len] = body_data[b0:b1]
+        _copy(out, q, body_data, b0, body_len)
         q += body_len
-        t0, t1 = topic_off[topic_index[i]], topic_off[topic_index[i] + 1]
         out[q] = t1 - t0
-        out[q + 1 : q + 1 + t1 - t0] = topic_data[t0:t1]
+        _copy(out, q + 1, topic_data, t0, t1 - t0)
         q += 1 + t1 - t0
-        r0, r1 = props_off[i], props_off[i + 1]
         out[q] = ((r1 - r0) >> 8) & 0xFF
         out[q + 1] = (r1 - r0) & 0xFF
-        out[q + 2 : q + 2 + r1 - r0] = props_data[r0:r1]
+        _copy(out, q + 2, props_data, r0, r1 - r0)
         p = q + 2 + r1 - r0
     return p
 
@@ -334,9 +378,17 @@ def plain_properties(uniq_raw, tags_off, tags_data, has_tags, list_off, key_off,
     ``reserve`` zero bytes (room for ``__CRC32#``). Strings are Arrow buffers: data and offsets, the keys a
     list of strings (``list_off`` into ``key_off``). Returns (offsets int64 [n + 1], data)."""
     n = uniq_raw.shape[0]
+    if not (_contiguous(tags_data) and _contiguous(key_data)):
+        raise ValueError("plain_properties takes contiguous string data")
     offsets = np.empty(n + 1, dtype=np.int64)
     offsets[0] = 0
     for i in range(n):
+        if has_tags[i] and not 0 <= tags_off[i] <= tags_off[i + 1] <= tags_data.size:
+            raise ValueError("a tags offset lies outside its Arrow buffer")
+        if has_keys[i]:
+            for j in range(list_off[i], list_off[i + 1]):
+                if not 0 <= key_off[j] <= key_off[j + 1] <= key_data.size:
+                    raise ValueError("a key offset lies outside its Arrow buffer")
         size = _UNIQ_NAME.size + 2 + 2 * uniq_raw.shape[1] + reserve
         if has_tags[i]:
             size += _TAGS_NAME.size + 2 + tags_off[i + 1] - tags_off[i]
@@ -359,7 +411,7 @@ def plain_properties(uniq_raw, tags_off, tags_data, has_tags, list_off, key_off,
             elif name == 1:
                 p = _put_name(out, p, _TAGS_NAME)
                 t0, t1 = tags_off[i], tags_off[i + 1]
-                out[p : p + t1 - t0] = tags_data[t0:t1]
+                _copy(out, p, tags_data, t0, t1 - t0)
                 p += t1 - t0
             elif name == 2:
                 p = _put_name(out, p, _KEYS_NAME)
@@ -368,7 +420,7 @@ def plain_properties(uniq_raw, tags_off, tags_data, has_tags, list_off, key_off,
                         out[p] = 32
                         p += 1
                     a, b = key_off[j], key_off[j + 1]
-                    out[p : p + b - a] = key_data[a:b]
+                    _copy(out, p, key_data, a, b - a)
                     p += b - a
             else:
                 continue
@@ -624,16 +676,16 @@ def gather(buf, starts, lengths):
             total += lengths[i]
         offsets[i + 1] = total
     data = np.empty(total, dtype=np.uint8)
+    if not _contiguous(buf):
+        raise ValueError("gather takes a contiguous buffer")
     o = 0
     for i in range(n):
         s = starts[i]
         if s >= 0:
             m = lengths[i]
-            if m <= 32:  # short strings: a byte loop beats a slice copy's setup
-                for j in range(m):
-                    data[o + j] = buf[s + j]
-            else:
-                data[o : o + m] = buf[s : s + m]
+            if m < 0 or s + m > buf.size:
+                raise ValueError("gather: a run lies outside the buffer")
+            _copy(data, o, buf, s, m)  # 3 ns for 8 bytes, where a byte loop took 9 and a slice copy more
             o += m
     return offsets, data
 
