@@ -377,7 +377,7 @@ class BatchEncoder:
         try:
             written = encode_v1(arr, sizes, body_off, body_data, props_off, props_data, topic_off, topic_data,
                                 np.ascontiguousarray(topic_index, dtype=np.int64), queue_ids, flags, born_ts,
-                                np.ascontiguousarray(born_raw[:, :8]), host)
+                                born_raw, host)  # (n, 20): the kernel reads the first 8 bytes of a row
         finally:
             del arr
         if written != total:  # the sizes computed above disagree with the pieces: a bug, never a torn record
