@@ -300,8 +300,9 @@ def _encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off
     """Records back to back into ``out`` for the common layout (IPv4 hosts, one-byte topic lengths): the fixed
     88 bytes (queue offset, physical offset and store time left zero for the append to fill), body, topic and
     properties, with the 31-bit body CRC computed on the way. The columns are Arrow buffers (data + offsets);
-    ``born_hosts`` is (n, 8). Returns the bytes written, or -1 (nothing past ``out``'s end touched) when a
-    record's pieces do not add up to its size."""
+    ``born_hosts`` is (n, 8 or more), a row's first 8 bytes used. Returns the bytes written, or -1 (nothing past
+    ``out``'s end touched) when a record's pieces do not add up to its size, an offset or topic code lies
+    outside its buffer, a column is shorter than ``sizes`` or a byte buffer is not contiguous."""
     n = sizes.size
     topics = topic_off.size - 1
     if not (_contiguous(out) and _contiguous(body_data) and _contiguous(topic_data) and _contiguous(props_data)):
