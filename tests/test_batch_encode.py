@@ -576,3 +576,16 @@ def test_born_times_a_timestamp_column_cannot_hold_are_refused_by_every_put(tmp_
     micros = batch.column("bornTimestamp").cast(pa.int64()).to_pylist()
     assert micros == [MAX_TIME_MS * 1000, -MAX_TIME_MS * 1000]
     assert batch.column("commitLogOffset").to_pylist() == [r.commit_log_offset for r in stored]
+
+
+@pytest.mark.parametrize("column", ["tags", "body"])
+def test_an_arrow_column_whose_offsets_leave_its_data_is_a_typed_error_and_writes_nothing(tmp_path, column):
+    """``from_buffers`` checks only the last offset: a middle one past the data is refused before any kernel."""
+    offsets = pa.py_buffer(np.array([0, 64, 3], np.int32).tobytes())
+    kind = pa.string() if column == "tags" else pa.binary()
+    bad = pa.Array.from_buffers(kind, 2, [None, offsets, pa.py_buffer(b"abc")])
+    columns = {"topic": ["T", "T"], "body": [b"x", b"y"], column: bad}
+    with MessageStore.open(tmp_path, StoreConfig()) as store:
+        with pytest.raises(MessageIllegalError, match="not a valid Arrow array"):
+            store.put_batch(pa.table(columns))
+        assert store.max_phy_offset == 0

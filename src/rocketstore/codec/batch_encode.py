@@ -460,4 +460,7 @@ def _binary_buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4)
     data_buf = column.buffers()[2]
     data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
+    # pyarrow checks only an array's last offset (``from_buffers``); the kernels copy and scan by these offsets
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > data.size or (np.diff(offsets) < 0).any()):
+        raise MessageIllegalError(f"a {column.type} column is not a valid Arrow array: its offsets leave its data")
     return offsets, data
