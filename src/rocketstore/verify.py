@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import os
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -354,9 +355,7 @@ def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, 
     path = str(mapped.path)
     units = np.frombuffer(mapped.buffer, dtype=UNIT_DTYPE, count=mapped.file_size // CQ_UNIT_SIZE)
     if snapshot:
-        units = units.copy()  # the writer goes on appending: look at one copy
-        # a unit's size is written last: the first without one is where the writer was
-        end = _first(units["size"] == 0)
+        units, end = written_units(units)
     else:
         end = _first((units["phy"] == 0) & (units["size"] == 0))
         if end < len(units) and np.frombuffer(mapped.buffer, dtype=np.uint8, offset=end * CQ_UNIT_SIZE).any():
@@ -385,6 +384,23 @@ def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, 
                                      int(sizes[i]), int(tags[i]), int(queue_offsets[i])))
 
     report.add_many(np.flatnonzero(bad), make)
+
+
+_LOAD_FENCE = threading.Lock()
+
+
+def written_units(units: np.ndarray) -> tuple[np.ndarray, int]:
+    """A copy of the units a live writer has finished, and how many: those before the first without a size.
+
+    The writer puts a unit's offset and tags code first and its size last, so a reader must load the sizes
+    *before* the rest: one copy of the whole array reads each unit front to back and can take a unit's old
+    offset (zero, the log's first record) beside its new size. Sizes first, then the units below the first
+    zero size, each of which was whole when its size was read (a lock's acquire orders the two reads on
+    machines that reorder loads)."""
+    end = _first(units["size"] == 0)
+    with _LOAD_FENCE:
+        pass
+    return units[:end].copy(), end
 
 
 def _first(mask: np.ndarray) -> int:
