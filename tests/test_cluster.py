@@ -27,6 +27,8 @@ from rocketstore.spark.jobs import rebuild
 from rocketstore.spark.shipping import ENV_NAME, package_zip, packed_environment
 from test_spark import CONFIG, build_store, counter_clock, tree
 
+pytestmark = pytest.mark.xdist_group("cluster")  # one worker starts the module's cluster
+
 ROCKETSTORE = str(Path(sys.executable).with_name("rocketstore"))
 TESTS = Path(__file__).parent
 

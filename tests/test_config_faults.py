@@ -170,7 +170,8 @@ HOSTILE = [
     ("topics.json", b'{"topicConfigTable": {"T": {"perm": -Infinity}}}', "Infinity"),
     ("topics.json", b'{"x": 1e400}', "out of range"),
     ("topics.json", b'{"topicConfigTable": {"T": {}, "T": {}}}', "duplicate key 'T'"),
-    ("topics.json", b'{"topicConfigTable": {"\\ud800": {}}}', "surrogate"),
+    ("topics.json", b'{"topicConfigTable": {"\\ud800": {}}}', r"topicConfigTable.\ud800 holds an unpaired"),
+    ("topics.json", b'{"topicConfigTable": {"T\\u0007": 5}}', r"topicConfigTable.T\x07 must be an object"),
     ("topics.json", b'{"topicConfigTable": {"": {}}}', "empty name"),
     ("topics.json", b'{"x": ' + b"[" * 70 + b"]" * 70 + b"}", "nests deeper than 64"),
     ("topics.json", b"[]", "must be an object, not a list"),
@@ -213,6 +214,7 @@ def test_a_hostile_file_is_a_config_error_naming_file_and_field_and_its_backup_i
     with pytest.raises(ConfigFileError) as caught:
         manager.load()
     assert names in str(caught.value) and str(caught.value).startswith(str(tmp_path / "config" / name))
+    str(caught.value).encode("utf-8")  # hostile names are shown escaped: the message can be logged and printed
     assert manager.load_error is caught.value
     _write(tmp_path, name, content, bak=content)  # both copies bad
     with pytest.raises(ConfigFileError, match=r"its backup .* is bad too"):

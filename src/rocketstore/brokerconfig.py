@@ -135,7 +135,10 @@ def _show(value: object) -> str:
 
 
 def _field(where: str, key: object) -> str:
-    return f"{where}.{key}" if where else str(key)
+    text = str(key)
+    if not text.isprintable():  # a key of control characters or a lone surrogate: shown escaped, so that the
+        text = text.encode("unicode_escape").decode("ascii")  # message can be logged and printed as UTF-8
+    return f"{where}.{text}" if where else text
 
 
 def _text(value: str, where: str) -> str:
