@@ -34,10 +34,11 @@ def small_config() -> StoreConfig:
 
 @pytest.fixture(scope="session")
 def spark():
-    """One local[2] SparkSession for the whole suite (starting one costs 7-10 s)."""
+    """One local[2] SparkSession for the suite (per xdist worker; starting one costs 7-10 s with the class archive)."""
     pytest.importorskip("pyspark")
-    from rocketstore.spark import spark_session
+    from rocketstore.spark import classcache, spark_session
 
+    classcache.record()  # ./dev made it already; a bare pytest run makes it once (a minute) for every JVM after
     session = spark_session("local[2]", "rocketstore-tests", driver_memory="1g", shuffle_partitions=2)
     yield session
     session.stop()

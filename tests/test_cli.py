@@ -1,4 +1,6 @@
-"""The rocketstore command line, run as a subprocess on real stores."""
+"""The rocketstore command line on real stores: in this process through click's runner (the interpreter, numpy
+and numba start once, not ~40 times), and as the installed entry point where a process matters (exit codes
+and one-line errors without a traceback, a lock another process holds)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -23,10 +26,24 @@ COMMANDS = ["put", "query-by-key", "query-by-id", "query-by-unique-key", "query-
             "import", "find-keys"]
 
 
-def cli(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200"}
-    done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", *args], capture_output=True, text=True,
-                          input=stdin, timeout=300, env=env, check=False)
+def cli(*args: str, stdin: str | None = None, check: bool = True, process: bool = False
+        ) -> subprocess.CompletedProcess:
+    """``rocketstore ARGS``: in this process, or with ``process`` as a subprocess of the installed entry point.
+    In this process an exception the command let out is added to stderr as the traceback a process prints."""
+    if process:
+        env = {**os.environ, "COLUMNS": "200"}
+        done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", *args], capture_output=True, text=True,
+                              input=stdin, timeout=300, env=env, check=False)
+    else:
+        from click.testing import CliRunner
+
+        from rocketstore.cli.app import main
+
+        result = CliRunner().invoke(main, list(args), input=stdin, env={"COLUMNS": "200"}, terminal_width=200)
+        stderr = result.stderr
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            stderr += "".join(traceback.format_exception(result.exception))
+        done = subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, stderr)
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -54,7 +71,7 @@ def test_every_command_has_help_with_examples():
 
     from rocketstore.cli.app import main
 
-    top = cli("--help").stdout  # the installed entry point once; each command's help in this process
+    top = cli("--help", process=True).stdout  # the installed entry point once; each command's help in this process
     for command in COMMANDS:
         assert command in top
         text = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
@@ -228,7 +245,7 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(store, tmp_path, args, 
     root, _ = store
     target = tmp_path / "nothing" if args[0] == "query-by-key" and args[-1] == "k" and "-b" not in args else root
     before = tree(root)
-    done = cli(*args, "--store", str(target), check=False)
+    done = cli(*args, "--store", str(target), check=False, process=args[0] == "put")  # two kinds in a process
     assert done.returncode in (1, 2), done.stdout
     assert message in done.stderr and "Traceback" not in done.stderr
     assert tree(root) == before
@@ -238,7 +255,7 @@ def test_writer_lock_is_reported(store, tmp_path):
     root = tmp_path / "locked"
     with MessageStore.open(root, CONFIG) as writer:
         writer.put_message(Message("T", b"live"))
-        done = cli("put", "--store", str(root), "-t", "T", "-b", "x", check=False)
+        done = cli("put", "--store", str(root), "-t", "T", "-b", "x", check=False, process=True)  # another process
         assert done.returncode == 1 and "locked by another writer" in done.stderr
         assert "open by a writer" in cli("inspect", "--store", str(root)).stdout  # reads still work
 
@@ -395,7 +412,7 @@ def test_corrupt_file_is_one_clear_line(store, tmp_path):
     segment = sorted((copy / "commitlog").iterdir())[0]
     segment.write_bytes(segment.read_bytes()[:1000])  # a truncated segment
     for args in (["query-by-key", "-t", "Topic0", "-k", "shared"], ["inspect"], ["verify"]):
-        done = cli(*args, "--store", str(copy), check=False)
+        done = cli(*args, "--store", str(copy), check=False, process=True)
         assert done.returncode == 1 and "Traceback" not in done.stderr
         assert done.stderr.count("\n") == 1 and "segment is 1000 bytes" in done.stderr
 

@@ -152,12 +152,12 @@ def test_an_executor_failure_is_one_line_and_exit_1(cluster, work):
 
 
 @pytest.mark.slow
-def test_a_shipped_environment_runs_on_a_worker_without_rocketstore(cluster, work, tmp_path, request):
+def test_a_shipped_environment_runs_on_a_worker_without_rocketstore(tmp_path, request):
     """--ship-env: the executors run the packed venv (~800 MB here; 80 s), not the worker's Python."""
     if "slow" not in request.config.getoption("markexpr"):
         pytest.skip("long form: run with -m slow (the quick form unpacks the archive and runs its interpreter)")
-    started, _, _ = cluster
-    root, python = work
+    started, _, _ = request.getfixturevalue("cluster")  # after the skip: a skipped test starts no cluster
+    root, python = request.getfixturevalue("work")
     env = _env(python)
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     result = _run([sys.executable, str(TESTS / "cluster_jobs.py"), started.url, "--ship-env"], root, env, 600)

@@ -123,7 +123,7 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
     """
     from pyspark.sql import SparkSession
 
-    from . import shipping
+    from . import classcache, shipping
 
     master = master or DEFAULT_MASTER
     local = is_local(master)
@@ -135,11 +135,15 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
     with open(log_config, "w") as f:
         f.write(log4j2_properties(verbose))
     java_opts = f"-Dlog4j2.configurationFile=file:{log_config} -Djava.io.tmpdir={scratch}"
+    from pyspark import SparkContext
+
+    launching = SparkContext._gateway is None  # else getOrCreate reuses a JVM already running
+    driver_opts = f"{java_opts} {classcache.java_options()}".rstrip() if launching else java_opts
     cores = os.cpu_count() or 2
     builder = (
         SparkSession.builder.master(master).appName(app_name)
         .config("spark.driver.memory", driver_memory)
-        .config("spark.driver.extraJavaOptions", java_opts)
+        .config("spark.driver.extraJavaOptions", driver_opts)
         .config("spark.executor.extraJavaOptions", java_opts if local else "")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -170,6 +174,8 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
                 del os.environ["PYSPARK_PYTHON"]
             else:
                 os.environ["PYSPARK_PYTHON"] = saved
+    if launching:
+        classcache.watch(getattr(SparkContext._gateway, "proc", None))
     spark.sparkContext.setLogLevel("WARN" if verbose else "ERROR")
     if not local:
         # Before the source is registered: its planner on the driver takes the Python files known then.

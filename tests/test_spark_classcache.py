@@ -1,0 +1,86 @@
+"""The Spark driver's class archive: keyed by JVM build and jars, used by new drivers, moved into place only whole."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from rocketstore.spark import classcache
+
+
+@pytest.fixture
+def fake_java(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A JVM library and a jars directory of our own, and a cache under tmp_path."""
+    library = tmp_path / "jdk" / "lib" / "server" / "libjvm.so"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"jvm")
+    jars = tmp_path / "pyspark" / "jars"
+    jars.mkdir(parents=True)
+    (jars / "spark-core.jar").write_bytes(b"core")
+    monkeypatch.setattr(classcache, "_java_library", lambda: library)
+    monkeypatch.setattr(classcache, "_spark_jars", lambda: jars)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(classcache.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(classcache, "_recording", [])
+    return library, jars
+
+
+def test_the_archive_name_changes_with_the_jvm_build_and_the_jars(fake_java):
+    library, jars = fake_java
+    first = classcache.archive_path()
+    assert first is not None and first.parent == classcache.cache_dir() and classcache.archive_path() == first
+    (jars / "extra.jar").write_bytes(b"x")
+    second = classcache.archive_path()
+    library.write_bytes(b"another jvm build")
+    third = classcache.archive_path()
+    assert len({first, second, third}) == 3
+
+
+def test_options_use_the_archive_record_it_only_when_asked_and_never_when_switched_off(fake_java, monkeypatch):
+    assert classcache.java_options() == ""  # no archive, not the recording process
+    monkeypatch.setenv(classcache.ENV_SWITCH, "record")
+    recording = classcache.java_options()
+    assert recording.startswith("-XX:ArchiveClassesAtExit=") and classcache.QUIET in recording
+    written, target = classcache._recording[0]
+    assert str(written) in recording and written.parent == target.parent and not written.exists()
+    assert classcache.java_options() == "", "one recording per process"
+    target.write_bytes(b"archive")
+    assert classcache.java_options() == f"-XX:SharedArchiveFile={target} {classcache.QUIET}"
+    monkeypatch.setenv(classcache.ENV_SWITCH, "0")
+    assert classcache.java_options() == ""
+
+
+@pytest.mark.parametrize(("exit_code", "moved"), [(0, True), (1, False)])
+def test_a_recording_becomes_the_archive_only_after_its_jvm_exits_cleanly(fake_java, monkeypatch, exit_code, moved):
+    """``finish`` closes the JVM's stdin (its signal to exit) and waits: a stand-in JVM writes the recording at
+    that moment, as ArchiveClassesAtExit does, and exits with ``exit_code``."""
+    monkeypatch.setenv(classcache.ENV_SWITCH, "record")
+    classcache.java_options()
+    written, target = classcache._recording[0]
+    jvm = subprocess.Popen(["sh", "-c", 'cat > /dev/null; printf archive > "$1"; exit "$2"', "sh", str(written),
+                            str(exit_code)], stdin=subprocess.PIPE)
+    assert not written.exists()  # still "running": nothing written yet
+    assert classcache.finish(jvm) == (target if moved else None)
+    assert target.exists() == moved and not written.exists()
+    assert classcache.finish(jvm) is None  # once
+
+
+def test_the_suites_driver_maps_the_archive(spark):
+    """The fixture's JVM started with the archive ./dev (or the fixture) recorded, and the kernel mapped it."""
+    archive = classcache.archive_path()
+    assert archive is not None and archive.is_file()
+    pid = spark._jvm.java.lang.ProcessHandle.current().pid()
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert str(archive) in maps, f"the driver JVM {pid} has not mapped {archive}"
+
+
+def test_recording_is_a_no_op_once_the_archive_exists(spark):
+    archive = classcache.archive_path()
+    done = subprocess.run([sys.executable, "-m", "rocketstore.spark.classcache"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0 and done.stderr == "" and archive is not None and archive.is_file()
