@@ -70,6 +70,19 @@ def test_a_recording_becomes_the_archive_only_after_its_jvm_exits_cleanly(fake_j
     assert classcache.finish(jvm) is None  # once
 
 
+def test_only_the_newest_archives_stay(tmp_path):
+    import os
+
+    for age in range(5):
+        archive = tmp_path / f"spark-classes-{age}.jsa"
+        archive.write_bytes(b"a")
+        os.utime(archive, (1_000_000 - age, 1_000_000 - age))
+    (tmp_path / "other.jsa").write_bytes(b"not ours")
+    classcache._keep_newest(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.jsa", "spark-classes-0.jsa", "spark-classes-1.jsa",
+                                                          "spark-classes-2.jsa"]
+
+
 def test_the_suites_driver_maps_the_archive(spark):
     """The fixture's JVM started with the archive ./dev (or the fixture) recorded, and the kernel mapped it."""
     archive = classcache.archive_path()

@@ -30,6 +30,8 @@ from pathlib import Path
 
 ENV_SWITCH = "ROCKETSTORE_SPARK_CDS"  # "0": use no archive; "record": the recording process
 QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
+RECORD_TIMEOUT_S = 600
+KEEP_ARCHIVES = 3
 STALE_RECORDING_S = 3600  # a recording left by a process that died is removed after this
 _recording: list[tuple[Path, Path]] = []  # (being written, final name) of this process's JVM
 
@@ -103,6 +105,15 @@ def _remove_stale(directory: Path) -> None:
                 old.unlink()
 
 
+def _keep_newest(directory: Path) -> None:
+    """Archives of other venvs and JVM builds: ~190 MB each, so only the newest few stay (a removed one that is
+    still wanted is recorded again)."""
+    archives = sorted(directory.glob("spark-classes-*.jsa"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in archives[KEEP_ARCHIVES:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
+
+
 def watch(process) -> None:
     """Finish this process's recording at exit, once ``process`` (the driver JVM's launcher) has ended."""
     if _recording and process is not None:
@@ -125,6 +136,7 @@ def finish(process, timeout: float = 120) -> Path | None:
     try:
         if code == 0 and written.is_file() and written.stat().st_size > 0:
             os.replace(written, target)
+            _keep_newest(target.parent)
             return target
         written.unlink(missing_ok=True)
     except OSError:
@@ -153,9 +165,10 @@ def record(*, progress: bool = False) -> Path | None:
         if not target.is_file():
             if progress:
                 print("recording the Spark driver's class archive (once; about a minute)...", file=sys.stderr)
-            subprocess.run([sys.executable, "-m", "rocketstore.spark.classcache", "--workload"], check=False,
-                           env=dict(os.environ, **{ENV_SWITCH: "record"}), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a driver that never ends: no archive
+                subprocess.run([sys.executable, "-m", "rocketstore.spark.classcache", "--workload"], check=False,
+                               env=dict(os.environ, **{ENV_SWITCH: "record"}), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=RECORD_TIMEOUT_S)
     finally:
         os.close(lock)
     return target if target.is_file() else None
