@@ -70,6 +70,20 @@ def test_a_recording_becomes_the_archive_only_after_its_jvm_exits_cleanly(fake_j
     assert classcache.finish(jvm) is None  # once
 
 
+def test_a_dead_recording_goes_after_an_hour_and_a_live_one_stays(fake_java, monkeypatch):
+    import os
+
+    cache = classcache.cache_dir()
+    cache.mkdir(parents=True)
+    dead, live = cache / "spark-classes-a.x.recording", cache / "spark-classes-b.y.recording"
+    for path, age in ((dead, classcache.STALE_RECORDING_S + 60), (live, 60)):
+        path.write_bytes(b"part")
+        os.utime(path, (path.stat().st_mtime - age, path.stat().st_mtime - age))
+    monkeypatch.setenv(classcache.ENV_SWITCH, "record")
+    assert classcache.java_options().startswith("-XX:ArchiveClassesAtExit=")
+    assert not dead.exists() and live.exists()
+
+
 def test_only_the_newest_archives_stay(tmp_path):
     import os
 

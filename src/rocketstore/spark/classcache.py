@@ -61,7 +61,7 @@ def _spark_jars() -> Path | None:
     return jars if jars.is_dir() else None
 
 
-def archive_path(cache: Path | None = None) -> Path | None:
+def archive_path() -> Path | None:
     """Where the archive for this JVM and this Spark lives (whether or not it exists), or None when there is
     no JVM or Spark to key it by."""
     library, jars = _java_library(), _spark_jars()
@@ -72,14 +72,14 @@ def archive_path(cache: Path | None = None) -> Path | None:
     digest.update(f"{library.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{jars.resolve()}\0".encode())
     for jar in sorted(jars.iterdir()):
         digest.update(f"{jar.name}\0{jar.stat().st_size}\0".encode())
-    return (cache or cache_dir()) / f"spark-classes-{digest.hexdigest()[:16]}.jsa"
+    return cache_dir() / f"spark-classes-{digest.hexdigest()[:16]}.jsa"
 
 
-def java_options(cache: Path | None = None) -> str:
+def java_options() -> str:
     """JVM options for a new driver: use the archive when there is one; in the recording process, record it
     at exit (``finish`` moves it into place); else nothing."""
     switch = os.environ.get(ENV_SWITCH)
-    target = archive_path(cache) if switch != "0" else None
+    target = archive_path() if switch != "0" else None
     if target is None:
         return ""
     if target.is_file():
