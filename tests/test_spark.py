@@ -97,6 +97,42 @@ def test_columns_read_only_what_is_asked_in_tasks_of_equal_size(spark, tmp_path)
             read_store(spark, path, columns=bad)
 
 
+def test_a_task_leaves_its_workers_heap_frozen_and_talks_over_a_unix_socket(spark, tmp_path):
+    """PySpark's daemon runs a full gc.collect() after every task of a reused worker (~100 ms once numba and
+    pyarrow are loaded): a read freezes what survives it, in the worker only. Workers are reached over a Unix
+    socket (loopback TCP waited on delayed ACKs)."""
+    import gc
+
+    import pyarrow as pa
+
+    from rocketstore.spark.heap import settle_after_task
+    from rocketstore.spark.partitions import ScanOptions, plan_ranges, resolve_roots
+    from rocketstore.spark.source import RangePartition
+
+    build_store(tmp_path / "s", 40)
+    options = ScanOptions()
+    planned = plan_ranges(resolve_roots(str(tmp_path / "s")), options)
+    partitions = [RangePartition(ranges, options) for ranges in planned]
+
+    def read_in_a_task(batches):
+        import os
+
+        for _ in batches:
+            pass
+        gc.unfreeze()  # an earlier test's task may have frozen this reused worker already
+        before = gc.get_freeze_count()
+        rows = sum(b.num_rows for p in partitions for b in p.read())
+        yield pa.RecordBatch.from_pylist([{"before": before, "after": gc.get_freeze_count(), "rows": rows,
+                                           "unix": os.environ.get("PYTHON_UNIX_DOMAIN_ENABLED", "").lower()}])
+
+    driver_frozen = gc.get_freeze_count()
+    [row] = spark.range(1, numPartitions=1).mapInArrow(
+        read_in_a_task, "before bigint, after bigint, rows bigint, unix string").collect()
+    assert (row.before, row.rows, row.unix) == (0, 40 + 20 + 2, "true")
+    assert row.after > 10_000  # the modules the read loaded, now in the permanent generation
+    assert not settle_after_task() and gc.get_freeze_count() == driver_frozen  # outside a task: nothing changes
+
+
 def test_filters_by_topic_time_and_offset(spark, tmp_path):
     results = build_store(tmp_path / "s")
     mid = results[200]

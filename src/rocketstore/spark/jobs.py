@@ -38,6 +38,7 @@ from ..message import SysFlag
 from ..recovery import RECOVERY_DIR, recover_commit_log
 from ..store import MessageStore
 from .failures import in_task
+from .heap import settle_after_task
 from .partitions import (
     DISPATCH_DDL,
     MESSAGE_DDL,
@@ -328,6 +329,7 @@ def _arrow_chunks(df) -> Iterator[pa.Table]:
                 with pa.ipc.new_stream(sink, piece.schema) as writer:
                     writer.write_batch(piece)
                 yield pa.RecordBatch.from_arrays([pa.array([sink.getvalue().to_pybytes()], pa.binary())], ["ipc"])
+        settle_after_task()
 
     for row in df.mapInArrow(to_ipc, "ipc binary").toLocalIterator(prefetchPartitions=True):
         yield pa.ipc.open_stream(pa.py_buffer(row.ipc)).read_all()
@@ -416,6 +418,7 @@ def find_keys(paths, keys, *, spark=None, master: str | None = None, begin: int 
             finally:
                 for store in stores_open.values():
                     store.close()
+        settle_after_task()
 
     schema_ddl = MESSAGE_DDL + ", queryTopic string, queryKey string"
     return pairs.select("root", "topic", "key").mapInArrow(lookup, schema_ddl)

@@ -151,6 +151,9 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.local.dir", scratch)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        # An executor talks to its Python workers over a Unix socket instead of loopback TCP: each task's
+        # small request/reply exchanges waited on delayed ACKs (47 tasks of 8 MiB: 5.1 -> 2.9 s, local[1]).
+        .config("spark.python.unix.domain.socket.enabled", "true")
     )
     if local:
         builder = (builder.config("spark.default.parallelism", str(max(2, cores)))

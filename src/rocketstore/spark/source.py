@@ -48,6 +48,7 @@ from pathlib import Path
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 
 from .failures import in_task
+from .heap import settle_after_task
 from .partitions import (
     DISPATCH_DDL,
     MESSAGE_DDL,
@@ -76,6 +77,7 @@ class RangePartition(InputPartition):
         with in_task():
             for log_range in self.ranges:
                 yield from read_range(log_range, self.options)
+        settle_after_task()
 
 
 class RocketMQDataSource(DataSource):
