@@ -97,6 +97,24 @@ def test_columns_read_only_what_is_asked_in_tasks_of_equal_size(spark, tmp_path)
             read_store(spark, path, columns=bad)
 
 
+def test_packed_rows_carry_the_same_columns_as_arrow(spark, tmp_path):
+    """packArrow: the decoded columns reach the driver as Arrow IPC (the rebuild's path), equal to the rows."""
+    from rocketstore.spark.partitions import ScanOptions, unpacked
+
+    build_store(tmp_path / "s")
+    path = str(tmp_path / "s")
+    wanted = ["commitLogOffset", "topic", "keys", "storeTimestamp", "tagsCode", "indexKeyHashes"]
+    rows = read_store(spark, path, columns=wanted, minPartitions=3, maxBytesPerPartition=4096)
+    blobs = read_store(spark, path, columns=wanted, packed=True, minPartitions=3, maxBytesPerPartition=4096)
+    assert blobs.columns == ["arrow"] and 3 <= blobs.count() < rows.count()
+    table = unpacked(blobs.toArrow().column(0), ScanOptions(columns=tuple(wanted)).output_schema)
+    assert table.column_names == wanted and table.num_rows == rows.count()
+    expected = rows.orderBy("commitLogOffset").toArrow()
+    assert table.sort_by("commitLogOffset").to_pylist() == expected.to_pylist()
+    with pytest.raises(Exception, match="packArrow the rocketmq source's schema is 'arrow binary'"):
+        spark.read.format("rocketmq").option("packArrow", "true").schema("topic string").load(path).collect()
+
+
 def test_a_task_leaves_its_workers_heap_frozen_and_talks_over_a_unix_socket(spark, tmp_path):
     """PySpark's daemon runs a full gc.collect() after every task of a reused worker (~100 ms once numba and
     pyarrow are loaded): a read freezes what survives it, in the worker only. Workers are reached over a Unix

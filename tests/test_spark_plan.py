@@ -78,3 +78,44 @@ def test_a_schema_picks_columns_and_bad_ones_are_named():
         with pytest.raises(ConfigError, match="minPartitions must be at least 1"):
             ScanOptions.from_options({"minPartitions": bad})
     assert ScanOptions.from_options({"MINPARTITIONS": "7"}).min_partitions == 7
+
+
+def test_the_columns_option_picks_columns_as_a_schema_does():
+    options = ScanOptions.from_options({"Columns": "storeTimestamp, topic,tagsCode", "packArrow": "true"})
+    assert options.output_columns == ("storeTimestamp", "topic", "tagsCode") and options.packed
+    assert options.output_schema.names == ["storeTimestamp", "topic", "tagsCode"]
+    assert str(options.output_schema.field("tagsCode").type) == "int64"
+    with pytest.raises(ConfigError, match="no column 'offset'"):
+        ScanOptions.from_options({"columns": "topic,offset"})
+    with pytest.raises(ConfigError, match="no column asked"):
+        ScanOptions.from_options({"columns": " , "})
+    with pytest.raises(ConfigError, match="packArrow must be true or false"):
+        ScanOptions.from_options({"packArrow": "yes"})
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(sizes=st.lists(st.integers(0, 300), max_size=12), limit=st.integers(1, 20_000))
+def test_packed_rows_hold_every_batch_in_order(sizes, limit):
+    import pyarrow as pa
+
+    from rocketstore.spark.partitions import PACKED_COLUMN, packed, unpacked
+
+    schema = ScanOptions(columns=("commitLogOffset", "topic")).output_schema
+    batches, start = [], 0
+    for size in sizes:
+        batches.append(pa.RecordBatch.from_pydict(
+            {"commitLogOffset": list(range(start, start + size)), "topic": [f"T{i % 7}" for i in range(size)]},
+            schema=schema))
+        start += size
+    rows = list(packed(iter(batches), schema, limit))
+    assert all(r.schema.names == [PACKED_COLUMN] and r.num_rows == 1 for r in rows)
+    expected, size, pending = 0, 0, 0  # a row when the batches since the last one reach the limit, then the rest
+    for b in batches:
+        size, pending = size + b.nbytes, pending + 1
+        if size >= limit:
+            expected, size, pending = expected + 1, 0, 0
+    assert len(rows) == expected + (pending > 0)
+    blobs = pa.chunked_array([r.column(0) for r in rows], pa.binary())
+    table = unpacked(blobs, schema)
+    assert table.schema == schema
+    assert table.column("commitLogOffset").to_pylist() == list(range(start))

@@ -58,6 +58,9 @@ MESSAGE_DDL = (
     "preparedTransactionOffset bigint, storeSize int, bodyCRC int, brokerName string"
 )
 DISPATCH_DDL = ", tagsCode bigint, indexKeyHashes array<bigint>"
+PACKED_COLUMN = "arrow"  # option packArrow: each row one Arrow IPC stream of decoded batches
+PACKED_DDL = f"{PACKED_COLUMN} binary"
+PACKED_BYTES = 8 << 20  # Arrow bytes per packed row at most (one batch may exceed it)
 
 ARROW_FIELDS = MESSAGE_FIELDS  # the MessageExt columns, defined by the codec
 DISPATCH_FIELDS = [("tagsCode", pa.int64()), ("indexKeyHashes", pa.list_(pa.int64()))]
@@ -85,6 +88,7 @@ class ScanOptions:
     corrupt_log: str | None = None  # directory where each task lists what onCorrupt=skip skipped
     min_partitions: int = 1  # at least this many tasks, of equal bytes (Kafka's source has the same option)
     columns: tuple[str, ...] | None = None  # the columns a task returns (a schema given to the reader); None: all
+    packed: bool = False  # one row per Arrow batch, its columns as an IPC stream (``PACKED_DDL``)
     delay_levels_ms: tuple[int, ...] = field(default_factory=lambda: StoreConfig().delay_levels_ms)
 
     @classmethod
@@ -128,7 +132,16 @@ class ScanOptions:
             include_body=flag("includeBody", True), on_corrupt=on_corrupt, broker_name=options.get("brokerName"),
             commit_log_file_size=number("mappedFileSizeCommitLog"), dispatch_info=flag("dispatchInfo", False),
             corrupt_log=options.get("corruptLog"), min_partitions=min_partitions,
-        )
+            packed=flag("packArrow", False),
+        )._with_column_option(options.get("columns"))
+
+    def _with_column_option(self, text: str | None) -> ScanOptions:
+        """The ``columns`` option: a comma-separated list, as a schema naming them would pick."""
+        if text is None:
+            return self
+        known = dict(ddl_fields(MESSAGE_DDL + DISPATCH_DDL))
+        names = [name.strip() for name in text.split(",")]
+        return self.with_schema([(name, known.get(name, "")) for name in names if name])
 
     def with_schema(self, fields: list[tuple[str, str]]) -> ScanOptions:
         """These options returning only ``fields`` ((name, Spark type name) pairs, the schema a user gave the
@@ -153,6 +166,12 @@ class ScanOptions:
     @property
     def output_columns(self) -> tuple[str, ...]:
         return self.columns or MESSAGE_COLUMNS + (DISPATCH_COLUMNS if self.dispatch_info else ())
+
+    @property
+    def output_schema(self) -> pa.Schema:
+        """The Arrow schema of the batches a task decodes (inside the IPC streams when packed)."""
+        types = dict(ARROW_FIELDS + DISPATCH_FIELDS)
+        return pa.schema([(name, types[name]) for name in self.output_columns])
 
 
 def ddl_fields(ddl: str) -> list[tuple[str, str]]:
@@ -318,6 +337,44 @@ def read_range(r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
             yield from _read(buf, r, options)
     finally:
         os.close(fd)
+
+
+def packed(batches: Iterator[pa.RecordBatch], schema: pa.Schema,
+           limit: int = PACKED_BYTES) -> Iterator[pa.RecordBatch]:
+    """Batches as rows of one binary column, each an Arrow IPC stream of up to ``limit`` bytes of them.
+
+    For jobs that collect decoded columns to the driver (rebuild): the JVM then moves a few large values
+    instead of turning every record into a row and back into Arrow."""
+    pending: list[pa.RecordBatch] = []
+    size = 0
+
+    def flush() -> pa.RecordBatch:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema) as writer:
+            for batch in pending:
+                writer.write_batch(batch)
+        pending.clear()
+        data = sink.getvalue()
+        offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int32))
+        return pa.RecordBatch.from_arrays([pa.Array.from_buffers(pa.binary(), 1, [None, offsets, data])],
+                                          [PACKED_COLUMN])
+
+    for batch in batches:
+        pending.append(batch)
+        size += batch.nbytes
+        if size >= limit:
+            yield flush()
+            size = 0
+    if pending:
+        yield flush()
+
+
+def unpacked(blobs: pa.ChunkedArray | pa.Array, schema: pa.Schema) -> pa.Table:
+    """The table that ``packed`` rows hold, in their order (no copy of the Arrow data)."""
+    chunks = blobs.chunks if isinstance(blobs, pa.ChunkedArray) else [blobs]
+    batches = [batch for chunk in chunks for i in range(len(chunk))
+               for batch in pa.ipc.open_stream(chunk[i].as_buffer())]
+    return pa.Table.from_batches(batches, schema)
 
 
 def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:

@@ -35,6 +35,10 @@ Options (all optional):
 ``brokerName``              the brokerName column for a single store (default: directory name)
 ``mappedFileSizeCommitLog`` segment size (default: the size of the segment files found)
 ``dispatchInfo``            true adds tagsCode and indexKeyHashes (used by the rebuild job)
+``columns``                 comma-separated columns to decode, as a schema naming them would
+``packArrow``               true returns one row per ~8 MiB of decoded batches: column ``arrow``, an
+                            Arrow IPC stream of the columns (for jobs collecting to the driver:
+                            ``partitions.unpacked`` reads them back; the JVM never sees the records)
 ==========================  ===================================================================
 
 Filter pushdown is not used (measured wrong in this Spark build, see SPARK.md); use the options.
@@ -47,14 +51,18 @@ from pathlib import Path
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 
+from ..errors import ConfigError
 from .failures import in_task
 from .heap import settle_after_task
 from .partitions import (
     DISPATCH_DDL,
     MESSAGE_DDL,
+    PACKED_COLUMN,
+    PACKED_DDL,
     LogRange,
     ScanOptions,
     log_bounds,
+    packed,
     plan_ranges,
     read_range,
     resolve_roots,
@@ -75,8 +83,8 @@ class RangePartition(InputPartition):
 
     def read(self):
         with in_task():
-            for log_range in self.ranges:
-                yield from read_range(log_range, self.options)
+            batches = (batch for log_range in self.ranges for batch in read_range(log_range, self.options))
+            yield from packed(batches, self.options.output_schema) if self.options.packed else batches
         settle_after_task()
 
 
@@ -97,13 +105,21 @@ class RocketMQDataSource(DataSource):
         return path
 
     def schema(self) -> str:
-        return MESSAGE_DDL + (DISPATCH_DDL if self._scan_options().dispatch_info else "")
+        options = self._scan_options()
+        if options.packed:
+            return PACKED_DDL
+        return MESSAGE_DDL + (DISPATCH_DDL if options.dispatch_info else "")
 
     def _options_for(self, schema) -> ScanOptions:
         """A schema the user gave (``.schema("topic string, storeTimestamp timestamp")``) picks the columns:
         only those are decoded and handed to Spark (this API has no column pruning of its own)."""
         fields = [(f.name, f.dataType.simpleString()) for f in schema.fields] if hasattr(schema, "fields") else None
         options = self._scan_options()
+        if options.packed:  # the schema is the packed one; option columns names what is inside
+            if fields and fields != [(PACKED_COLUMN, "binary")]:
+                raise ConfigError(f"with packArrow the rocketmq source's schema is {PACKED_DDL!r}; name the "
+                                  "columns with the columns option")
+            return options
         return options.with_schema(fields) if fields else options
 
     def reader(self, schema) -> DataSourceReader:
