@@ -632,6 +632,42 @@ def test_partition_reader_equals_the_per_record_reader_with_filters_skips_and_di
     assert len(skipped) == 3
 
 
+@pytest.mark.parametrize("scheduled", [False, True])
+@pytest.mark.parametrize("check_crc", [False, True])
+def test_a_rebuilds_columns_from_the_dispatch_walk_alone_equal_the_general_reader(tmp_path, monkeypatch, scheduled,
+                                                                                  check_crc):
+    """Columns the dispatcher's walk has (a rebuild's) skip decode_range; batches holding a record that needs
+    the record codec (scheduled messages here) fall back to it. Same rows, same skipped damage either way."""
+    from rocketstore.spark import partitions
+    from rocketstore.spark.partitions import DISPATCH_ONLY_COLUMNS, LogRange, ScanOptions, read_range
+
+    with MessageStore.open(tmp_path / "s", StoreConfig(mapped_file_size_commit_log=1 << 20)) as store:
+        results = [store.put_message(Message(f"T{i % 3}", b"b%d" % i * 9, tags=f"tag{i % 4}", keys=[f"k{i}", "g"],
+                                             properties={"DELAY": "2"} if scheduled and i % 7 == 0 else None,
+                                             sys_flag=0xC if i % 11 == 0 else 0)) for i in range(3000)]
+    segment = tmp_path / "s" / "commitlog" / SEGMENT_NAME
+    data = bytearray(segment.read_bytes())
+    data[read_layout(data, results[40].commit_log_offset).body_pos] ^= 0x10  # found only by the CRC check
+    data[results[2500].commit_log_offset + 4] ^= 0xFF  # a broken magic: found by every walk
+    segment.write_bytes(bytes(data))
+    end = results[-1].commit_log_offset + results[-1].store_size
+    options = ScanOptions(on_corrupt="skip", check_crc=check_crc, starting_timestamp=results[10].store_timestamp,
+                          ending_timestamp=results[2900].store_timestamp, corrupt_log=str(tmp_path / "bad"))
+    names = sorted(DISPATCH_ONLY_COLUMNS)
+    known = dict(partitions.ddl_fields(partitions.MESSAGE_DDL + partitions.DISPATCH_DDL))
+    fast = options.with_schema([(name, known[name]) for name in names])
+    general = options.with_schema([(name, known[name]) for name in [*names, "bodyCRC"]])
+    whole = LogRange(str(tmp_path / "s"), "b", str(segment), 0, 1 << 20, 0, end, end)
+    expected = pa.Table.from_batches(read_range(whole, general)).select(names)
+    calls = []
+    decode_range = partitions.decode_range
+    monkeypatch.setattr(partitions, "decode_range", lambda *a, **kw: calls.append(1) or decode_range(*a, **kw))
+    got = pa.Table.from_batches(read_range(whole, fast))
+    assert got.to_pylist() == expected.to_pylist() and got.schema == expected.schema
+    assert 2500 < got.num_rows < 2900
+    assert bool(calls) == scheduled  # the general reader only for the batches with scheduled messages
+
+
 @SETTINGS
 @given(data=segments(), check_crc=st.booleans(), rows=st.integers(1, 9))
 def test_dispatch_fields_equal_the_one_record_path(data, check_crc, rows):

@@ -38,7 +38,7 @@ from ..codec.batch import (
     message_row,
 )
 from ..codec.properties import PropertyName
-from ..codec.record import find_record_start, message_from_layout, read_layout
+from ..codec.record import MAX_TIME_MS, find_record_start, message_from_layout, read_layout
 from ..commitlog import COMMITLOG_DIR, CommitLog
 from ..config import StoreConfig, detect_segment_size
 from ..dispatch import index_topic_of, tags_code_of
@@ -63,6 +63,7 @@ PACKED_DDL = f"{PACKED_COLUMN} binary"
 PACKED_BYTES = 8 << 20  # Arrow bytes per packed row at most (one batch may exceed it)
 
 ARROW_FIELDS = MESSAGE_FIELDS  # the MessageExt columns, defined by the codec
+STORE_TIME_TYPE = dict(MESSAGE_FIELDS)["storeTimestamp"]
 DISPATCH_FIELDS = [("tagsCode", pa.int64()), ("indexKeyHashes", pa.list_(pa.int64()))]
 DISPATCH_COLUMNS = tuple(name for name, _ in DISPATCH_FIELDS)
 BATCH_ROWS = 8192
@@ -403,16 +404,24 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         assert layout is not None  # validated by the walk that found it
         return message_from_layout(buf, at, layout, read_body=False, path=r.segment, base=r.segment_start)
 
+    # a rebuild's columns all come from the dispatcher's walk: one walk, not decode_range's and then that one
+    dispatch_only = options.topics is None and set(output) <= DISPATCH_ONLY_COLUMNS
     while pos < end:
-        batch, halt = decode_range(buf, pos, end, base=r.segment_start, limit=segment_limit,
-                                   check_crc=options.check_crc, include_body=options.include_body,
-                                   topics=options.topics, broker_name=r.broker_name, path=r.segment,
-                                   max_rows=BATCH_ROWS, columns=decoded)
+        batch = None
+        if dispatch_only:
+            dispatch, halt = decode_dispatch(buf, pos, end, base=r.segment_start, limit=segment_limit,
+                                             path=r.segment, max_rows=BATCH_ROWS, check_crc=options.check_crc)
+            batch = _dispatch_only_batch(dispatch, options, message_at)
+        if batch is None:
+            batch, halt = decode_range(buf, pos, end, base=r.segment_start, limit=segment_limit,
+                                       check_crc=options.check_crc, include_body=options.include_body,
+                                       topics=options.topics, broker_name=r.broker_name, path=r.segment,
+                                       max_rows=BATCH_ROWS, columns=decoded)
+            if batch.num_rows and dispatch_info:  # the dispatcher's own kernels over the same records
+                dispatch, _ = decode_dispatch(buf, pos, halt.pos, base=r.segment_start, limit=segment_limit,
+                                              path=r.segment, max_rows=2 * BATCH_ROWS)
+                batch = with_dispatch_info(batch, dispatch, options, message_at)
         batch = _in_time_window(batch, options)
-        if batch.num_rows and dispatch_info:  # the dispatcher's own kernels over the same records
-            dispatch, _ = decode_dispatch(buf, pos, halt.pos, base=r.segment_start, limit=segment_limit,
-                                          path=r.segment, max_rows=2 * BATCH_ROWS)
-            batch = with_dispatch_info(batch, dispatch, options, message_at)
         if batch.num_rows:
             yield batch.select(output)
         if halt.kind is StopKind.LIMIT:
@@ -433,6 +442,30 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         pos = found
     if skipped and options.corrupt_log:
         _write_corrupt_log(options.corrupt_log, r, skipped)
+
+
+DISPATCH_ONLY_COLUMNS = frozenset({"topic", "queueId", "queueOffset", "commitLogOffset", "storeSize", "sysFlag",
+                                   "storeTimestamp", *DISPATCH_COLUMNS})
+
+
+def _dispatch_only_batch(dispatch: DispatchBatch, options: ScanOptions,
+                         message_at: Callable[[int], MessageExt]) -> pa.RecordBatch | None:
+    """``DISPATCH_ONLY_COLUMNS`` of the records the dispatcher's walk decoded, or None where a record needs the
+    record codec (scheduled messages, text that is not UTF-8, a store time out of range): ``decode_range``
+    then takes the same records, as it would have without this path."""
+    if dispatch.slow_count or (len(dispatch) and int(np.abs(dispatch.store_ts).max()) > MAX_TIME_MS):
+        return None
+    columns = {
+        "topic": pa.array(dispatch.topics, pa.string()).take(pa.array(dispatch.topic_code)),
+        "queueId": pa.array(dispatch.queue_id.astype(np.int32)),
+        "queueOffset": pa.array(dispatch.queue_offset.astype(np.int64)),
+        "commitLogOffset": pa.array(dispatch.phy.astype(np.int64)),
+        "storeSize": pa.array(dispatch.size.astype(np.int32)),
+        "sysFlag": pa.array(dispatch.sys_flag.astype(np.int32)),
+        "storeTimestamp": pa.array(dispatch.store_ts.astype(np.int64) * 1000, pa.int64()).view(STORE_TIME_TYPE),
+    }
+    batch = pa.RecordBatch.from_arrays(list(columns.values()), names=list(columns))
+    return with_dispatch_info(batch, dispatch, options, message_at)
 
 
 def _in_time_window(batch: pa.RecordBatch, options: ScanOptions) -> pa.RecordBatch:
