@@ -264,7 +264,16 @@ def tree(root: Path, name: str) -> dict[str, str]:
             for p in sorted(base.rglob("*")) if p.is_file()}
 
 
-def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path):
+@pytest.mark.parametrize("window", [1 << 30, 1])
+def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path, monkeypatch, window):
+    """The driver writes one window of the log at a time (``1``: the smallest, four tasks of 8 KiB: there are
+    several and index files fill and roll at their seams too)."""
+    from rocketstore.spark import jobs
+
+    monkeypatch.setattr(jobs, "REBUILD_WINDOW_BYTES", window)
+    windows = []
+    dispatch_windows = jobs._dispatch_windows
+    monkeypatch.setattr(jobs, "_dispatch_windows", lambda *a: (windows.append(w) or w for w in dispatch_windows(*a)))
     original = tmp_path / "original"
     build_store(original, 700, clock=counter_clock())
     copy = tmp_path / "copy"
@@ -273,6 +282,7 @@ def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path):
     shutil.copy(original / "checkpoint", copy / "checkpoint")
     report = rebuild(copy, spark=spark, config=CONFIG, clock=counter_clock(), max_bytes_per_partition=8 << 10)
     assert report.records == 722 and report.partitions > 4 and report.index_files > 3
+    assert (len(windows) == 1) == (window > 1) and sum(t.num_rows for t, _ in windows) == 722
     assert tree(copy, "consumequeue") == tree(original, "consumequeue")
     assert tree(copy, "index") == tree(original, "index")
     with MessageStore.open(original, CONFIG, read_only=True) as a, MessageStore.open(copy, CONFIG) as b:
