@@ -299,6 +299,35 @@ def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path, monke
                                                                                       500).messages[-1].msg_id
 
 
+@pytest.mark.parametrize("seam", [None, 299, 300])
+def test_a_full_index_file_then_records_without_keys_rolls_a_file_at_any_window_seam(tmp_path, seam):
+    """The store's dispatch opens a new index file for the first record after a full one, keys or none: the
+    rebuild's writer does the same whether that record ends a window's table, starts the next, or neither."""
+    import pyarrow as pa
+
+    from rocketstore.checkpoint import StoreCheckpoint
+    from rocketstore.spark.jobs import _DISPATCH_SCHEMA, RebuildReport, _RebuildWriter
+
+    config = StoreConfig(max_hash_slot_num=97, max_index_num=300)  # a file is full after 299 entries
+    n = 301  # 299 records with one key each, then two without (a rolled-back transaction's: not indexed)
+    table = pa.Table.from_pydict({
+        "topic": ["T"] * n, "queueId": [0] * n, "queueOffset": list(range(n)),
+        "commitLogOffset": [100 * i for i in range(n)], "storeSize": [100] * n, "tagsCode": [0] * n,
+        "storeTimestamp": [1_700_000_000_000_000 + i for i in range(n)], "sysFlag": [0] * 299 + [0xC] * 2,
+        "indexKeyHashes": [[i * 7919] for i in range(299)] + [[], []]}, schema=_DISPATCH_SCHEMA)
+    writer = _RebuildWriter(tmp_path, config, StoreCheckpoint.load(tmp_path / "checkpoint"), counter_clock(),
+                            consume_queues=True, index=True)
+    try:
+        for part in ([table] if seam is None else [table.slice(0, seam), table.slice(seam)]):
+            writer.add(part)
+        report = RebuildReport()
+        writer.finish(report)
+    finally:
+        writer.close()
+    assert (report.records, report.index_keys, report.queue_units) == (n, 299, 299)  # rollbacks: no queue unit
+    assert report.index_files == 2 and len(list((tmp_path / "index").iterdir())) == 2
+
+
 def test_rebuild_moves_old_indexes_aside_and_repairs_a_damaged_store(spark, tmp_path):
     results = build_store(tmp_path / "s", 100)
     (tmp_path / "s" / "index").joinpath(sorted(p.name for p in (tmp_path / "s" / "index").iterdir())[0]).write_bytes(
