@@ -666,6 +666,11 @@ def test_a_rebuilds_columns_from_the_dispatch_walk_alone_equal_the_general_reade
     assert got.to_pylist() == expected.to_pylist() and got.schema == expected.schema
     assert 2500 < got.num_rows < 2900
     assert bool(calls) == scheduled  # the general reader only for the batches with scheduled messages
+    calls.clear()  # without dispatch columns decode_range alone is the one walk
+    plain = options.with_schema([("topic", "string"), ("queueId", "int")])
+    got_plain = pa.Table.from_batches(read_range(whole, plain))
+    assert got_plain.to_pylist() == expected.select(["topic", "queueId"]).to_pylist()
+    assert calls
 
 
 @SETTINGS

@@ -111,6 +111,10 @@ def test_packed_rows_carry_the_same_columns_as_arrow(spark, tmp_path):
     assert table.column_names == wanted and table.num_rows == rows.count()
     expected = rows.orderBy("commitLogOffset").toArrow()
     assert table.sort_by("commitLogOffset").to_pylist() == expected.to_pylist()
+    by_option = spark.read.format("rocketmq").option("columns", "topic, queueId").load(path)
+    assert by_option.columns == ["topic", "queueId"]
+    expected_pairs = read_store(spark, path, columns=["topic", "queueId"]).collect()
+    assert sorted(map(tuple, by_option.collect())) == sorted(map(tuple, expected_pairs)) and len(expected_pairs) == 422
     with pytest.raises(Exception, match="packArrow the rocketmq source's schema is 'arrow binary'"):
         spark.read.format("rocketmq").option("packArrow", "true").schema("topic string").load(path).collect()
 

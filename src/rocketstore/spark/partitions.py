@@ -405,7 +405,8 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         return message_from_layout(buf, at, layout, read_body=False, path=r.segment, base=r.segment_start)
 
     # a rebuild's columns all come from the dispatcher's walk: one walk, not decode_range's and then that one
-    dispatch_only = options.topics is None and set(output) <= DISPATCH_ONLY_COLUMNS
+    # (without dispatch info decode_range alone is one walk already, and the cheaper one)
+    dispatch_only = dispatch_info and options.topics is None and set(output) <= DISPATCH_ONLY_COLUMNS
     while pos < end:
         batch = None
         if dispatch_only:

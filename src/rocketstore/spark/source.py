@@ -61,6 +61,7 @@ from .partitions import (
     PACKED_DDL,
     LogRange,
     ScanOptions,
+    ddl_fields,
     log_bounds,
     packed,
     plan_ranges,
@@ -108,6 +109,9 @@ class RocketMQDataSource(DataSource):
         options = self._scan_options()
         if options.packed:
             return PACKED_DDL
+        if options.columns:  # the columns option: the schema names what the tasks return
+            types = dict(ddl_fields(MESSAGE_DDL + DISPATCH_DDL))
+            return ", ".join(f"{name} {types[name]}" for name in options.columns)
         return MESSAGE_DDL + (DISPATCH_DDL if options.dispatch_info else "")
 
     def _options_for(self, schema) -> ScanOptions:
