@@ -27,6 +27,7 @@ def fake_java(tmp_path, monkeypatch) -> tuple[Path, Path]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(classcache.ENV_SWITCH, raising=False)
     monkeypatch.setattr(classcache, "_recording", [])
+    monkeypatch.setattr(classcache, "_offered", [])
     return library, jars
 
 
@@ -39,6 +40,45 @@ def test_the_archive_name_changes_with_the_jvm_build_and_the_jars(fake_java):
     library.write_bytes(b"another jvm build")
     third = classcache.archive_path()
     assert len({first, second, third}) == 3
+
+
+def test_the_archive_name_changes_when_a_jar_is_rewritten_with_the_same_size(fake_java):
+    """A venv reinstalled at the same path: same jars, same sizes, new times. The JVM refuses an archive whose jars'
+    times changed, so the name must change with them (CI once kept using such an archive, unmapped)."""
+    import os
+
+    library, jars = fake_java
+    before = classcache.archive_path()
+    jar = jars / "spark-core.jar"
+    os.utime(jar, ns=(jar.stat().st_atime_ns, jar.stat().st_mtime_ns + 1_000_000_000))
+    after_jar = classcache.archive_path()
+    (library.parent / "classes.jsa").write_bytes(b"the JDK's base archive")
+    after_base = classcache.archive_path()
+    assert len({before, after_jar, after_base}) == 3
+
+
+def test_an_archive_the_jvm_did_not_map_is_dropped_and_a_mapped_one_kept(fake_java, tmp_path):
+    """``check_mapped`` reads the JVM's /proc maps; this process stands in for the JVM."""
+    import mmap
+    import os
+
+    target = classcache.archive_path()
+    target.parent.mkdir(parents=True)
+    assert classcache.check_mapped(os.getpid()) is None  # nothing offered
+    target.write_bytes(b"archive" * 1000)
+    assert classcache.java_options().startswith("-XX:SharedArchiveFile=")
+    with open(target, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
+        assert classcache.check_mapped(os.getpid()) is True
+    assert target.is_file()
+    assert classcache.java_options().startswith("-XX:SharedArchiveFile=")
+    assert classcache.check_mapped(os.getpid()) is False
+    assert not target.exists(), "an archive the JVM refused must go, so the next record makes a good one"
+    target.write_bytes(b"archive")
+    classcache.java_options()
+    replacement = tmp_path / "fresh.jsa"
+    replacement.write_bytes(b"recorded by another process meanwhile")
+    os.replace(replacement, target)
+    assert classcache.check_mapped(os.getpid()) is False and target.is_file(), "a newer archive is not removed"
 
 
 def test_options_use_the_archive_record_it_only_when_asked_and_never_when_switched_off(fake_java, monkeypatch):

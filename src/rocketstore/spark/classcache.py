@@ -6,12 +6,13 @@ dynamic CDS (``-XX:ArchiveClassesAtExit``, JDK 13+) records them when a JVM exit
 the archive (``-XX:SharedArchiveFile``) instead of parsing the jars again.
 
 The archive is only valid for the JVM build and the class path that made it, so its name is a key over
-both (the JVM's library, Spark's jars and their directory). ``record`` makes it: a separate process
-runs a short job through the ``rocketmq`` source with ``-XX:ArchiveClassesAtExit`` into a name of its own,
-which becomes the archive only after that JVM exited cleanly (``./dev`` does this once, ~60 s here;
-``python -m rocketstore.spark.classcache`` does it for an installed package). Every new driver then uses
-it; a JVM that cannot (another build, a torn file) runs without it, silently (``-Xshare:auto``, CDS logging
-off). Only the driver uses it: a cluster's executors run on other hosts.
+both (the JVM's library and base archive, Spark's jars with their sizes and times, and their directory).
+``record`` makes it: a separate process runs a short job through the ``rocketmq`` source with
+``-XX:ArchiveClassesAtExit`` into a name of its own, which becomes the archive only after that JVM exited
+cleanly (``./dev`` does this once, ~60 s here; ``python -m rocketstore.spark.classcache`` does it for an
+installed package). Every new driver then uses it; a JVM that cannot (another build, a torn file) runs
+without it, silently (``-Xshare:auto``, CDS logging off), and ``check_mapped`` then drops the archive so the
+next ``record`` makes a good one. Only the driver uses it: a cluster's executors run on other hosts.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ RECORD_TIMEOUT_S = 600
 KEEP_ARCHIVES = 3
 STALE_RECORDING_S = 3600  # a recording left by a process that died is removed after this
 _recording: list[tuple[Path, Path]] = []  # (being written, final name) of this process's JVM
+_offered: list[tuple[Path, int]] = []  # (archive, inode) handed to the JVM being launched
 
 
 def cache_dir() -> Path:
@@ -68,21 +70,29 @@ def archive_path() -> Path | None:
     if library is None or jars is None:
         return None
     digest = hashlib.sha256()
-    stat = library.stat()
-    digest.update(f"{library.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{jars.resolve()}\0".encode())
+    base = library.parent / "classes.jsa"  # the JDK's own archive, which a dynamic one extends
+    for jvm_file in (library, base) if base.exists() else (library,):
+        stat = jvm_file.stat()
+        digest.update(f"{jvm_file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    digest.update(f"{jars.resolve()}\0".encode())
     for jar in sorted(jars.iterdir()):
-        digest.update(f"{jar.name}\0{jar.stat().st_size}\0".encode())
+        # The JVM refuses (silently, under -Xshare:auto) an archive whose jars changed size or time: a venv
+        # reinstalled at the same path has the same jars with new times.
+        stat = jar.stat()
+        digest.update(f"{jar.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     return cache_dir() / f"spark-classes-{digest.hexdigest()[:16]}.jsa"
 
 
 def java_options() -> str:
     """JVM options for a new driver: use the archive when there is one; in the recording process, record it
     at exit (``finish`` moves it into place); else nothing."""
+    _offered.clear()
     switch = os.environ.get(ENV_SWITCH)
     target = archive_path() if switch != "0" else None
     if target is None:
         return ""
-    if target.is_file():
+    with contextlib.suppress(OSError):
+        _offered.append((target, target.stat().st_ino))
         return f"-XX:SharedArchiveFile={target} {QUIET}"
     if switch != "record" or _recording:
         return ""
@@ -96,6 +106,25 @@ def java_options() -> str:
         return ""
     _recording.append((Path(name), target))
     return f"-XX:ArchiveClassesAtExit={name} {QUIET}"
+
+
+def check_mapped(jvm_pid: int) -> bool | None:
+    """After a launch with the archive: did the JVM map it? If not, the JVM refused it (a file this key did not
+    foresee changed), so it is removed (unless already replaced) and the next ``record`` makes a good one.
+    None when there was no archive offered or no /proc to look in."""
+    if not _offered:
+        return None
+    target, inode = _offered.pop()
+    try:
+        maps = Path(f"/proc/{jvm_pid}/maps").read_text()
+    except OSError:
+        return None
+    if str(target) in maps:
+        return True
+    with contextlib.suppress(OSError):
+        if target.stat().st_ino == inode:
+            target.unlink()
+    return False
 
 
 def _remove_stale(directory: Path) -> None:

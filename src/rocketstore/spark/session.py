@@ -179,6 +179,7 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
                 os.environ["PYSPARK_PYTHON"] = saved
     if launching:
         classcache.watch(getattr(SparkContext._gateway, "proc", None))
+        classcache.check_mapped(spark._jvm.java.lang.ProcessHandle.current().pid())
     spark.sparkContext.setLogLevel("WARN" if verbose else "ERROR")
     if not local:
         # Before the source is registered: its planner on the driver takes the Python files known then.
