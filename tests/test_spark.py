@@ -332,6 +332,78 @@ def test_a_full_index_file_then_records_without_keys_rolls_a_file_at_any_window_
     assert report.index_files == 2 and len(list((tmp_path / "index").iterdir())) == 2
 
 
+class _Context:
+    """A SparkContext's job-group calls, recorded with the thread that made them."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.calls: list[tuple[str, str, object]] = []
+        self.current = threading.current_thread
+
+    def setJobGroup(self, group: str, description: str) -> None:
+        self.calls.append(("set", group, self.current()))
+
+    def cancelJobGroup(self, group: str) -> None:
+        self.calls.append(("cancel", group, self.current()))
+
+
+def test_read_ahead_makes_the_next_window_while_the_caller_writes_this_one():
+    import threading
+    from types import SimpleNamespace
+
+    from rocketstore.spark.jobs import read_ahead
+
+    context = _Context()
+    second_started = threading.Event()
+
+    def windows():
+        yield "first"
+        second_started.set()
+        yield "second"
+        raise ValueError("window 3 failed")
+
+    got = read_ahead(SimpleNamespace(sparkContext=context), windows(), "test")
+    assert next(got) == "first"
+    assert second_started.wait(10), "the next window is made while the caller holds this one"
+    assert next(got) == "second"
+    with pytest.raises(ValueError, match="window 3 failed"):
+        next(got)  # the producer's error reaches the caller at the window it failed on
+    groups = {group for _, group, _ in context.calls}
+    assert len(groups) == 1 and all(kind == "set" and thread is not threading.current_thread()
+                                    for kind, _, thread in context.calls)
+
+
+def test_read_ahead_cancels_the_job_in_flight_when_the_caller_stops(spark):
+    """A real job of a slow task is running for the next window when the writer fails: it is cancelled, and the
+    call returns in seconds, not after the task's minute."""
+    import time
+
+    from rocketstore.spark.jobs import read_ahead
+
+    def slow(batches):
+        import time as clock
+
+        clock.sleep(60)
+        yield from batches
+
+    def windows():
+        yield "first"
+        yield spark.range(1, numPartitions=1).mapInArrow(slow, "id long").collect()
+
+    started = time.monotonic()
+    got = read_ahead(spark, windows(), "test")
+    assert next(got) == "first"
+    tracker = spark.sparkContext.statusTracker()
+    deadline = time.monotonic() + 30
+    while not tracker.getActiveJobsIds() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tracker.getActiveJobsIds(), "the next window's job runs while the caller holds the first"
+    got.close()  # the writer failed: the rebuild leaves the loop
+    assert time.monotonic() - started < 40
+    assert not tracker.getActiveJobsIds()
+
+
 def test_rebuild_moves_old_indexes_aside_and_repairs_a_damaged_store(spark, tmp_path):
     results = build_store(tmp_path / "s", 100)
     (tmp_path / "s" / "index").joinpath(sorted(p.name for p in (tmp_path / "s" / "index").iterdir())[0]).write_bytes(
