@@ -347,7 +347,7 @@ def test_rebuild_and_export_commands(store, tmp_path, spark):
     shutil.rmtree(copy / "index")
     done = CliRunner().invoke(main, ["rebuild", "--store", str(copy), "--master", "local[2]"])
     assert done.exit_code == 0, done.output
-    assert "rebuilt 122 queue units" in done.output
+    assert "rebuilt 122 queue units" in done.output and "partitions in 1 window, " in done.output
     assert verify_json(copy) == (0, [])
     exported = tmp_path / "parquet"
     done = CliRunner().invoke(main, ["export", "--store", str(copy), "--master", "local[2]", "--out", str(exported),

@@ -287,6 +287,7 @@ def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path, monke
     report = rebuild(copy, spark=spark, config=CONFIG, clock=counter_clock(), max_bytes_per_partition=8 << 10)
     assert report.records == 722 and report.partitions > 4 and report.index_files > 3
     assert (len(windows) == 1) == (window > 1) and sum(t.num_rows for t, _ in windows) == 722
+    assert report.windows == len(windows)
     assert tree(copy, "consumequeue") == tree(original, "consumequeue")
     assert tree(copy, "index") == tree(original, "index")
     with MessageStore.open(original, CONFIG, read_only=True) as a, MessageStore.open(copy, CONFIG) as b:

@@ -142,6 +142,7 @@ class RebuildReport:
     index_keys: int = 0
     index_files: int = 0
     partitions: int = 0
+    windows: int = 0  # Spark jobs, one per window of the log
     moved_aside: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -194,6 +195,7 @@ def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: 
                 for table, partitions in read_ahead(spark, windows, "rocketstore rebuild"):
                     writer.add(table)
                     report.partitions += partitions
+                    report.windows += 1
             writer.finish(report)
         finally:
             writer.close()
