@@ -119,3 +119,35 @@ def test_packed_rows_hold_every_batch_in_order(sizes, limit):
     table = unpacked(blobs, schema)
     assert table.schema == schema
     assert table.column("commitLogOffset").to_pylist() == list(range(start))
+
+
+def test_a_validated_end_plans_the_same_tasks_without_a_second_recovery(tmp_path, monkeypatch):
+    """The rebuild recovered the log under the store's lock: each window's planning takes that end instead of
+    recovering again (which walks the last segments once per window)."""
+    from rocketstore import Message, MessageStore, StoreConfig
+    from rocketstore.spark import partitions
+    from rocketstore.spark.partitions import plan_ranges, resolve_roots
+
+    with MessageStore.open(tmp_path / "s", StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        for i in range(120):
+            store.put_message(Message("T", b"x" * 100, keys=[f"k{i}"]))
+    roots = resolve_roots(str(tmp_path / "s"))
+    end = partitions.log_bounds(roots[0], 4096)[2]
+    assert end > 3 * 4096
+    plain = ScanOptions.from_options({"startingOffset": "100", "endingOffset": str(end - 7),
+                                      "maxBytesPerPartition": "2048"})
+    expected = plan_ranges(roots, plain)
+
+    def no_recovery(*args, **kwargs):
+        raise AssertionError("a validated end needs no recovery")
+
+    monkeypatch.setattr(partitions, "recover_commit_log", no_recovery)
+    validated = ScanOptions.from_options({"startingOffset": "100", "endingOffset": str(end - 7),
+                                          "maxBytesPerPartition": "2048", "validatedLogEnd": str(end)})
+    assert plan_ranges(roots, validated) == expected and len(expected) > 3
+    with pytest.raises(AssertionError, match="no recovery"):
+        plan_ranges(roots, plain)
+    with pytest.raises(ConfigError, match="past the end of the log's files"):
+        plan_ranges(roots, ScanOptions.from_options({"validatedLogEnd": str(10 << 20)}))
+    with pytest.raises(ConfigError, match="one store's"):
+        plan_ranges(roots * 2, validated)

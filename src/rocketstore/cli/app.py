@@ -677,7 +677,8 @@ def rebuild(master, ship_env, verbose, **kwargs) -> None:
         report = run(root, spark=spark, config=config, progress=progress)
     click.echo(f"rebuilt {report.queue_units} queue units in {report.queues} queues and {report.index_keys} index "
                f"keys in {report.index_files} index files from {report.records} records ({report.partitions} "
-               f"partitions in {report.windows} window{'s' * (report.windows != 1)}, {report.seconds:.1f} s); the old files are in {', '.join(report.moved_aside) or '-'}")
+               f"partitions in {report.windows} window{'s' * (report.windows != 1)}, {report.seconds:.1f} s); "
+               f"the old files are in {', '.join(report.moved_aside) or '-'}")
 
 
 @main.command(epilog="""\b

@@ -255,7 +255,7 @@ def _dispatch_windows(spark, root: Path, low: int, end: int, config: StoreConfig
     window = max(REBUILD_WINDOW_BYTES, 4 * _parallelism(spark) * per_task)
     for start in range(low, end, window):
         df = read_store(spark, root, columns=_DISPATCH_COLUMNS, packed=True, includeBody=False, checkCRC=False,
-                        startingOffset=start, endingOffset=min(end, start + window),
+                        startingOffset=start, endingOffset=min(end, start + window), validatedLogEnd=end,
                         maxBytesPerPartition=max_bytes_per_partition,
                         mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
         yield unpacked(df.toArrow().column(0), _DISPATCH_SCHEMA), df.rdd.getNumPartitions()

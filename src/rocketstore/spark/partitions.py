@@ -79,6 +79,7 @@ class ScanOptions:
     ending_timestamp: int | None = None  # exclusive, ms
     starting_offset: int | None = None  # commit-log offset, inclusive
     ending_offset: int | None = None  # exclusive
+    validated_log_end: int | None = None  # the log's end as a recovery under the store's lock found it
     max_bytes_per_partition: int = DEFAULT_MAX_BYTES_PER_PARTITION
     check_crc: bool = True
     include_body: bool = True
@@ -129,6 +130,7 @@ class ScanOptions:
             topics=frozenset(t.strip() for t in topics.split(",") if t.strip()) if topics else None,
             starting_timestamp=number("startingTimestamp"), ending_timestamp=number("endingTimestamp"),
             starting_offset=number("startingOffset"), ending_offset=number("endingOffset"),
+            validated_log_end=number("validatedLogEnd"),
             max_bytes_per_partition=max_bytes, check_crc=flag("checkCRC", True),
             include_body=flag("includeBody", True), on_corrupt=on_corrupt, broker_name=options.get("brokerName"),
             commit_log_file_size=number("mappedFileSizeCommitLog"), dispatch_info=flag("dispatchInfo", False),
@@ -242,11 +244,19 @@ def broker_name_of(root: Path) -> str:
     return resolved.parent.name if resolved.name == "store" and resolved.parent.name else resolved.name
 
 
-def log_bounds(root: Path, segment_size: int) -> tuple[CommitLog, int, int]:
-    """Open a commit log read-only and recover its end in memory: (log, min offset, end offset)."""
+def log_bounds(root: Path, segment_size: int, validated_end: int | None = None) -> tuple[CommitLog, int, int]:
+    """Open a commit log read-only and recover its end in memory: (log, min offset, end offset). With
+    ``validated_end`` (a rebuild's, from its recovery under the store's lock) that is the end: no second
+    recovery, which walks the last segments again (~100 ms a window for a 392 MB log, seconds for 1 GiB ones)."""
     config = StoreConfig(mapped_file_size_commit_log=segment_size)
     commit_log = CommitLog(root, config, read_only=True)
     commit_log.load()
+    if validated_end is not None:
+        last = commit_log.mapped_files.last
+        if last is None or validated_end > last.file_end_offset:
+            commit_log.close()
+            raise ConfigError(f"validatedLogEnd {validated_end} is past the end of the log's files in {root}")
+        return commit_log, commit_log.min_offset, validated_end
     checkpoint = StoreCheckpoint.load(root / "checkpoint", read_only=True)
     report = recover_commit_log(commit_log, checkpoint, root, abnormal=(root / ABORT_FILE).exists())
     return commit_log, commit_log.min_offset, report.end_offset
@@ -259,23 +269,24 @@ def plan_ranges(roots: list[Path], options: ScanOptions) -> list[list[LogRange]]
     one per segment piece (a 107 MB log in 64 MiB segments and 8 MiB pieces was 14 tasks, two of them short)."""
     if options.broker_name and len(roots) > 1:
         raise ConfigError("option brokerName names one store; with several, names come from their directories")
+    if options.validated_log_end is not None and len(roots) > 1:
+        raise ConfigError("option validatedLogEnd is one store's; with several, each is recovered")
     pieces: list[LogRange] = []
     for root in roots:
         size = options.commit_log_file_size or detect_segment_size(root)
         if size is None:
             continue  # an empty store
-        commit_log, low, end = log_bounds(root, size)
+        commit_log, low, log_end = log_bounds(root, size, options.validated_log_end)
         try:
             low = max(low, options.starting_offset or 0)
-            if options.ending_offset is not None:
-                end = min(end, options.ending_offset)
+            end = log_end if options.ending_offset is None else min(log_end, options.ending_offset)
             name = options.broker_name or broker_name_of(root)
             for mapped in commit_log.mapped_files.files:
                 seg_start, seg_end = mapped.file_from_offset, mapped.file_end_offset
                 start, stop = max(seg_start, low), min(seg_end, end)
                 if start < stop:
                     pieces.append(LogRange(str(root), name, str(mapped.path), seg_start, mapped.file_size, start, stop,
-                                           min(seg_end, commit_log.max_offset)))
+                                           min(seg_end, log_end)))
         finally:
             commit_log.close()
     return even_tasks(pieces, options.min_partitions, options.max_bytes_per_partition)

@@ -25,6 +25,8 @@ Options (all optional):
 ``topics``                  comma-separated topics to keep
 ``startingTimestamp``       store time, epoch ms, inclusive; ``endingTimestamp`` exclusive
 ``startingOffset``          commit-log offset, inclusive; ``endingOffset`` exclusive
+``validatedLogEnd``         the log's end as a recovery under the store's lock found it (the rebuild
+                            passes its own): planning takes it instead of recovering the log again
 ``maxBytesPerPartition``    bytes of log per task at most (default 64 MiB); tasks are of equal bytes
 ``minPartitions``           at least this many tasks (``read_store`` passes the session's parallelism)
 ``checkCRC``                verify body CRCs (default true); a failing record is never returned
