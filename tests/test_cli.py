@@ -461,3 +461,17 @@ def test_query_by_key_with_a_keys_file_equals_one_query_per_key(store, tmp_path)
     both = cli("query-by-key", "--store", str(root), "-t", "Topic1", "-k", "x", "--keys-file", str(keys_file),
                check=False)
     assert both.returncode != 0 and "one of" in both.stderr and "Traceback" not in both.stderr
+
+
+def test_a_spark_command_stops_its_session_quietly_before_the_process_exits(monkeypatch):
+    """Else the JVM dies with the process while the driver's Python daemon still holds idle workers, whose
+    BrokenPipeError tracebacks then followed the one-line error on stderr (``test_spark_failures`` runs the
+    real thing)."""
+    from rocketstore.cli import app
+    from rocketstore.spark import session
+
+    registered = []
+    monkeypatch.setattr(session, "spark_session", lambda master, **kw: "the session")
+    monkeypatch.setattr(app.atexit, "register", lambda fn, *args: registered.append((fn, args)))
+    assert app._spark("local[1]", False, False) == "the session"
+    assert registered == [(session.stop_quietly, ("the session",))]

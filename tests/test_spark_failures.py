@@ -115,3 +115,39 @@ def test_ship_env_outside_a_virtual_environment_is_a_clear_error(tmp_path, monke
     with pytest.raises(ConfigError, match="packs the driver's virtual environment, but this Python runs outside one"):
         packed_environment(tmp_path / "cache")
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.zip"))
+
+
+_STOP_PROBE = """
+import json, sys, time
+from rocketstore.spark.jobs import read_store
+from rocketstore.spark.session import end_python_daemons, spark_session, stop_quietly
+spark = spark_session("local[1]", "stop-probe", driver_memory="1g")
+read_store(spark, sys.argv[1]).count()  # the driver's daemon and a pooled worker now exist
+def running(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+ended = end_python_daemons(spark)
+deadline = time.monotonic() + 10
+while any(map(running, ended)) and time.monotonic() < deadline:
+    time.sleep(0.05)
+alive = [pid for pid in ended if running(pid)]  # the session is not stopped yet: these ended on their own signal
+stop_quietly(spark)
+print(json.dumps({"daemons": ended, "alive": alive}))
+"""
+
+
+def test_stopping_quietly_ends_the_drivers_python_daemon_first(tmp_path):
+    """``stop_quietly`` (what a Spark command does at exit) first ends the JVM's Python daemon, whose workers then
+    end silently, and only then stops the session: it is the session's stop (or the JVM's death) closing an idle
+    worker's Unix socket that made the worker print a BrokenPipeError traceback on stderr."""
+    import json
+
+    build_store(tmp_path / "s", 20)
+    done = subprocess.run([sys.executable, "-c", _STOP_PROBE, str(tmp_path / "s")], capture_output=True, text=True,
+                          timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["daemons"] and got["alive"] == []
+    assert "Traceback" not in done.stderr and "Broken pipe" not in done.stderr

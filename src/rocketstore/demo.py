@@ -8,6 +8,7 @@ is never deleted.
 from __future__ import annotations
 
 import argparse
+import atexit
 import shutil
 import sys
 import time
@@ -118,9 +119,11 @@ def _spark_step(root: Path, config: StoreConfig, master: str, by_key, by_id, *, 
     """Read the store as a DataFrame, summarise it, rebuild its queues and index in parallel, re-query."""
     from .spark import spark_session
     from .spark.jobs import messages_per_topic_and_minute, read_store, rebuild
+    from .spark.session import stop_quietly
 
     started = time.perf_counter()
     spark = spark_session(master, "rocketstore-demo", ship_env=ship_env, verbose=verbose)
+    atexit.register(stop_quietly, spark)  # no daemon traceback after the last line
     df = read_store(spark, root, columns=["topic", "storeTimestamp"], maxBytesPerPartition=256 << 10)
     per_topic, per_minute = messages_per_topic_and_minute(df)
     print(f"  spark   {master}, {df.rdd.getNumPartitions()} partitions over the commit log "

@@ -7,6 +7,7 @@ one line on stderr and a non-zero exit code.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -654,9 +655,11 @@ def master_option(command):
 
 
 def _spark(master: str, ship_env: bool, verbose: bool):
-    from ..spark.session import spark_session
+    from ..spark.session import spark_session, stop_quietly
 
-    return spark_session(master, ship_env=ship_env, verbose=verbose)
+    spark = spark_session(master, ship_env=ship_env, verbose=verbose)
+    atexit.register(stop_quietly, spark)  # no daemon traceback under the one-line error
+    return spark
 
 
 @main.command(epilog="""\b

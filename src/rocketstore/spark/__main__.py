@@ -14,6 +14,7 @@ Progress goes to stderr on a terminal; errors are one line on stderr and exit co
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 from pathlib import Path
@@ -75,12 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from . import jobs as job
         from .partitions import resolve_roots
-        from .session import spark_session
+        from .session import spark_session, stop_quietly
 
         for store in getattr(args, "stores", None) or [args.store]:
             if args.job != "import":
                 resolve_roots(store)  # a missing store fails here, before a JVM starts
         spark = spark_session(args.master, ship_env=args.ship_env, verbose=args.verbose)
+        atexit.register(stop_quietly, spark)  # no daemon traceback after the last line
         if args.job == "summary":
             df = job.read_store(spark, args.stores, columns=["topic", "storeTimestamp"])  # all the summary reads
             per_topic, per_minute = job.messages_per_topic_and_minute(df)
