@@ -357,6 +357,23 @@ def test_rebuild_and_export_commands(store, tmp_path, spark):
     assert (exported / "topic=TopicA").is_dir()
 
 
+def test_rebuild_without_spark_writes_what_the_spark_rebuild_writes(store, tmp_path):
+    """``--no-spark``: no JVM, a store ``verify`` finds whole (byte-identity with the store's own dispatch:
+    ``test_spark.test_rebuild_in_this_process_is_byte_identical_to_sequential_dispatch``)."""
+    from click.testing import CliRunner
+
+    from rocketstore.cli.app import main
+
+    copy, _results = damaged_copy(store, tmp_path)
+    shutil.rmtree(copy / "index")
+    done = CliRunner().invoke(main, ["rebuild", "--no-spark", "--store", str(copy)])
+    assert done.exit_code == 0, done.output
+    assert "rebuilt 122 queue units" in done.output and "in this process" in done.output
+    assert verify_json(copy) == (0, [])
+    bad = CliRunner().invoke(main, ["rebuild", "--no-spark", "--master", "spark://h:7077", "--store", str(copy)])
+    assert bad.exit_code == 2 and "--no-spark runs no Spark job" in bad.output
+
+
 def test_import_and_find_keys_commands(store, tmp_path, spark):
     """export -> import into a new store, then find-keys over both stores: the same messages, found exactly."""
     from click.testing import CliRunner

@@ -304,6 +304,35 @@ def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path, monke
                                                                                       500).messages[-1].msg_id
 
 
+@pytest.mark.parametrize("task_bytes", [64 << 20, 2048])
+def test_rebuild_in_this_process_is_byte_identical_to_sequential_dispatch(tmp_path, task_bytes):
+    """``rocketstore.rebuild.rebuild`` (``rocketstore rebuild --no-spark``): the same writer fed by this process's
+    dispatch walk, one range at a time (2 KiB: ranges end mid-record and index files roll between them)."""
+    from rocketstore.rebuild import rebuild as rebuild_here
+
+    original = tmp_path / "original"
+    build_store(original, 700, clock=counter_clock())
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copytree(original / "commitlog", copy / "commitlog")
+    shutil.copy(original / "checkpoint", copy / "checkpoint")
+    (copy / "index").mkdir()
+    (copy / "index" / "junk").write_bytes(b"an old index: moved aside")
+    seen = []
+    report = rebuild_here(copy, config=CONFIG, clock=counter_clock(), max_bytes_per_task=task_bytes,
+                          progress=lambda what, done, total: seen.append((done, total)))
+    assert report.records == 722 and report.index_files > 3 and report.partitions == report.windows == len(seen)
+    assert (report.partitions > 20) == (task_bytes < 4096) and seen[-1] == (report.partitions, report.partitions)
+    assert tree(copy, "consumequeue") == tree(original, "consumequeue")
+    assert tree(copy, "index") == tree(original, "index")
+    assert [Path(p).name for p in report.moved_aside] == ["index"]
+    with MessageStore.open(original, CONFIG, read_only=True) as a, MessageStore.open(copy, CONFIG) as b:
+        for m in a.iter_messages():
+            for key in m.keys:
+                assert [x.msg_id for x in b.query_message(m.topic, key)] == [
+                    x.msg_id for x in a.query_message(m.topic, key)]
+
+
 @pytest.mark.parametrize("seam", [None, 299, 300])
 def test_a_full_index_file_then_records_without_keys_rolls_a_file_at_any_window_seam(tmp_path, seam):
     """The store's dispatch opens a new index file for the first record after a full one, keys or none: the
@@ -311,7 +340,7 @@ def test_a_full_index_file_then_records_without_keys_rolls_a_file_at_any_window_
     import pyarrow as pa
 
     from rocketstore.checkpoint import StoreCheckpoint
-    from rocketstore.spark.jobs import _DISPATCH_SCHEMA, RebuildReport, _RebuildWriter
+    from rocketstore.rebuild import DISPATCH_SCHEMA, RebuildReport, RebuildWriter
 
     config = StoreConfig(max_hash_slot_num=97, max_index_num=300)  # a file is full after 299 entries
     n = 301  # 299 records with one key each, then two without (a rolled-back transaction's: not indexed)
@@ -319,8 +348,8 @@ def test_a_full_index_file_then_records_without_keys_rolls_a_file_at_any_window_
         "topic": ["T"] * n, "queueId": [0] * n, "queueOffset": list(range(n)),
         "commitLogOffset": [100 * i for i in range(n)], "storeSize": [100] * n, "tagsCode": [0] * n,
         "storeTimestamp": [1_700_000_000_000_000 + i for i in range(n)], "sysFlag": [0] * 299 + [0xC] * 2,
-        "indexKeyHashes": [[i * 7919] for i in range(299)] + [[], []]}, schema=_DISPATCH_SCHEMA)
-    writer = _RebuildWriter(tmp_path, config, StoreCheckpoint.load(tmp_path / "checkpoint"), counter_clock(),
+        "indexKeyHashes": [[i * 7919] for i in range(299)] + [[], []]}, schema=DISPATCH_SCHEMA)
+    writer = RebuildWriter(tmp_path, config, StoreCheckpoint.load(tmp_path / "checkpoint"), counter_clock(),
                             consume_queues=True, index=True)
     try:
         for part in ([table] if seam is None else [table.slice(0, seam), table.slice(seam)]):

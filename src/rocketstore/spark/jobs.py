@@ -14,30 +14,20 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..checkpoint import StoreCheckpoint
 from ..codec.properties import split_keys
-from ..commitlog import CommitLog
 from ..config import StoreConfig, detect_config
-from ..consumequeue import CONSUMEQUEUE_DIR, ConsumeQueueTable
 from ..errors import ConfigError, RocketStoreError
-from ..index.service import INDEX_DIR, IndexService
-from ..lifecycle import ABORT_FILE, StoreLock
-from ..mapped.file import STAGING_DIR, fsync_dir
-from ..message import SysFlag
-from ..recovery import RECOVERY_DIR, recover_commit_log
+from ..rebuild import DISPATCH_COLUMNS, DISPATCH_SCHEMA, RebuildReport, rebuild_from_log
 from ..store import MessageStore
 from .failures import in_task
 from .heap import settle_after_task
@@ -134,81 +124,26 @@ def report_progress(spark, progress: Progress | None, description: str, every: f
 
 # --- rebuild ------------------------------------------------------------------------------------
 
-@dataclass(slots=True)
-class RebuildReport:
-    records: int = 0
-    queues: int = 0
-    queue_units: int = 0
-    index_keys: int = 0
-    index_files: int = 0
-    partitions: int = 0
-    windows: int = 0  # Spark jobs, one per window of the log
-    moved_aside: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-
-_DISPATCH_COLUMNS = ["topic", "queueId", "queueOffset", "commitLogOffset", "storeSize", "tagsCode",
-                     "storeTimestamp", "sysFlag", "indexKeyHashes"]
-_DISPATCH_SCHEMA = ScanOptions(columns=tuple(_DISPATCH_COLUMNS)).output_schema
 REBUILD_WINDOW_BYTES = 1 << 30  # of log per rebuild job at least (the driver holds two windows' columns)
 
 
 def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: StoreConfig | None = None,
             consume_queues: bool = True, index: bool = True, max_bytes_per_partition: int | None = None,
             clock: Callable[[], int] | None = None, progress: Progress | None = None) -> RebuildReport:
-    """Rebuild ``consumequeue/`` and ``index/`` of a store from its commit log, in parallel.
+    """Rebuild ``consumequeue/`` and ``index/`` of a store from its commit log, decoded by Spark tasks.
 
     The store must not be open for writing (the lock is taken). The old directories are moved to
     ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now).
+    ``rocketstore.rebuild.rebuild`` does the same in this process (no JVM: faster on one machine).
     """
-    started = time.monotonic()
-    root = Path(os.path.abspath(root))
-    config = detect_config(root, config)
-    report = RebuildReport()
-    lock = StoreLock(root)
-    lock.acquire()
-    try:
-        commit_log = CommitLog(root, config)
-        commit_log.load()
-        checkpoint = StoreCheckpoint.load(root / "checkpoint")
-        recovery = recover_commit_log(commit_log, checkpoint, root, abnormal=(root / ABORT_FILE).exists())
-        log_end, low = recovery.end_offset, commit_log.min_offset
-        commit_log.close()
-        stamp = time.strftime("%Y%m%d%H%M%S")
-        for name, wanted in ((CONSUMEQUEUE_DIR, consume_queues), (INDEX_DIR, index)):
-            if wanted and (root / name).exists():
-                target = root / RECOVERY_DIR / f"rebuild-{stamp}" / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(root / name), str(target))
-                report.moved_aside.append(str(target))
-        spark = session(spark, master)
-        # Built aside and renamed into place when complete: a kill mid-build leaves the directories missing,
-        # and a store open rebuilds missing ones from the whole log (a half-written one would be trusted).
-        build = root / STAGING_DIR / f"rebuild-{stamp}"
-        shutil.rmtree(build, ignore_errors=True)
-        build.mkdir(parents=True)
-        writer = _RebuildWriter(build, config, checkpoint, clock, consume_queues,
-                                index and config.message_index_enable)
-        try:
-            with report_progress(spark, progress, "decoding the commit log"):
-                windows = _dispatch_windows(spark, root, low, log_end, config, max_bytes_per_partition)
-                for table, partitions in read_ahead(spark, windows, "rocketstore rebuild"):
-                    writer.add(table)
-                    report.partitions += partitions
-                    report.windows += 1
-            writer.finish(report)
-        finally:
-            writer.close()
-        for name in (CONSUMEQUEUE_DIR, INDEX_DIR):
-            if (build / name).exists():
-                os.replace(build / name, root / name)
-        fsync_dir(root)
-        shutil.rmtree(build, ignore_errors=True)
-        checkpoint.flush()
-    finally:
-        lock.release()
-    report.seconds = time.monotonic() - started
-    return report
+    spark = session(spark, master)
+
+    def decode(root: Path, config: StoreConfig, low: int, end: int) -> Iterator[tuple[pa.Table, int]]:
+        with report_progress(spark, progress, "decoding the commit log"):
+            windows = _dispatch_windows(spark, root, low, end, config, max_bytes_per_partition)
+            yield from read_ahead(spark, windows, "rocketstore rebuild")
+
+    return rebuild_from_log(root, config, decode, consume_queues=consume_queues, index=index, clock=clock)
 
 
 _DONE = object()
@@ -240,10 +175,6 @@ def read_ahead(spark, items: Iterator[Item], description: str) -> Iterator[Item]
             concurrent.futures.wait([pending])
 
 
-def _epoch_ms(column: pa.ChunkedArray) -> np.ndarray:
-    return column.cast(pa.int64()).to_numpy() // 1000
-
-
 def _dispatch_windows(spark, root: Path, low: int, end: int, config: StoreConfig,
                       max_bytes_per_partition: int | None) -> Iterator[tuple[pa.Table, int]]:
     """The rebuild's columns of the log ``[low, end)``, one window of the log per Spark job (its tasks as
@@ -254,98 +185,11 @@ def _dispatch_windows(spark, root: Path, low: int, end: int, config: StoreConfig
     per_task = max_bytes_per_partition or DEFAULT_MAX_BYTES_PER_PARTITION
     window = max(REBUILD_WINDOW_BYTES, 4 * _parallelism(spark) * per_task)
     for start in range(low, end, window):
-        df = read_store(spark, root, columns=_DISPATCH_COLUMNS, packed=True, includeBody=False, checkCRC=False,
+        df = read_store(spark, root, columns=DISPATCH_COLUMNS, packed=True, includeBody=False, checkCRC=False,
                         startingOffset=start, endingOffset=min(end, start + window), validatedLogEnd=end,
                         maxBytesPerPartition=max_bytes_per_partition,
                         mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
-        yield unpacked(df.toArrow().column(0), _DISPATCH_SCHEMA), df.rdd.getNumPartitions()
-
-
-class _RebuildWriter:
-    """Consume queues and index files from a rebuild's columns, fed in log order one table at a time: the
-    same calls the store's dispatch makes, so the files are byte-identical to it."""
-
-    def __init__(self, root: Path, config: StoreConfig, checkpoint: StoreCheckpoint,
-                 clock: Callable[[], int] | None, consume_queues: bool, index: bool) -> None:
-        self.root, self.config, self.checkpoint = root, config, checkpoint
-        self.consume_queues = consume_queues
-        self.queues: ConsumeQueueTable | None = None  # made at the first unit: an empty log makes no directory
-        self.index = IndexService(root, config, checkpoint, clock=clock) if index else None
-        self.records = self.units = self.keys = 0
-        self.logics_ms = 0
-        self.last_offset = -1
-
-    def add(self, table: pa.Table) -> None:
-        if not table.num_rows:
-            return
-        table = table.sort_by("commitLogOffset")
-        offsets = table["commitLogOffset"].to_numpy()
-        if offsets[0] <= self.last_offset:  # pragma: no cover - Spark returned partitions out of order: a bug
-            raise RuntimeError(f"rebuild: records at {offsets[0]} arrived after {self.last_offset}")
-        self.last_offset = int(offsets[-1])
-        self.records += table.num_rows
-        if self.consume_queues:
-            self._put_queue_units(table)
-        if self.index is not None:
-            self._put_index_entries(table)
-
-    def _put_queue_units(self, table: pa.Table) -> None:
-        sys_flags = table["sysFlag"].to_numpy()
-        tran = sys_flags & SysFlag.TRANSACTION_MASK
-        keep = (tran == SysFlag.TRANSACTION_NOT_TYPE) | (tran == SysFlag.TRANSACTION_COMMIT_TYPE)
-        rows = table.filter(pa.array(keep))
-        if rows.num_rows == 0:
-            return
-        if self.queues is None:
-            self.queues = ConsumeQueueTable(self.root, self.config)
-        topics = rows["topic"].combine_chunks().dictionary_encode()
-        topic_ids = topics.indices.to_numpy().astype(np.int64)
-        queue_ids = rows["queueId"].to_numpy().astype(np.int64)
-        group = topic_ids * (1 << 32) + queue_ids
-        order = np.argsort(group, kind="stable")  # log order within each queue
-        group_sorted = group[order]
-        bounds = np.flatnonzero(np.diff(group_sorted)) + 1
-        queue_offsets = rows["queueOffset"].to_numpy()[order]
-        phys = rows["commitLogOffset"].to_numpy()[order]
-        sizes = rows["storeSize"].to_numpy()[order]
-        tags = rows["tagsCode"].to_numpy()[order]
-        names = topics.dictionary.to_pylist()
-        for lo, hi in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(order)]]), strict=True):
-            g = int(group_sorted[lo])
-            queue = self.queues.find_or_create(names[g >> 32], g & 0xFFFFFFFF)
-            self.units += queue.put_positions(queue_offsets[lo:hi], phys[lo:hi], sizes[lo:hi], tags[lo:hi])
-        self.logics_ms = int(_epoch_ms(rows["storeTimestamp"])[-1])
-
-    def _put_index_entries(self, table: pa.Table) -> None:
-        assert self.index is not None
-        hashes_list = table["indexKeyHashes"].combine_chunks()
-        counts = pc.list_value_length(hashes_list).to_numpy(zero_copy_only=False)
-        hashes = pc.list_flatten(hashes_list).to_numpy()
-        phys = np.repeat(table["commitLogOffset"].to_numpy(), counts)
-        stamps = np.repeat(_epoch_ms(table["storeTimestamp"]), counts)
-        last_with_keys = np.flatnonzero(counts)
-        records_follow = not len(last_with_keys) or last_with_keys[-1] < len(counts) - 1
-        # a table's first record rolls a full file as its own buildIndex call would (in build_index_hashes)
-        self.index.build_index_hashes(hashes, phys, stamps, records_follow=bool(records_follow))
-        self.keys += len(hashes)
-
-    def finish(self, report: RebuildReport) -> None:
-        report.records = self.records
-        if self.queues is not None:
-            self.queues.flush(0)
-            report.queues, report.queue_units = len(self.queues.queues), self.units
-            if self.logics_ms:
-                self.checkpoint.logics_msg_timestamp = self.logics_ms
-        if self.index is not None:
-            report.index_files, report.index_keys = len(self.index.files), self.keys
-            durable = self.index.flush()
-            self.checkpoint.index_msg_timestamp = max(self.checkpoint.index_msg_timestamp, durable)
-
-    def close(self) -> None:
-        if self.queues is not None:
-            self.queues.close()
-        if self.index is not None:
-            self.index.close()
+        yield unpacked(df.toArrow().column(0), DISPATCH_SCHEMA), df.rdd.getNumPartitions()
 
 
 # --- export and import ----------------------------------------------------------------------------
