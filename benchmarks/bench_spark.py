@@ -114,8 +114,11 @@ def run(count: int, cluster: bool, masters: tuple[str, ...] = ("local[1]", "loca
         single = {f"{name}_mb_s": log_bytes / 1e6 / min(baseline_scan(root, columns) for _ in range(2))
                   for name, columns in SCANS.items()}
         rebuild_s, keys = baseline_rebuild(root)
+        from rocketstore.rebuild import rebuild as rebuild_here
+
+        here = min(rebuild_here(root, config=CONFIG).seconds for _ in range(2))  # rocketstore rebuild --no-spark
         results = {"messages": count, "log_mb": log_bytes / 1e6,
-                   "single_process": {**single, "rebuild_keys_s": keys / rebuild_s}}
+                   "single_process": {**single, "rebuild_keys_s": keys / rebuild_s, "no_spark_keys_s": keys / here}}
         children = {master: _child(root, master) for master in masters}
         if cluster:
             sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -184,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                            f"local[1], {one['rebuild_keys_s']:,.0f} keys/s", one["rebuild_keys_s"], 1.6))
     rows.append(Result("spark", "rebuild local[2] vs one process", two["rebuild_keys_s"], "keys/s",
                        f"single process, {base['rebuild_keys_s']:,.0f} keys/s", base["rebuild_keys_s"]))
+    rows.append(Result("spark", "rebuild --no-spark (this process) vs the store's dispatch", base["no_spark_keys_s"],
+                       "keys/s", f"the store's own dispatch, {base['rebuild_keys_s']:,.0f} keys/s",
+                       base["rebuild_keys_s"]))
     rows.append(Result("spark", f"rebuild local[2] in {two['windows']} windows vs in one", two["windowed_keys_s"],
                        "keys/s", f"one window, {two['rebuild_keys_s']:,.0f} keys/s", two["rebuild_keys_s"]))
     if STANDALONE in results:

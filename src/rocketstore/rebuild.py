@@ -10,6 +10,7 @@ byte-identical to it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import time
@@ -214,10 +215,19 @@ def rebuild(root: str | Path, *, config: StoreConfig | None = None, consume_queu
                               max_bytes_per_partition=max_bytes_per_task,
                               commit_log_file_size=config.mapped_file_size_commit_log)
         tasks = plan_ranges([root], options)
-        for done, task in enumerate(tasks, 1):
-            batches = [batch for piece in task for batch in read_range(piece, options)]
-            if progress is not None:
-                progress("decoding the commit log", done, len(tasks))
-            yield pa.Table.from_batches(batches, schema=DISPATCH_SCHEMA), 1
+
+        def decoded(task) -> pa.Table:
+            return pa.Table.from_batches([b for piece in task for b in read_range(piece, options)], DISPATCH_SCHEMA)
+
+        # the next range is decoded in a thread while this one is written (the walk's kernels release the GIL)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rocketstore-rebuild") as pool:
+            ahead = [pool.submit(decoded, task) for task in tasks[:1]]
+            for done in range(1, len(tasks) + 1):
+                table = ahead.pop().result()
+                if done < len(tasks):
+                    ahead.append(pool.submit(decoded, tasks[done]))
+                if progress is not None:
+                    progress("decoding the commit log", done, len(tasks))
+                yield table, 1
 
     return rebuild_from_log(root, config, decode, consume_queues=consume_queues, index=index, clock=clock)
