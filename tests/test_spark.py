@@ -268,6 +268,17 @@ def tree(root: Path, name: str) -> dict[str, str]:
             for p in sorted(base.rglob("*")) if p.is_file()}
 
 
+def _store_and_bare_log(tmp_path: Path) -> tuple[Path, Path]:
+    """A store of 722 records dispatched as it was written, and a copy of its log and checkpoint alone."""
+    original = tmp_path / "original"
+    build_store(original, 700, clock=counter_clock())
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copytree(original / "commitlog", copy / "commitlog")
+    shutil.copy(original / "checkpoint", copy / "checkpoint")
+    return original, copy
+
+
 @pytest.mark.parametrize("window", [1 << 30, 1])
 def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path, monkeypatch, window):
     """The driver writes one window of the log at a time (``1``: the smallest, four tasks of 8 KiB: there are
@@ -278,12 +289,7 @@ def test_rebuild_is_byte_identical_to_sequential_dispatch(spark, tmp_path, monke
     windows = []
     dispatch_windows = jobs._dispatch_windows
     monkeypatch.setattr(jobs, "_dispatch_windows", lambda *a: (windows.append(w) or w for w in dispatch_windows(*a)))
-    original = tmp_path / "original"
-    build_store(original, 700, clock=counter_clock())
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    shutil.copytree(original / "commitlog", copy / "commitlog")
-    shutil.copy(original / "checkpoint", copy / "checkpoint")
+    original, copy = _store_and_bare_log(tmp_path)
     report = rebuild(copy, spark=spark, config=CONFIG, clock=counter_clock(), max_bytes_per_partition=8 << 10)
     assert report.records == 722 and report.partitions > 4 and report.index_files > 3
     assert (len(windows) == 1) == (window > 1) and sum(t.num_rows for t, _ in windows) == 722
@@ -310,12 +316,7 @@ def test_rebuild_in_this_process_is_byte_identical_to_sequential_dispatch(tmp_pa
     dispatch walk, one range at a time (2 KiB: ranges end mid-record and index files roll between them)."""
     from rocketstore.rebuild import rebuild as rebuild_here
 
-    original = tmp_path / "original"
-    build_store(original, 700, clock=counter_clock())
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    shutil.copytree(original / "commitlog", copy / "commitlog")
-    shutil.copy(original / "checkpoint", copy / "checkpoint")
+    original, copy = _store_and_bare_log(tmp_path)
     (copy / "index").mkdir()
     (copy / "index" / "junk").write_bytes(b"an old index: moved aside")
     seen = []
