@@ -206,8 +206,8 @@ def rebuild(root: str | Path, *, config: StoreConfig | None = None, consume_queu
             max_bytes_per_task: int = DEFAULT_MAX_BYTES_PER_PARTITION, clock: Callable[[], int] | None = None,
             progress: Progress | None = None) -> RebuildReport:
     """``rebuild_from_log`` decoding in this process: the log in ranges of ``max_bytes_per_task``, each walked
-    by the batch codec's dispatch walk (CRCs unchecked, bodies unread, as the store's dispatch reads them) and
-    written before the next is read, so memory holds one range's columns."""
+    by the batch codec's dispatch walk (CRCs unchecked, bodies unread, as the store's dispatch reads them), the
+    next one decoded while one is written: memory holds two ranges' columns."""
 
     def decode(root: Path, config: StoreConfig, low: int, end: int) -> Iterator[tuple[pa.Table, int]]:
         options = ScanOptions(columns=tuple(DISPATCH_COLUMNS), include_body=False, check_crc=False,
