@@ -674,7 +674,7 @@ Examples:
               "the fastest way)")
 @fails_cleanly
 def rebuild(master, ship_env, verbose, no_spark, **kwargs) -> None:
-    """Rebuild consume queues and index files from the commit log, in parallel (Spark)."""
+    """Rebuild consume queues and index files from the commit log (Spark; --no-spark: in this process)."""
     root, config = config_for(**_store_args(kwargs))
     if no_spark:
         if ship_env or master != "local[*]":
