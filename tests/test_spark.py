@@ -334,6 +334,33 @@ def test_rebuild_in_this_process_is_byte_identical_to_sequential_dispatch(tmp_pa
                     x.msg_id for x in a.query_message(m.topic, key)]
 
 
+def test_a_writer_error_closes_the_decoder_and_leaves_the_old_files_aside(tmp_path, monkeypatch):
+    """``rebuild_from_log`` closes its decoder when the writer fails (a Spark rebuild's job in flight is cancelled
+    then, not when the generator is collected), moves nothing into place, and releases the store's lock."""
+    from rocketstore import rebuild as rebuilding
+
+    _original, copy = _store_and_bare_log(tmp_path)
+    events = []
+
+    def decode(*args):
+        try:
+            yield from rebuilding.local_decoder(2048)(*args)
+        finally:
+            events.append("decoder closed")
+
+    def failing_add(self, table):
+        events.append("write")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rebuilding.RebuildWriter, "add", failing_add)
+    with pytest.raises(OSError, match="No space left"):
+        rebuilding.rebuild_from_log(copy, CONFIG, decode)
+    assert events == ["write", "decoder closed"]
+    assert not (copy / "consumequeue").exists() and not (copy / "index").exists()
+    with MessageStore.open(copy, CONFIG) as store:  # the lock was released; the open re-dispatches the log
+        assert store.wait_for_dispatch() and store.get_max_offset_in_queue("Batch", 0) == 20
+
+
 @pytest.mark.parametrize("seam", [None, 299, 300])
 def test_a_full_index_file_then_records_without_keys_rolls_a_file_at_any_window_seam(tmp_path, seam):
     """The store's dispatch opens a new index file for the first record after a full one, keys or none: the

@@ -11,10 +11,11 @@ byte-identical to it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,8 @@ from .recovery import RECOVERY_DIR, recover_commit_log
 from .spark.partitions import DEFAULT_MAX_BYTES_PER_PARTITION, ScanOptions, plan_ranges, read_range  # no pyspark
 
 Progress = Callable[[str, int, int], None]  # (stage description, tasks done, tasks total)
-Decoder = Callable[[Path, StoreConfig, int, int], Iterator[tuple[pa.Table, int]]]  # (table, tasks) in log order
+# (root, config, low, end) -> (table, tasks it took) in log order
+Decoder = Callable[[Path, StoreConfig, int, int], Generator[tuple[pa.Table, int], None, None]]
 
 
 @dataclass(slots=True)
@@ -183,10 +185,12 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
         build.mkdir(parents=True)
         writer = RebuildWriter(build, config, checkpoint, clock, consume_queues, index and config.message_index_enable)
         try:
-            for table, tasks in decode(root, config, low, log_end):
-                writer.add(table)
-                report.partitions += tasks
-                report.windows += 1
+            # closed on a writer's error too: a decoder with work in flight (a Spark job) ends it at once
+            with contextlib.closing(decode(root, config, low, log_end)) as tables:
+                for table, tasks in tables:
+                    writer.add(table)
+                    report.partitions += tasks
+                    report.windows += 1
             writer.finish(report)
         finally:
             writer.close()
@@ -205,11 +209,18 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
 def rebuild(root: str | Path, *, config: StoreConfig | None = None, consume_queues: bool = True, index: bool = True,
             max_bytes_per_task: int = DEFAULT_MAX_BYTES_PER_PARTITION, clock: Callable[[], int] | None = None,
             progress: Progress | None = None) -> RebuildReport:
-    """``rebuild_from_log`` decoding in this process: the log in ranges of ``max_bytes_per_task``, each walked
-    by the batch codec's dispatch walk (CRCs unchecked, bodies unread, as the store's dispatch reads them), the
-    next one decoded while one is written: memory holds two ranges' columns."""
+    """``rebuild_from_log`` decoding in this process (``local_decoder``)."""
+    return rebuild_from_log(root, config, local_decoder(max_bytes_per_task, progress), consume_queues=consume_queues,
+                            index=index, clock=clock)
 
-    def decode(root: Path, config: StoreConfig, low: int, end: int) -> Iterator[tuple[pa.Table, int]]:
+
+def local_decoder(max_bytes_per_task: int = DEFAULT_MAX_BYTES_PER_PARTITION,
+                  progress: Progress | None = None) -> Decoder:
+    """The log in ranges of ``max_bytes_per_task``, each walked by the batch codec's dispatch walk (CRCs unchecked,
+    bodies unread, as the store's dispatch reads them), the next one decoded while one is written: memory holds
+    two ranges' columns."""
+
+    def decode(root: Path, config: StoreConfig, low: int, end: int) -> Generator[tuple[pa.Table, int], None, None]:
         options = ScanOptions(columns=tuple(DISPATCH_COLUMNS), include_body=False, check_crc=False,
                               starting_offset=low, ending_offset=end, validated_log_end=end,
                               max_bytes_per_partition=max_bytes_per_task,
@@ -230,4 +241,4 @@ def rebuild(root: str | Path, *, config: StoreConfig | None = None, consume_queu
                     progress("decoding the commit log", done, len(tasks))
                 yield table, 1
 
-    return rebuild_from_log(root, config, decode, consume_queues=consume_queues, index=index, clock=clock)
+    return decode

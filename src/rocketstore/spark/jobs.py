@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -138,7 +138,7 @@ def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: 
     """
     spark = session(spark, master)
 
-    def decode(root: Path, config: StoreConfig, low: int, end: int) -> Iterator[tuple[pa.Table, int]]:
+    def decode(root: Path, config: StoreConfig, low: int, end: int) -> Generator[tuple[pa.Table, int], None, None]:
         with report_progress(spark, progress, "decoding the commit log"):
             windows = _dispatch_windows(spark, root, low, end, config, max_bytes_per_partition)
             yield from read_ahead(spark, windows, "rocketstore rebuild")
