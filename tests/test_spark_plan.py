@@ -151,3 +151,24 @@ def test_a_validated_end_plans_the_same_tasks_without_a_second_recovery(tmp_path
         plan_ranges(roots, ScanOptions.from_options({"validatedLogEnd": str(10 << 20)}))
     with pytest.raises(ConfigError, match="one store's"):
         plan_ranges(roots * 2, validated)
+
+
+def test_a_stream_plans_its_micro_batch_from_the_end_it_just_validated(tmp_path, monkeypatch):
+    """Each trigger recovers the log once (``latestOffset``); its tasks are planned from that end, not from a
+    second recovery (a live store's abnormal recovery walks whole segments)."""
+    from rocketstore import Message, MessageStore, StoreConfig
+    from rocketstore.spark import partitions
+    from rocketstore.spark.source import RocketMQStreamReader
+
+    with MessageStore.open(tmp_path / "s", StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        for i in range(60):
+            store.put_message(Message("T", b"x" * 100, keys=[f"k{i}"]))
+    reader = RocketMQStreamReader(str(tmp_path / "s"), ScanOptions(max_bytes_per_partition=2048))
+    start, end = reader.initialOffset(), reader.latestOffset()
+    recovered = partitions.recover_commit_log
+    calls = []
+    monkeypatch.setattr(partitions, "recover_commit_log", lambda *a, **kw: calls.append(1) or recovered(*a, **kw))
+    planned = reader.partitions(start, end)
+    assert calls == [] and len(planned) > 3
+    ((_, first),), ((_, last),) = start.items(), end.items()
+    assert sum(r.stop - r.start for p in planned for r in p.ranges) == last - first > 0

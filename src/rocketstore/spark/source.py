@@ -182,7 +182,9 @@ class RocketMQStreamReader(DataSourceStreamReader):
             begin, stop = start.get(key, 0), end.get(key, 0)
             if stop <= begin:
                 continue
-            tasks = plan_ranges([Path(key)], replace(self.options, starting_offset=begin, ending_offset=stop))
+            # ``stop`` is an end latestOffset validated (records once valid stay so): no second recovery
+            tasks = plan_ranges([Path(key)], replace(self.options, starting_offset=begin, ending_offset=stop,
+                                                      validated_log_end=stop))
             parts.extend(RangePartition(ranges, self.options) for ranges in tasks)
         return parts
 
