@@ -136,12 +136,12 @@ def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: 
     ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now).
     ``rocketstore.rebuild.rebuild`` does the same in this process (no JVM: faster on one machine).
     """
-    spark = session(spark, master)
 
     def decode(root: Path, config: StoreConfig, low: int, end: int) -> Generator[tuple[pa.Table, int], None, None]:
-        with report_progress(spark, progress, "decoding the commit log"):
-            windows = _dispatch_windows(spark, root, low, end, config, max_bytes_per_partition)
-            yield from read_ahead(spark, windows, "rocketstore rebuild")
+        running = session(spark, master)  # started once the store is locked: a locked store is refused first
+        with report_progress(running, progress, "decoding the commit log"):
+            windows = _dispatch_windows(running, root, low, end, config, max_bytes_per_partition)
+            yield from read_ahead(running, windows, "rocketstore rebuild")
 
     return rebuild_from_log(root, config, decode, consume_queues=consume_queues, index=index, clock=clock)
 
