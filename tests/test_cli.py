@@ -374,6 +374,18 @@ def test_rebuild_without_spark_writes_what_the_spark_rebuild_writes(store, tmp_p
     assert bad.exit_code == 2 and "--no-spark runs no Spark job" in bad.output
 
 
+def test_rebuild_of_a_store_being_written_is_refused_before_spark_starts(store, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from rocketstore.cli import app
+
+    copy, _results = damaged_copy(store, tmp_path)
+    monkeypatch.setattr(app, "_spark", lambda *a: pytest.fail("a JVM was started for a locked store"))
+    with MessageStore.open(copy, CONFIG):
+        done = CliRunner().invoke(app.main, ["rebuild", "--store", str(copy)])
+    assert done.exit_code == 1 and "already open for writing" in done.output  # the lock, as another process sees it
+
+
 def test_import_and_find_keys_commands(store, tmp_path, spark):
     """export -> import into a new store, then find-keys over both stores: the same messages, found exactly."""
     from click.testing import CliRunner

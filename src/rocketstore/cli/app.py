@@ -685,8 +685,12 @@ def rebuild(master, ship_env, verbose, no_spark, **kwargs) -> None:
             report = run_here(root, config=config, progress=progress)
         where = f"{report.partitions} range{'s' * (report.partitions != 1)} in this process"
     else:
+        from ..lifecycle import StoreLock
         from ..spark.jobs import rebuild as run
 
+        probe = StoreLock(root)  # a store another process writes is refused before a JVM starts (~10 s)
+        probe.acquire()
+        probe.release()
         spark = _spark(master, ship_env, verbose)
         with progress_bar("rebuild") as progress:
             report = run(root, spark=spark, config=config, progress=progress)
