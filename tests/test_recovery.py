@@ -245,3 +245,50 @@ def test_property_crc_is_written_verified_and_catches_damaged_properties(tmp_pat
     with MessageStore.open(tmp_path, config) as store:
         assert store.recovery.end_offset == victim.commit_log_offset
         assert "__CRC32#" in store.recovery.stop_reason
+
+
+def test_following_the_log_end_finds_what_a_recovery_finds_walking_only_the_new_records(tmp_path, monkeypatch):
+    """``follow_log_end``: a tail follower's next end (a stream's trigger) from the last one, into new segments
+    past a closing blank, stopping before a record still being written; None once its segment is gone."""
+    from rocketstore.commitlog import CommitLog
+    from rocketstore.recovery import follow_log_end, recover_commit_log
+
+    config = StoreConfig(mapped_file_size_commit_log=4096)
+    root = tmp_path / "s"
+
+    def recovered_end() -> int:
+        log = CommitLog(root, config, read_only=True)
+        log.load()
+        try:
+            return recover_commit_log(log, StoreCheckpoint.load(root / "checkpoint", read_only=True), root,
+                                      abnormal=False).end_offset
+        finally:
+            log.close()
+
+    def followed(known: int) -> int | None:
+        log = CommitLog(root, config, read_only=True)
+        log.load()
+        try:
+            return follow_log_end(log, known)
+        finally:
+            log.close()
+
+    with MessageStore.open(root, config) as store:
+        for i in range(10):
+            store.put_message(Message("T", b"x" * 100, keys=[f"k{i}"]))
+        first = recovered_end()
+        assert followed(first) == first  # nothing new
+        for i in range(60):  # across several segments
+            store.put_message(Message("T", b"y" * 150, keys=[f"n{i}"]))
+        later = recovered_end()
+        assert later > 3 * 4096 and followed(first) == later
+        last = store.put_message(Message("T", b"z" * 80))
+    end = last.commit_log_offset + last.store_size
+    assert followed(later) == end == recovered_end()
+    segment = root / "commitlog" / f"{end - end % 4096:020d}"
+    data = bytearray(segment.read_bytes())
+    torn = end % 4096
+    data[torn + 4 : torn + 120] = b"\x01" * 116  # a record's body written, its first 8 bytes not yet (the commit point)
+    segment.write_bytes(bytes(data))
+    assert followed(later) == end, "a record still being written is not part of the log yet"
+    assert followed(10 * 4096 * 1000) is None

@@ -172,3 +172,25 @@ def test_a_stream_plans_its_micro_batch_from_the_end_it_just_validated(tmp_path,
     assert calls == [] and len(planned) > 3
     ((_, first),), ((_, last),) = start.items(), end.items()
     assert sum(r.stop - r.start for p in planned for r in p.ranges) == last - first > 0
+
+
+def test_a_stream_recovers_the_log_once_and_then_follows_its_end(tmp_path, monkeypatch):
+    from rocketstore import Message, MessageStore, StoreConfig
+    from rocketstore.spark import partitions
+    from rocketstore.spark.source import RocketMQStreamReader
+
+    config = StoreConfig(mapped_file_size_commit_log=4096)
+    recovered = partitions.recover_commit_log
+    calls = []
+    monkeypatch.setattr(partitions, "recover_commit_log", lambda *a, **kw: calls.append(1) or recovered(*a, **kw))
+    with MessageStore.open(tmp_path / "s", config) as store:
+        store.put_message(Message("T", b"x" * 100))
+        reader = RocketMQStreamReader(str(tmp_path / "s"), ScanOptions())
+        (root, first), = reader.initialOffset().items()
+        assert calls == [1]
+        for i in range(80):  # into new segments: the live store's abort file would make each recovery abnormal
+            last = store.put_message(Message("T", b"y" * 120, keys=[f"k{i}"]))
+        assert reader.latestOffset() == {root: last.commit_log_offset + last.store_size}
+        assert calls == [1], "a trigger after the first validates only what was appended"
+    assert reader.latestOffset() == {root: last.commit_log_offset + last.store_size} and first == 0
+    assert calls == [1]

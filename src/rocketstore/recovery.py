@@ -117,14 +117,34 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
         for mapped in files[visit_from_index:start]:
             _visit_trusted(mapped, visit)
 
+    end_file, end_pos, blank = _walk_segments(commit_log, start, 0, report, visit)
+    report.end_offset = end_file.file_from_offset + end_pos
+    if commit_log.read_only:
+        _truncate_in_memory(commit_log, report.end_offset)
+    else:
+        _cut(commit_log, end_file, end_pos, root, report, at_blank=blank)
+    commit_log.mapped_files.flushed_where = report.end_offset
+    report.seconds = time.monotonic() - started
+    if report.stop_reason or report.cut_bytes or report.salvaged:
+        log.warning("recovery ended the commit log at %d: %s (zeroed %d bytes, kept %s)", report.end_offset,
+                    report.stop_reason or "torn tail", report.cut_bytes, report.salvaged)
+    return report
+
+
+def _walk_segments(commit_log: CommitLog, index: int, pos: int, report: RecoveryReport,
+                   visit: RecordVisitor | None = None) -> tuple[MappedFile, int, bool]:
+    """Validate records from segment ``index`` at ``pos`` on, into the next segments past each closing blank:
+    (the segment where the valid records end, the position after the last, whether a blank ended them)."""
+    files = commit_log.mapped_files.files
     check_crc = commit_log.config.check_crc_on_recover
     verify_prop = check_crc and commit_log.config.force_verify_prop_crc
-    end_file, end_pos = files[start], 0
-    for i in range(start, len(files)):
+    end_file, end_pos, blank = files[index], pos, False
+    for i in range(index, len(files)):
         mapped = files[i]
-        buf, size, pos = mapped.buffer, mapped.file_size, 0
-        end_file, end_pos = mapped, 0
-        blank = False
+        buf, size = mapped.buffer, mapped.file_size
+        if i > index:
+            pos = 0
+        end_file, end_pos, blank = mapped, pos, False
         while True:
             if visit is None and not verify_prop:  # the fast path: validate runs of records in one loop
                 pos, valid, _last = validate_records(buf, pos, size, check_crc=check_crc)
@@ -146,17 +166,21 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
             end_pos = pos
         if not blank or i == len(files) - 1:
             break  # stopped inside this segment, or it was the last one
-    report.end_offset = end_file.file_from_offset + end_pos
-    if commit_log.read_only:
-        _truncate_in_memory(commit_log, report.end_offset)
-    else:
-        _cut(commit_log, end_file, end_pos, root, report, at_blank=blank)
-    commit_log.mapped_files.flushed_where = report.end_offset
-    report.seconds = time.monotonic() - started
-    if report.stop_reason or report.cut_bytes or report.salvaged:
-        log.warning("recovery ended the commit log at %d: %s (zeroed %d bytes, kept %s)", report.end_offset,
-                    report.stop_reason or "torn tail", report.cut_bytes, report.salvaged)
-    return report
+    return end_file, end_pos, blank
+
+
+def follow_log_end(commit_log: CommitLog, known_end: int) -> int | None:
+    """Where a loaded (read-only) log ends now, validating only what follows ``known_end``, an end an earlier
+    recovery or follow found (valid records stay valid): a tail follower's next end without a recovery each
+    time. None when ``known_end`` is not inside the log's segments any more (retention, another log): recover."""
+    files = commit_log.mapped_files.files
+    index = next((i for i, mapped in enumerate(files)
+                  if mapped.file_from_offset <= known_end < mapped.file_end_offset), None)
+    if index is None:
+        return None
+    end_file, end_pos, _blank = _walk_segments(commit_log, index, known_end - files[index].file_from_offset,
+                                               RecoveryReport(abnormal=False))
+    return end_file.file_from_offset + end_pos
 
 
 def _visit_trusted(mapped: MappedFile, visit: RecordVisitor) -> None:

@@ -47,7 +47,7 @@ from ..index.bulk import index_key_hashes
 from ..index.service import build_key, index_keys
 from ..lifecycle import ABORT_FILE
 from ..message import MessageExt, SysFlag
-from ..recovery import recover_commit_log
+from ..recovery import follow_log_end, recover_commit_log
 
 log = logging.getLogger(__name__)
 
@@ -244,13 +244,19 @@ def broker_name_of(root: Path) -> str:
     return resolved.parent.name if resolved.name == "store" and resolved.parent.name else resolved.name
 
 
-def log_bounds(root: Path, segment_size: int, validated_end: int | None = None) -> tuple[CommitLog, int, int]:
+def log_bounds(root: Path, segment_size: int, validated_end: int | None = None,
+               follow_from: int | None = None) -> tuple[CommitLog, int, int]:
     """Open a commit log read-only and recover its end in memory: (log, min offset, end offset). With
     ``validated_end`` (a rebuild's, from its recovery under the store's lock) that is the end: no second
-    recovery, which walks the last segments again (~100 ms a window for a 392 MB log, seconds for 1 GiB ones)."""
+    recovery, which walks the last segments again (~100 ms a window for a 392 MB log, seconds for 1 GiB ones).
+    With ``follow_from`` (an end found before: a stream's last) only the records after it are validated."""
     config = StoreConfig(mapped_file_size_commit_log=segment_size)
     commit_log = CommitLog(root, config, read_only=True)
     commit_log.load()
+    if follow_from is not None and validated_end is None:
+        end = follow_log_end(commit_log, follow_from)
+        if end is not None:
+            return commit_log, commit_log.min_offset, end
     if validated_end is not None:
         last = commit_log.mapped_files.last
         if last is None or validated_end > last.file_end_offset:

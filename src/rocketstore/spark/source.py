@@ -153,6 +153,7 @@ class RocketMQStreamReader(DataSourceStreamReader):
     def __init__(self, paths: str, options: ScanOptions) -> None:
         self.roots = resolve_roots(paths)
         self.options = options
+        self._ends: dict[str, int] = {}  # each store's last end found: the next trigger validates only what follows
 
     def _bounds(self) -> dict[str, tuple[int, int]]:
         from ..config import detect_segment_size
@@ -163,9 +164,10 @@ class RocketMQStreamReader(DataSourceStreamReader):
             if size is None:
                 bounds[str(root)] = (0, 0)
                 continue
-            commit_log, low, end = log_bounds(root, size)
+            commit_log, low, end = log_bounds(root, size, follow_from=self._ends.get(str(root)))
             commit_log.close()
             bounds[str(root)] = (low, end)
+            self._ends[str(root)] = end
         return bounds
 
     def initialOffset(self) -> dict:
