@@ -334,6 +334,19 @@ def test_rebuild_in_this_process_is_byte_identical_to_sequential_dispatch(tmp_pa
                     x.msg_id for x in a.query_message(m.topic, key)]
 
 
+def test_rebuilding_a_directory_without_a_store_is_a_typed_error_that_creates_nothing(tmp_path):
+    from rocketstore.rebuild import rebuild as rebuild_here
+    from rocketstore.store import StoreNotFoundError
+
+    with pytest.raises(StoreNotFoundError, match="holds no store"):
+        rebuild_here(tmp_path / "typo")
+    assert not (tmp_path / "typo").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StoreNotFoundError):
+        rebuild_here(tmp_path / "empty")
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
 def test_a_writer_error_closes_the_decoder_and_leaves_the_old_files_aside(tmp_path, monkeypatch):
     """``rebuild_from_log`` closes its decoder when the writer fails (a Spark rebuild's job in flight is cancelled
     then, not when the generator is collected), moves nothing into place, and releases the store's lock."""

@@ -147,8 +147,9 @@ def test_a_validated_end_plans_the_same_tasks_without_a_second_recovery(tmp_path
     assert plan_ranges(roots, validated) == expected and len(expected) > 3
     with pytest.raises(AssertionError, match="no recovery"):
         plan_ranges(roots, plain)
-    with pytest.raises(ConfigError, match="past the end of the log's files"):
-        plan_ranges(roots, ScanOptions.from_options({"validatedLogEnd": str(10 << 20)}))
+    for outside in (10 << 20, -5):
+        with pytest.raises(ConfigError, match="outside the log's files"):
+            plan_ranges(roots, ScanOptions.from_options({"validatedLogEnd": str(outside)}))
     with pytest.raises(ConfigError, match="one store's"):
         plan_ranges(roots * 2, validated)
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .checkpoint import StoreCheckpoint
-from .commitlog import CommitLog
+from .commitlog import COMMITLOG_DIR, CommitLog
 from .config import StoreConfig, detect_config
 from .consumequeue import CONSUMEQUEUE_DIR, ConsumeQueueTable
 from .index.service import INDEX_DIR, IndexService
@@ -33,6 +33,7 @@ from .mapped.file import STAGING_DIR, fsync_dir
 from .message import SysFlag
 from .recovery import RECOVERY_DIR, recover_commit_log
 from .spark.partitions import DEFAULT_MAX_BYTES_PER_PARTITION, ScanOptions, plan_ranges, read_range  # no pyspark
+from .store import StoreNotFoundError
 
 Progress = Callable[[str, int, int], None]  # (stage description, tasks done, tasks total)
 # (root, config, low, end) -> (table, tasks it took) in log order
@@ -160,6 +161,8 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
     """
     started = time.monotonic()
     root = Path(os.path.abspath(root))
+    if not (root / COMMITLOG_DIR).is_dir():  # before the lock: a wrong path must not become an empty store
+        raise StoreNotFoundError(f"{root} holds no store (no {COMMITLOG_DIR} directory)")
     config = detect_config(root, config)
     report = RebuildReport()
     lock = StoreLock(root)

@@ -259,9 +259,9 @@ def log_bounds(root: Path, segment_size: int, validated_end: int | None = None,
             return commit_log, commit_log.min_offset, end
     if validated_end is not None:
         last = commit_log.mapped_files.last
-        if last is None or validated_end > last.file_end_offset:
+        if last is None or not commit_log.min_offset <= validated_end <= last.file_end_offset:
             commit_log.close()
-            raise ConfigError(f"validatedLogEnd {validated_end} is past the end of the log's files in {root}")
+            raise ConfigError(f"validatedLogEnd {validated_end} is outside the log's files in {root}")
         return commit_log, commit_log.min_offset, validated_end
     checkpoint = StoreCheckpoint.load(root / "checkpoint", read_only=True)
     report = recover_commit_log(commit_log, checkpoint, root, abnormal=(root / ABORT_FILE).exists())
