@@ -105,7 +105,9 @@ def spark_child(root: str, master: str) -> dict:
 
 def _child(root: Path, master: str, env: dict | None = None) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", str(root), master], capture_output=True,
-                         text=True, check=True, env=env)
+                         text=True, check=False, env=env)
+    if out.returncode:  # the child's own error, not only its exit status
+        raise RuntimeError(f"the {master} child exited with {out.returncode}:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

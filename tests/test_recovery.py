@@ -59,6 +59,32 @@ def test_torn_append_is_cut_salvaged_and_zeroed(tmp_path, small_config):
         assert store.look_message_by_offset(end).body == b"after the crash"
 
 
+def test_two_recoveries_in_one_second_keep_both_salvaged_tails(tmp_path, small_config, monkeypatch):
+    """Salvage files are named by offset and second: a second crash cut at the same offset in the same second
+    overwrote the first one's salvage (and a segment moved aside twice replaced the first copy)."""
+    import time as time_module
+
+    real, second = time_module.strftime, time_module.strftime("%Y%m%d%H%M%S")
+    monkeypatch.setattr(time_module, "strftime", lambda fmt, *when: real(fmt, *when) if when else second)
+    small_config = small_config.replace(mapped_file_size_commit_log=1 << 16)
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = fill(store, 20)
+        end = store.max_phy_offset
+        torn = bytes(store.commit_log.get_record_bytes(results[-1].commit_log_offset))
+    path, pos = segment_of(tmp_path, end, 1 << 16)
+    tails = []
+    for fill_byte in (0x41, 0x42):
+        with open(path, "r+b") as f:  # a kill mid-append, twice at the same offset, different bytes each time
+            f.seek(pos + 8)
+            f.write(torn[8:-1] + bytes([fill_byte]))
+        crash(tmp_path)
+        with MessageStore.open(tmp_path, small_config) as store:
+            assert store.recovery.end_offset == end
+            tails += [Path(p) for p in store.recovery.salvaged if p.endswith(".tail")]
+    assert [t.name for t in tails] == [f"commitlog-{end:020d}-{second}.tail", f"commitlog-{end:020d}-{second}-2.tail"]
+    assert [t.read_bytes() for t in tails] == [b"\0" * 8 + torn[8:-1] + bytes([b]) for b in (0x41, 0x42)]
+
+
 def damage_second_last_segment(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         results = fill(store, 120)

@@ -334,6 +334,34 @@ def test_rebuild_in_this_process_is_byte_identical_to_sequential_dispatch(tmp_pa
                     x.msg_id for x in a.query_message(m.topic, key)]
 
 
+def test_rebuilds_in_one_second_each_set_their_old_files_aside_in_a_directory_of_their_own(tmp_path, monkeypatch):
+    """The directory old files go to is named by the second: a second rebuild in that second nested its files in
+    the first's (``consumequeue/consumequeue``) and a third failed half way, after moving the index aside
+    (found by the Spark bench's three rebuilds of a small store)."""
+    import time as time_module
+
+    from rocketstore import rebuild as rebuild_module
+
+    original, copy = _store_and_bare_log(tmp_path)
+    (copy / "index").mkdir()
+    (copy / "index" / "junk").write_bytes(b"an old index: moved aside")
+    real, second = time_module.strftime, time_module.strftime("%Y%m%d%H%M%S")
+    # every "now" stamp is this second (index files are named from the clock given, through an explicit time)
+    monkeypatch.setattr(time_module, "strftime", lambda fmt, *when: real(fmt, *when) if when else second)
+    reports = [rebuild_module.rebuild(copy, config=CONFIG, clock=counter_clock()) for _ in range(3)]
+    aside = [copy / "recovery" / f"rebuild-{second}{suffix}" for suffix in ("", "-2", "-3")]
+    assert sorted((copy / "recovery").iterdir()) == aside
+    assert reports[0].moved_aside == [str(aside[0] / "index")]
+    assert (aside[0] / "index" / "junk").read_bytes() == b"an old index: moved aside"
+    for report, directory in zip(reports[1:], aside[1:], strict=True):
+        assert report.moved_aside == [str(directory / "consumequeue"), str(directory / "index")]
+        assert sorted(p.name for p in directory.iterdir()) == ["consumequeue", "index"]
+        assert tree(directory, "consumequeue") == tree(original, "consumequeue")
+        assert tree(directory, "index") == tree(original, "index")
+    assert tree(copy, "consumequeue") == tree(original, "consumequeue")
+    assert tree(copy, "index") == tree(original, "index")
+
+
 def test_rebuilding_a_directory_without_a_store_is_a_typed_error_that_creates_nothing(tmp_path):
     from rocketstore.rebuild import rebuild as rebuild_here
     from rocketstore.store import StoreNotFoundError

@@ -25,7 +25,7 @@ import numpy as np
 from .codec._kernels import put_queue_units
 from .config import StoreConfig
 from .errors import CorruptDataError
-from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, retry_evicted
+from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, retry_evicted, unused_path
 from .mapped.file_queue import MappedFileQueue
 
 CQ_UNIT_SIZE = 20
@@ -481,8 +481,7 @@ class ConsumeQueueTable:
                 self.queues[(topic_entry.name, int(queue_entry.name))] = queue
 
     def _set_aside(self, directory: Path, topic: str, queue_id: str) -> None:
-        target = self.root / "recovery" / f"consumequeue-{topic}-{queue_id}-{time.strftime('%Y%m%d%H%M%S')}"
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target = unused_path(self.root / "recovery", f"consumequeue-{topic}-{queue_id}-{time.strftime('%Y%m%d%H%M%S')}")
         os.replace(directory, target)
         self.set_aside.append(str(target))
 

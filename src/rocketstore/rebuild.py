@@ -29,7 +29,7 @@ from .config import StoreConfig, detect_config
 from .consumequeue import CONSUMEQUEUE_DIR, ConsumeQueueTable
 from .index.service import INDEX_DIR, IndexService
 from .lifecycle import ABORT_FILE, StoreLock
-from .mapped.file import STAGING_DIR, fsync_dir
+from .mapped.file import STAGING_DIR, fsync_dir, unused_path
 from .message import SysFlag
 from .recovery import RECOVERY_DIR, recover_commit_log
 from .spark.partitions import DEFAULT_MAX_BYTES_PER_PARTITION, ScanOptions, plan_ranges, read_range  # no pyspark
@@ -175,12 +175,14 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
         log_end, low = recovery.end_offset, commit_log.min_offset
         commit_log.close()
         stamp = time.strftime("%Y%m%d%H%M%S")
+        aside: Path | None = None
         for name, wanted in ((CONSUMEQUEUE_DIR, consume_queues), (INDEX_DIR, index)):
             if wanted and (root / name).exists():
-                target = root / RECOVERY_DIR / f"rebuild-{stamp}" / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(root / name), str(target))
-                report.moved_aside.append(str(target))
+                if aside is None:  # one directory per rebuild, never one an earlier rebuild this second used
+                    aside = unused_path(root / RECOVERY_DIR, f"rebuild-{stamp}")
+                    aside.mkdir()
+                shutil.move(str(root / name), str(aside / name))
+                report.moved_aside.append(str(aside / name))
         # Built aside and renamed into place when complete: a kill mid-build leaves the directories missing,
         # and a store open rebuilds missing ones from the whole log (a half-written one would be trusted).
         build = root / STAGING_DIR / f"rebuild-{stamp}"

@@ -28,7 +28,7 @@ from .codec.batch import validate_records
 from .codec.record import BLANK_RECORD_LEN, RecordLayout, read_layout
 from .commitlog import CommitLog
 from .errors import CorruptDataError
-from .mapped.file import MappedFile
+from .mapped.file import MappedFile, unused_path
 
 log = logging.getLogger(__name__)
 
@@ -221,11 +221,9 @@ def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report
         tail_end = pos
     stamp = time.strftime("%Y%m%d%H%M%S")
     if tail_end > pos:
-        salvage_dir = root / RECOVERY_DIR
-        salvage_dir.mkdir(exist_ok=True)
         keep = min(tail_end - pos, commit_log.config.recovery_salvage_max_bytes)
-        target = salvage_dir / f"commitlog-{mapped.file_from_offset + pos:020d}-{stamp}.tail"
-        with open(target, "wb") as out:
+        target = unused_path(root / RECOVERY_DIR, f"commitlog-{mapped.file_from_offset + pos:020d}-{stamp}", ".tail")
+        with open(target, "xb") as out:
             out.write(mapped.buffer[pos : pos + keep])
             out.flush()
             os.fsync(out.fileno())
@@ -238,9 +236,7 @@ def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report
         report.cut_bytes = tail_end - pos
 
     def move_away(dropped: MappedFile) -> None:
-        salvage_dir = root / RECOVERY_DIR
-        salvage_dir.mkdir(exist_ok=True)
-        target = salvage_dir / f"commitlog-{dropped.path.name}-{stamp}.segment"
+        target = unused_path(root / RECOVERY_DIR, f"commitlog-{dropped.path.name}-{stamp}", ".segment")
         with contextlib.suppress(FileNotFoundError):
             os.replace(dropped.path, target)
             report.salvaged.append(str(target))

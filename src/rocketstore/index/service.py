@@ -33,7 +33,7 @@ from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..errors import CorruptDataError
-from ..mapped.file import STAGING_DIR
+from ..mapped.file import STAGING_DIR, unused_path
 from ..message import SysFlag
 from .bulk import key_candidates, put_hashes
 from .file import INDEX_HEADER_SIZE, IndexFile
@@ -120,8 +120,7 @@ class IndexService:
         for index in self.files:
             index.close()
         self.files = ()
-        target = self.directory.parent / "recovery" / f"index-{time.strftime('%Y%m%d%H%M%S')}"
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target = unused_path(self.directory.parent / "recovery", f"index-{time.strftime('%Y%m%d%H%M%S')}")
         os.replace(self.directory, target)
         self.set_aside = str(target)
         log.warning("moved the damaged index to %s; it is rebuilt from the commit log", target)

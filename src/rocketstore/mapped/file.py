@@ -363,6 +363,21 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def unused_path(parent: Path, stem: str, suffix: str = "") -> Path:
+    """``parent/<stem><suffix>``, or ``<stem>-2<suffix>``, ``-3``...: the first name not taken (``parent`` is made).
+
+    What is set aside is named by the second it happened in; two in one second (a rebuild after a rebuild, a
+    crash during the recovery of a crash) must neither overwrite nor nest inside each other. Callers hold the
+    store's lock, so nobody else takes the name between this check and their rename."""
+    parent.mkdir(parents=True, exist_ok=True)
+    path = parent / f"{stem}{suffix}"
+    copy = 1
+    while os.path.lexists(path):
+        copy += 1
+        path = parent / f"{stem}-{copy}{suffix}"
+    return path
+
+
 _AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
 _NO_LINK = (errno.EXDEV, errno.ENOENT, errno.EPERM, errno.EOPNOTSUPP, errno.EACCES)  # e.g. no /proc
 
