@@ -403,36 +403,45 @@ def test_the_compiled_copies_refuse_runs_outside_their_buffers():
 
 
 def test_the_plain_put_kernel_refuses_lengths_that_disagree_with_its_blob():
-    """``encode_plain_v1`` sizes records from the lengths it is given: lengths that do not add up to the blob, a
-    topic code out of range or an output one byte short are refused with nothing written past the output."""
+    """``encode_plain_v1`` sizes records from the lengths it is given and builds each row's properties string
+    (UNIQ_KEY from a head and a wrapping counter, TAGS and KEYS when present, the CRC's reserve): lengths that do
+    not add up to the blob, a topic code out of range, a counter past 16 bits or an output one byte short are
+    refused with nothing written past the output."""
     from rocketstore.codec._kernels import encode_plain_v1
 
-    body, topic, props = b"hello", b"T", b"TAGS\x01a\x02"
-    size = 88 + len(body) + 1 + len(topic) + 2 + len(props)
+    body, topic, head = b"hello", b"T", b"0A0B0C0D"
+    tags, keys = [b"a", b""], [b"", b"k1 k2"]
+    props = [b"UNIQ_KEY\x010A0B0C0DFFFF\x02TAGS\x01a\x02\0\0", b"UNIQ_KEY\x010A0B0C0D0000\x02KEYS\x01k1 k2\x02\0\0"]
+    sizes = [88 + len(body) + 1 + len(topic) + 2 + len(p) for p in props]
     store_host = bytes([127, 0, 0, 1, 0, 0, 0x2A, 0x9F])
 
-    def run(body_lens, codes=(0, 0), room=2 * size, blob_extra=b""):
+    full, head_size = sum(sizes), len(head)
+
+    def run(body_lens, codes=(0, 0), room=full, blob_extra=b"", first=0xFFFF, head_len=head_size):
         n = len(body_lens)
-        meta = np.zeros(7 * n + 2, dtype=np.int64)
+        meta = np.zeros(8 * n + 2 + 3, dtype=np.int64)
         meta[0:n] = body_lens
-        meta[n : 2 * n] = len(props)
-        meta[2 * n : 3 * n] = codes
-        meta[3 * n : 4 * n] = [3, 5]
-        meta[6 * n] = len(topic)
-        blob = body * n + props * n + topic + bytes(8 * n) + store_host + blob_extra
+        meta[n : 2 * n] = list(map(len, tags))
+        meta[2 * n : 3 * n] = list(map(len, keys))
+        meta[3 * n : 4 * n] = codes
+        meta[4 * n : 5 * n] = [3, 5]
+        meta[7 * n : 7 * n + 4] = [len(topic), first, 2, head_len]
+        blob = body * n + b"".join(tags) + b"".join(keys) + topic + bytes(8 * n) + store_host + head + blob_extra
         out = np.zeros(room, dtype=np.uint8)
         written = encode_plain_v1(out, meta, np.frombuffer(blob, np.uint8), n, 1)
         return written, out, meta
 
     written, out, meta = run([len(body), len(body)])
-    assert written == 2 * size
-    assert meta[6 * 2 + 1 : 7 * 2 + 1].tolist() == [size, size] and meta[-1] == 5  # sizes, highest queue id
+    assert written == sum(sizes)
+    assert meta[7 * 2 + 4 : 8 * 2 + 4].tolist() == sizes and meta[-1] == 5  # sizes, highest queue id
     assert bytes(out[64:72]) == store_host
+    assert bytes(out[sizes[0] - len(props[0]) : sizes[0]]) == props[0] and bytes(out[-len(props[1]) :]) == props[1]
     two = [len(body)] * 2
     for bad in ({"body_lens": [len(body), len(body) - 1]}, {"body_lens": two, "codes": (0, 1)},
-                {"body_lens": two, "blob_extra": b"x"}, {"body_lens": two, "room": 2 * size - 1}):
+                {"body_lens": two, "blob_extra": b"x"}, {"body_lens": two, "room": sum(sizes) - 1},
+                {"body_lens": two, "first": 0x10000}, {"body_lens": two, "head_len": len(head) - 1}):
         written, out, _ = run(**bad)
-        assert written == -1 and not out[size:].any()
+        assert written == -1 and not out[sizes[0] :].any()
 
 
 # --- put_messages: the same compiled loop for lists of Message ---------------------------------------------

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from rocketstore import FlushDiskType, Message, MessageStore, PutMessageStatus, StoreConfig, StoreNotFoundError
+from rocketstore import (
+    FlushDiskType,
+    Message,
+    MessageStore,
+    PutMessageResult,
+    PutMessageStatus,
+    StoreConfig,
+    StoreNotFoundError,
+)
 from rocketstore.codec import BLANK_MAGIC, decode_offset_msg_id, read_layout
 from rocketstore.errors import (
     InvalidFlagError,
@@ -133,6 +141,37 @@ def test_each_result_names_its_own_record(tmp_path, small_config, count):
             assert (stored.topic, stored.queue_id) == (msg.topic, msg.queue_id)
             queued = store.get_message(msg.topic, msg.queue_id, result.queue_offset, 1).messages
             assert queued[0].msg_id == result.msg_id
+
+
+def test_put_results_are_made_when_first_read_and_name_their_records(tmp_path, small_config, monkeypatch):
+    """``put_messages`` returns a sequence whose results are built on first read: a put nobody reads builds none
+    (they were a sixth of a put of 32). Once read it is the list, built once, and every result of the compiled
+    path (UNIQ_KEYs written by the kernel, made as strings only now) names its own record."""
+    import rocketstore.store as store_module
+
+    built = []
+    real = store_module.put_results
+    monkeypatch.setattr(store_module, "put_results", lambda *args: built.append(1) or real(*args))
+    with MessageStore.open(tmp_path, small_config) as store:
+        batch = [Message(f"T{i % 3}", f"body-{i}".encode(), tags="t" if i % 4 else None, keys=[f"k{i}"] if i % 5
+                         else (), queue_id=i % 2) for i in range(16)]
+        results = store.put_messages(batch)
+        assert len(results) == 16 and not built
+        listed = list(results)
+        assert built == [1] and len(listed) == 16
+        assert results == listed and listed == results and results[3] == listed[3] and results[-2:] == listed[-2:]
+        assert list(results) == listed and built == [1]
+        assert len({r.uniq_key for r in results}) == 16
+        store.wait_for_dispatch(10)
+        for msg, result in zip(batch, results, strict=True):
+            stored = store.view_message_by_id(result.msg_id)
+            assert stored.body == msg.body and stored.uniq_key == result.uniq_key and stored.tags == msg.tags
+            assert stored.keys == list(msg.keys) and stored.queue_offset == result.queue_offset
+        single = store.put_message(Message("T0", b"one"))
+        assert type(single) is PutMessageResult and single.ok
+        assert store.view_message_by_id(single.msg_id).body == b"one"
+        empty = store.put_messages([])
+        assert len(empty) == 0 and empty == [] and list(empty) == []
 
 
 def test_batch_may_span_topics_and_queues(tmp_path, small_config):

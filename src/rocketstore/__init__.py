@@ -11,7 +11,7 @@ b'hello'
 
 from .codec.hosts import Host
 from .config import FlushDiskType, StoreConfig
-from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, SysFlag
+from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, PutResults, SysFlag
 from .recovery import RecoveryReport
 from .store import MessageStore, StoreNotFoundError
 
@@ -24,6 +24,7 @@ __all__ = [
     "PutBatchResult",
     "PutMessageResult",
     "PutMessageStatus",
+    "PutResults",
     "RecoveryReport",
     "StoreConfig",
     "StoreNotFoundError",

@@ -19,7 +19,7 @@ import numpy as np
 
 from .codec.hashing import body_crc
 from .codec.hosts import Host
-from .codec.msgid import UniqKeyGenerator
+from .codec.msgid import UniqKeyGenerator, UniqKeyRun
 from .codec.properties import (
     KEY_SEPARATOR,
     PropertyName,
@@ -55,12 +55,12 @@ from .errors import (
 )
 from .message import Message, SysFlag
 
-_UNIQ_KEY_PREFIX = f"{PropertyName.UNIQ_KEY}\x01"
 _PLAIN_FIXED_LEN = FIXED_PART_LEN + 1 + 2  # two IPv4 hosts, a one-byte topic length, the properties length
 _PLAIN_STORE_TS_POS = BORN_HOST_POS + 8
-_HEX2 = [f"{i:02X}" for i in range(256)]
-_TAGS_INFIX = f"\x02{PropertyName.TAGS}\x01"
-_KEYS_INFIX = f"\x02{PropertyName.KEYS}\x01"
+# a plain row's properties string (``encode_plain_v1`` writes it): UNIQ_KEY\x01, the id's head, 4 counter digits
+# and \x02; then "TAGS\x01" or "KEYS\x01", the value and \x02 for each present
+_PLAIN_PROPS_FIXED = len(f"{PropertyName.UNIQ_KEY}\x01") + 4 + 1
+_PLAIN_PROP_OVERHEAD = len(f"{PropertyName.TAGS}\x01") + 1
 _MESSAGE_TYPE = {Message}
 _INT_TYPE = {int}
 _STR_TYPE = {str}
@@ -100,6 +100,18 @@ def _plain_ts_pos(count: int) -> np.ndarray:
     positions = np.full(count, _PLAIN_STORE_TS_POS, dtype=np.int64)
     positions.flags.writeable = False
     return positions
+
+
+def _utf8_run(text: str, items: list[str]) -> tuple[bytes, list[int]] | None:
+    """``items`` (whose concatenation is ``text``) as UTF-8 back to back and each one's byte length, or None when
+    one cannot be encoded (a lone surrogate: ``encode`` names it)."""
+    if text.isascii():
+        return text.encode("ascii"), list(map(len, items))
+    try:
+        encoded = [item.encode("utf-8") for item in items]
+    except UnicodeEncodeError:
+        return None
+    return b"".join(encoded), list(map(len, encoded))
 
 
 def _has_separator(text: str) -> bool:
@@ -352,8 +364,14 @@ class MessageEncoder:
             host_data = b"".join(raw_hosts)
         # TAGS and KEYS as ``encode`` checks them: a text property without \x01 or \x02; keys non-empty, no space
         tag_types = set(map(type, tags))
-        if not tag_types <= _TAG_TYPES or _has_separator(_join(filter(None, tags))):
+        if not tag_types <= _TAG_TYPES:
             return None
+        if type(None) in tag_types:
+            tags = [tag or "" for tag in tags]
+        tags_text = _join(tags)
+        if _has_separator(tags_text) or (tags_run := _utf8_run(tags_text, tags)) is None:
+            return None
+        tags_data, tag_len = tags_run
         key_types = set(map(type, keys))
         if not key_types <= _KEY_TYPES:
             return None
@@ -364,49 +382,41 @@ class MessageEncoder:
                           or _has_separator(key_text := _join(every_key)) or KEY_SEPARATOR in key_text):
             return None
         joined = list(map(KEY_SEPARATOR.join, keys))
-
-        head, first = self.uniq_keys.hex_block(n, now)
-        counters = range(first, first + n) if first + n <= 0x10000 else [c & 0xFFFF for c in range(first, first + n)]
-        uniq = [f"{head}{_HEX2[c >> 8]}{_HEX2[c & 0xFF]}" for c in counters]  # 3x faster than :04X
-        reserve = "\0" * CRC32_RESERVED_LEN if self.config.enabled_append_prop_crc else ""
-        if all(tags) and all(joined):  # the usual put: every message has tags and keys
-            props = list(map(_join, zip(itertools.repeat(_UNIQ_KEY_PREFIX, n), uniq, itertools.repeat(_TAGS_INFIX, n),
-                                        tags, itertools.repeat(_KEYS_INFIX, n), joined,
-                                        itertools.repeat(f"\x02{reserve}", n), strict=True)))
-        else:
-            tag_parts = [f"{PropertyName.TAGS}\x01{tag}\x02" if tag else "" for tag in tags]
-            key_parts = [f"{PropertyName.KEYS}\x01{key}\x02" if key else "" for key in joined]
-            props = list(map(_join, zip(itertools.repeat(_UNIQ_KEY_PREFIX, n), uniq, itertools.repeat("\x02", n),
-                                        tag_parts, key_parts, itertools.repeat(reserve, n), strict=True)))
-        props_text = _join(props)
-        if props_text.isascii():
-            props_data = props_text.encode("ascii")
-            props_len = list(map(len, props))
-        else:
-            encoded = [p.encode("utf-8") for p in props]
-            props_data = b"".join(encoded)
-            props_len = list(map(len, encoded))
-        if max(props_len) > MAX_PROPERTIES_LEN:
-            return None  # ``encode`` names it
+        if (keys_run := _utf8_run(_join(joined), joined)) is None:
+            return None
+        keys_data, key_len = keys_run
+        reserve = CRC32_RESERVED_LEN if self.config.enabled_append_prop_crc else 0
+        head_len = self.uniq_keys.head_hex_len
+        props_most = _PLAIN_PROPS_FIXED + head_len + reserve + 2 * _PLAIN_PROP_OVERHEAD + max(tag_len) + max(key_len)
+        if props_most > MAX_PROPERTIES_LEN:
+            return None  # some properties string may be too long: ``encode`` names it
 
         codes = dict.fromkeys(topics)
         topic_bytes = [self._v1_topics[topic] for topic in codes]
         topic_len = list(map(len, topic_bytes))
-        if _PLAIN_FIXED_LEN + max(body_len) + max(topic_len) + max(props_len) > self.max_record_len:
+        if _PLAIN_FIXED_LEN + max(body_len) + max(topic_len) + props_most > self.max_record_len:
             return None  # some record may be too large: ``encode`` names it
         k = len(codes)
         row_codes = [0] * n if k == 1 else list(map(dict(zip(codes, range(k), strict=True)).__getitem__, topics))
-        total = _PLAIN_FIXED_LEN * n + sum(body_len) + sum(map(len, row_topics)) + len(props_data)
+        head, first = self.uniq_keys.hex_block(n, now)
+        head_data = head.encode("ascii")
+        if len(head_data) != head_len:
+            raise AssertionError(f"a UNIQ_KEY head of {len(head_data)} characters, not {head_len}")
+        props_total = (n * (_PLAIN_PROPS_FIXED + head_len + reserve) + len(tags_data) + len(keys_data)
+                       + _PLAIN_PROP_OVERHEAD * (2 * n - tag_len.count(0) - key_len.count(0)))
+        total = _PLAIN_FIXED_LEN * n + sum(body_len) + sum(map(len, row_topics)) + props_total
         out = scratch(total)  # this thread's buffer: the records live until the append copies them
-        meta = np.empty(7 * n + 2 * k, dtype=np.int64)
-        _int64s(6 * n + k).pack_into(meta, 0, *body_len, *props_len, *row_codes, *queue_ids, *flags, *borns, *topic_len)
-        blob = b"".join([*bodies, props_data, *topic_bytes, host_data, self.store_host_raw])
+        meta = np.empty(8 * n + 2 * k + 3, dtype=np.int64)
+        _int64s(7 * n + k + 3).pack_into(meta, 0, *body_len, *tag_len, *key_len, *row_codes, *queue_ids, *flags,
+                                         *borns, *topic_len, first, reserve, head_len)
+        blob = b"".join([*bodies, tags_data, keys_data, *topic_bytes, host_data, self.store_host_raw, head_data])
         written = encode_plain(np.frombuffer(out, dtype=np.uint8), meta, np.frombuffer(blob, dtype=np.uint8), n, k)
         if written != total:  # the lengths above disagree with the pieces: a bug, never a torn record
             raise AssertionError(f"encoded {written} bytes for records whose pieces add up to {total}")
-        sizes = meta[6 * n + k : 7 * n + k]
-        return PendingRecords(out, sizes.tolist(), topics, queue_ids, _plain_ts_pos(n), [True] * n, uniq, True,
-                              list(zip(codes, meta[7 * n + k :].tolist(), strict=True)), size_array=sizes)
+        sizes = meta[7 * n + k + 3 : 8 * n + k + 3]
+        return PendingRecords(out, sizes.tolist(), topics, queue_ids, _plain_ts_pos(n), [True] * n,
+                              UniqKeyRun(head, first, n), True,
+                              list(zip(codes, meta[8 * n + k + 3 :].tolist(), strict=True)), size_array=sizes)
 
     def _learn_topic(self, topic: str) -> tuple[bytes, int]:
         """Validate a topic once: its UTF-8 bytes and the record version it needs."""

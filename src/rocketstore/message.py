@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -212,6 +212,45 @@ class PutMessageResult(NamedTuple):
     @property
     def ok(self) -> bool:
         return self.status is PutMessageStatus.PUT_OK
+
+
+class PutResults(Sequence[PutMessageResult]):
+    """The results of one ``put_messages``: a ``PutMessageResult`` per message, in order, made on first read.
+
+    Building them (an offset msgId's hex and a tuple per message) was a sixth of a put of 32 messages whose
+    results nobody read (``put_messages(32)`` 1.18-1.20x faster without it). Compares equal to the list."""
+
+    __slots__ = ("_count", "_items", "_make")
+
+    def __init__(self, count: int, make: Callable[[], list[PutMessageResult]]) -> None:
+        self._count = count
+        self._make = make  # kept: two threads reading a fresh result may both build it, with the same outcome
+        self._items: list[PutMessageResult] | None = None
+
+    def _list(self) -> list[PutMessageResult]:
+        items = self._items
+        if items is None:
+            items = self._items = self._make()
+        return items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        return self._list()[index]
+
+    def __iter__(self) -> Iterator[PutMessageResult]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PutResults):
+            other = other._list()
+        return self._list() == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # like the list it stands for
+
+    def __repr__(self) -> str:
+        return repr(self._list())
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
 from .consumer import Consumer
 from .dispatch import Dispatcher, dispatch_request
-from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder, PendingRecords
 from .errors import (
     CorruptDataError,
     InvalidQueryError,
@@ -50,7 +50,7 @@ from .health import StoreHealth
 from .index.service import IndexService
 from .lifecycle import AbortFile, StoreLock
 from .mapped.file import STAGING_DIR
-from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, SysFlag
+from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, PutResults, SysFlag
 from .reads import GetMessageResult, StoreReader
 from .recovery import RecoveryReport, recover_commit_log
 from .retention import RetentionReport, delete_expired_files
@@ -409,19 +409,29 @@ class MessageStore:
 
     def put_message(self, msg: Message) -> PutMessageResult:
         """Store one message (``putMessage``). Illegal messages raise and write nothing."""
-        return self.put_messages([msg])[0]
+        status, phy, pending, queue_offsets, store_ts = self._put([msg])
+        return put_results(status, self._store_host_hex, phy, pending.uniq_keys, queue_offsets, store_ts,
+                           pending.sizes)[0]
 
-    def put_messages(self, msgs: Iterable[Message]) -> list[PutMessageResult]:
+    def put_messages(self, msgs: Iterable[Message]) -> PutResults:
         """Store messages as one contiguous, all-or-nothing append (``putMessages``).
 
         Unlike a RocketMQ batch, the messages may go to different topics and queues; they share
-        one store timestamp, one segment and, under SYNC_FLUSH, one disk flush.
+        one store timestamp, one segment and, under SYNC_FLUSH, one disk flush. The result is a
+        sequence of ``PutMessageResult``, in order, made when first read.
         """
-        self._check_open(write=True)
-        self.health.check_writable()
         msgs = list(msgs)
         if not msgs:
-            return []
+            self._check_open(write=True)
+            self.health.check_writable()
+            return PutResults(0, list)
+        status, phy, pending, queue_offsets, store_ts = self._put(msgs)
+        return PutResults(len(msgs), functools.partial(put_results, status, self._store_host_hex, phy,
+                                                       pending.uniq_keys, queue_offsets, store_ts, pending.sizes))
+
+    def _put(self, msgs: list[Message]) -> tuple[PutMessageStatus, int, PendingRecords, list[int], int]:
+        self._check_open(write=True)
+        self.health.check_writable()
         pending = self.encoder.encode_many(msgs)
         for topic, queue_id in pending.queue_checks:
             self._check_topic(topic, queue_id)
@@ -435,7 +445,7 @@ class MessageStore:
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
         self.dispatcher.keep_up()
-        return put_results(status, self._store_host_hex, phy, pending.uniq_keys, queue_offsets, store_ts, pending.sizes)
+        return status, phy, pending, queue_offsets, store_ts
 
     def put_batch(self, table) -> PutBatchResult:
         """Store a ``pyarrow.Table``/``RecordBatch`` of messages, encoded column-wise (the fast way in).

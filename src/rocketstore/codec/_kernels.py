@@ -246,52 +246,111 @@ def encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off,
                       queue_ids, flags, born_ts, born_hosts, store_host)
 
 
+_HEX_DIGITS = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8).copy()
 _PLAIN_V1_OVERHEAD = FIXED_PART_LEN + 1 + 2  # two IPv4 hosts, a one-byte topic length, the properties length
+_PLAIN_UNIQ = np.frombuffer(b"UNIQ_KEY\x01", dtype=np.uint8).copy()
+_PLAIN_TAGS = np.frombuffer(b"TAGS\x01", dtype=np.uint8).copy()
+_PLAIN_KEYS = np.frombuffer(b"KEYS\x01", dtype=np.uint8).copy()
+PLAIN_PROPS_FIXED = _PLAIN_UNIQ.size + 4 + 1  # UNIQ_KEY\x01, the head, 4 counter digits, \x02
+PLAIN_PROP_OVERHEAD = _PLAIN_TAGS.size + 1  # a TAGS or KEYS name, \x01 and \x02 around a value
 
 
 @njit(cache=True)
 def encode_plain_v1(out, meta, blob, n, topics):
     """``_encode_v1`` for ``put_messages``, fed from Python lists at the least cost: three arrays, as a dispatch
-    costs ~0.5 us per array argument. ``meta`` (int64) holds the inputs, six runs of ``n``: body lengths,
-    properties lengths, topic codes, queue ids, flags, born times; then the ``topics`` topics' byte lengths; and
-    room for the outputs: each record's size (``n``), each topic's highest queue id (``topics``). ``blob`` is the
-    bodies, properties, topics, born hosts (8 bytes each) and the store host, back to back. Returns the bytes
-    written, or -1 (``out`` untouched past its end) when the lengths and ``blob`` disagree. Holds the GIL, as
-    ``stamp_records`` does: a producer giving the GIL up for ~10 us gets it back only after the dispatcher
-    thread's next pause (a switch interval when it runs Python; measured with the loop this replaced, stop 31:
-    put_messages(32) 286 -> 310 k msg/s holding it)."""
-    body_len = meta[0:n]
-    props_len = meta[n : 2 * n]
-    codes = meta[2 * n : 3 * n]
-    sizes = meta[6 * n + topics : 7 * n + topics]
-    highest = meta[7 * n + topics : 7 * n + 2 * topics]
-    if meta.size != 7 * n + 2 * topics:
+    costs ~0.5 us per array argument. ``meta`` (int64) holds the inputs, seven runs of ``n``: body lengths, tags'
+    and joined keys' byte lengths (0: none), topic codes, queue ids, flags, born times; then the ``topics``
+    topics' byte lengths, the first UNIQ_KEY counter, how many zero bytes end each properties string (room for
+    the property CRC) and the length of the UNIQ_KEYs' head; and room for the outputs: each record's size
+    (``n``), each topic's highest queue id (``topics``). ``blob`` is the bodies, tags, joined keys, topics, born
+    hosts (8 bytes each), the store host and the UNIQ_KEYs' shared head (ASCII hex), back to back. A row's
+    properties string is built here: UNIQ_KEY (the head and the 4 hex digits of (first + row) & 0xFFFF), TAGS
+    and KEYS when present, then the zeros; in Python (a string per id and per properties string, then encoded)
+    that was a sixth of a put of 32. Returns the bytes written, or -1 (``out`` untouched past its end) when the
+    lengths and ``blob`` disagree. Holds the GIL, as ``stamp_records`` does: a producer giving the GIL up for
+    ~10 us gets it back only after the dispatcher thread's next pause (a switch interval when it runs Python;
+    measured with the loop this replaced, stop 31: put_messages(32) 286 -> 310 k msg/s holding it)."""
+    if n < 0 or topics < 0 or meta.size != 8 * n + 2 * topics + 3:
         return -1
+    body_len = meta[0:n]
+    tag_len = meta[n : 2 * n]
+    key_len = meta[2 * n : 3 * n]
+    codes = meta[3 * n : 4 * n]
+    first = meta[7 * n + topics]
+    reserve = meta[7 * n + topics + 1]
+    head = meta[7 * n + topics + 2]
+    sizes = meta[7 * n + topics + 3 : 8 * n + topics + 3]
+    highest = meta[8 * n + topics + 3 :]
     topic_off = np.empty(topics + 1, dtype=np.int64)
     topic_off[0] = 0
     for t in range(topics):
-        topic_off[t + 1] = topic_off[t] + meta[6 * n + t]
+        topic_off[t + 1] = topic_off[t] + meta[7 * n + t]
         highest[t] = -1
     body_off = np.empty(n + 1, dtype=np.int64)
+    tag_off = np.empty(n + 1, dtype=np.int64)
+    key_off = np.empty(n + 1, dtype=np.int64)
     props_off = np.empty(n + 1, dtype=np.int64)
     body_off[0] = 0
+    tag_off[0] = 0
+    key_off[0] = 0
     props_off[0] = 0
+    for i in range(n):
+        if body_len[i] < 0 or tag_len[i] < 0 or key_len[i] < 0:
+            return -1
+        body_off[i + 1] = body_off[i] + body_len[i]
+        tag_off[i + 1] = tag_off[i] + tag_len[i]
+        key_off[i + 1] = key_off[i] + key_len[i]
+    b = body_off[n]
+    g = b + tag_off[n]
+    k = g + key_off[n]
+    t = k + topic_off[topics]
+    if reserve < 0 or first < 0 or first > 0xFFFF or head <= 0 or blob.size != t + 8 * n + 8 + head:
+        return -1
     for i in range(n):
         topic = codes[i]
         if topic < 0 or topic >= topics:
             return -1
-        highest[topic] = max(highest[topic], meta[3 * n + i])
-        body_off[i + 1] = body_off[i] + body_len[i]
-        props_off[i + 1] = props_off[i] + props_len[i]
-        sizes[i] = _PLAIN_V1_OVERHEAD + body_len[i] + topic_off[topic + 1] - topic_off[topic] + props_len[i]
-    b = body_off[n]
-    p = b + props_off[n]
-    t = p + topic_off[topics]
-    if blob.size != t + 8 * n + 8:
-        return -1
-    return _encode_v1(out, sizes, body_off, blob[:b], props_off, blob[b:p], topic_off, blob[p:t], codes,
-                      meta[3 * n : 4 * n], meta[4 * n : 5 * n], meta[5 * n : 6 * n],
-                      blob[t : t + 8 * n].reshape((n, 8)), blob[t + 8 * n :])
+        highest[topic] = max(highest[topic], meta[4 * n + i])
+        size = PLAIN_PROPS_FIXED + head + reserve
+        if tag_len[i]:
+            size += PLAIN_PROP_OVERHEAD + tag_len[i]
+        if key_len[i]:
+            size += PLAIN_PROP_OVERHEAD + key_len[i]
+        props_off[i + 1] = props_off[i] + size
+        sizes[i] = _PLAIN_V1_OVERHEAD + body_len[i] + topic_off[topic + 1] - topic_off[topic] + size
+    props = np.empty(props_off[n], dtype=np.uint8)
+    h0 = t + 8 * n + 8
+    for i in range(n):
+        p = props_off[i]
+        props[p : p + _PLAIN_UNIQ.size] = _PLAIN_UNIQ
+        p += _PLAIN_UNIQ.size
+        _copy(props, p, blob, h0, head)
+        p += head
+        counter = (first + i) & 0xFFFF
+        for shift in (12, 8, 4, 0):
+            props[p] = _HEX_DIGITS[(counter >> shift) & 0xF]
+            p += 1
+        props[p] = 2
+        p += 1
+        if tag_len[i]:
+            props[p : p + _PLAIN_TAGS.size] = _PLAIN_TAGS
+            p += _PLAIN_TAGS.size
+            _copy(props, p, blob, b + tag_off[i], tag_len[i])
+            p += tag_len[i]
+            props[p] = 2
+            p += 1
+        if key_len[i]:
+            props[p : p + _PLAIN_KEYS.size] = _PLAIN_KEYS
+            p += _PLAIN_KEYS.size
+            _copy(props, p, blob, g + key_off[i], key_len[i])
+            p += key_len[i]
+            props[p] = 2
+            p += 1
+        for z in range(reserve):
+            props[p + z] = 0
+    return _encode_v1(out, sizes, body_off, blob[:b], props_off, props, topic_off, blob[k:t], codes,
+                      meta[4 * n : 5 * n], meta[5 * n : 6 * n], meta[6 * n : 7 * n],
+                      blob[t : t + 8 * n].reshape((n, 8)), blob[t + 8 * n : h0])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -356,7 +415,6 @@ def _encode_v1(out, sizes, body_off, body_data, props_off, props_data, topic_off
     return p
 
 
-_HEX_DIGITS = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8).copy()
 # the property names a plain row carries, by code: 0 UNIQ_KEY, 1 TAGS, 2 KEYS (``PropertyName``'s values)
 _UNIQ_NAME = np.frombuffer(b"UNIQ_KEY", dtype=np.uint8).copy()
 _TAGS_NAME = np.frombuffer(b"TAGS", dtype=np.uint8).copy()

@@ -21,6 +21,7 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -78,6 +79,29 @@ def _month_start_ms(now_ms: int) -> tuple[int, int]:
     return int(start.timestamp() * 1000), int(nxt.timestamp() * 1000)
 
 
+class UniqKeyRun(Sequence[str]):
+    """``count`` consecutive UNIQ_KEYs of one ``hex_block``, made as strings when read: a put of plain messages
+    writes them in its compiled loop, and most puts' results are never read."""
+
+    __slots__ = ("count", "first", "head")
+
+    def __init__(self, head: str, first: int, count: int) -> None:
+        self.head, self.first, self.count = head, first, count
+
+    def strings(self) -> list[str]:
+        head, first = self.head, self.first
+        return [f"{head}{(first + i) & 0xFFFF:04X}" for i in range(self.count)]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        return self.strings()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.strings())
+
+
 class UniqKeyGenerator:
     """Generates UNIQ_KEYs in RocketMQ's layout, as the broker does for messages that carry none."""
 
@@ -111,6 +135,11 @@ class UniqKeyGenerator:
         counter = count - 0x10000 if count & 0x8000 else count
         tail = _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, counter)
         return (self._prefix + tail).hex().upper()
+
+    @property
+    def head_hex_len(self) -> int:
+        """How many hex digits ``hex_block``'s head has (the id's, but the counter's 4)."""
+        return 2 * (len(self._prefix) + _UNIQ_TAIL.size - 2)
 
     def hex_block(self, count: int, now_ms: int | None = None) -> tuple[str, int]:
         """``count`` consecutive ids as (hex of everything but the counter, first counter): id ``i`` is
