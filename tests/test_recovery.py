@@ -85,6 +85,42 @@ def test_two_recoveries_in_one_second_keep_both_salvaged_tails(tmp_path, small_c
     assert [t.read_bytes() for t in tails] == [b"\0" * 8 + torn[8:-1] + bytes([b]) for b in (0x41, 0x42)]
 
 
+def test_a_salvage_whose_name_cannot_be_made_durable_stops_recovery_before_the_bytes_are_zeroed(
+        tmp_path, small_config, monkeypatch):
+    """The torn tail is zeroed only once its copy's directory entry is on disk: a power loss after the zeroing
+    could otherwise keep the zeros and lose the copy. A failed directory fsync fails the open; nothing is cut."""
+    from rocketstore import recovery
+    from rocketstore.errors import FlushError
+
+    small_config = small_config.replace(mapped_file_size_commit_log=1 << 16)
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = fill(store, 20)
+        end = store.max_phy_offset
+        torn = bytes(store.commit_log.get_record_bytes(results[-1].commit_log_offset))
+    path, pos = segment_of(tmp_path, end, 1 << 16)
+    with open(path, "r+b") as f:
+        f.seek(pos + 8)
+        f.write(torn[8:])
+    crash(tmp_path)
+    synced = []
+    real = recovery.fsync_dir
+
+    def failing(directory):
+        synced.append(Path(directory))
+        raise FlushError(5, f"fsync of directory {directory} failed: Input/output error")
+
+    monkeypatch.setattr(recovery, "fsync_dir", failing)
+    with pytest.raises(FlushError):
+        MessageStore.open(tmp_path, small_config)
+    assert synced == [tmp_path / "recovery"]
+    assert path.read_bytes()[pos + 8 : pos + len(torn)] == torn[8:], "nothing is zeroed"
+    monkeypatch.setattr(recovery, "fsync_dir", lambda directory: synced.append(Path(directory)) or real(directory))
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert store.recovery.cut_bytes == len(torn)
+        assert synced[1:3] == [tmp_path / "recovery", tmp_path]
+    assert path.read_bytes()[pos : pos + len(torn)] == bytes(len(torn))
+
+
 def damage_second_last_segment(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         results = fill(store, 120)

@@ -28,7 +28,7 @@ from .codec.batch import validate_records
 from .codec.record import BLANK_RECORD_LEN, RecordLayout, read_layout
 from .commitlog import CommitLog
 from .errors import CorruptDataError
-from .mapped.file import MappedFile, unused_path
+from .mapped.file import MappedFile, fsync_dir, unused_path
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,8 @@ def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report
             out.write(mapped.buffer[pos : pos + keep])
             out.flush()
             os.fsync(out.fileno())
+        fsync_dir(target.parent)  # the salvage's name, and the directory's own, before the bytes are zeroed
+        fsync_dir(root)
         report.salvaged.append(str(target))
         buf = mapped.buffer
         for start in range(pos, tail_end, len(_ZERO_CHUNK)):
