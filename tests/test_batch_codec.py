@@ -632,6 +632,31 @@ def test_partition_reader_equals_the_per_record_reader_with_filters_skips_and_di
     assert len(skipped) == 3
 
 
+def test_stores_of_the_same_name_keep_their_own_corrupt_reports(tmp_path):
+    """Brokers' stores are all ``<broker>/store``: a skip scan of several into one report directory kept one
+    store's report and dropped the others' (the file was named by the root's last component)."""
+    from rocketstore.spark.partitions import LogRange, ScanOptions, corrupt_report, read_range
+
+    options = ScanOptions(on_corrupt="skip", corrupt_log=str(tmp_path / "bad"))
+    victims = {}
+    for broker in ("brokerA", "brokerB"):
+        root = tmp_path / broker / "store"
+        with MessageStore.open(root, StoreConfig(mapped_file_size_commit_log=1 << 20)) as store:
+            results = [store.put_message(Message("T", b"x%d" % i * 9)) for i in range(20)]
+        segment = root / "commitlog" / SEGMENT_NAME
+        data = bytearray(segment.read_bytes())
+        victim = results[5 if broker == "brokerA" else 7]
+        data[read_layout(data, victim.commit_log_offset).body_pos] ^= 0x10
+        segment.write_bytes(bytes(data))
+        end = results[-1].commit_log_offset + results[-1].store_size
+        rows = sum(b.num_rows for b in read_range(LogRange(str(root), broker, str(segment), 0, 1 << 20, 0, end, end),
+                                                  options))
+        assert rows == 19
+        victims[str(segment)] = victim.commit_log_offset
+    report = corrupt_report(tmp_path / "bad")
+    assert sorted((item["segment"], item["offset"]) for item in report) == sorted(victims.items())
+
+
 @pytest.mark.parametrize("scheduled", [False, True])
 @pytest.mark.parametrize("check_crc", [False, True])
 def test_a_rebuilds_columns_from_the_dispatch_walk_alone_equal_the_general_reader(tmp_path, monkeypatch, scheduled,

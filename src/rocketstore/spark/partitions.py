@@ -15,6 +15,7 @@ batch of up to ``BATCH_ROWS`` records, straight into Arrow buffers.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import mmap
@@ -548,9 +549,11 @@ def _dispatch_info_of(topic: str, props: dict[str, str], store_timestamp: int, s
 
 
 def _write_corrupt_log(directory: str, r: LogRange, skipped: list[dict]) -> None:
-    """One JSON-lines file per range (rewritten if the task is retried): what a skip scan left out."""
+    """One JSON-lines file per range (rewritten if the task is retried): what a skip scan left out. Named by the
+    store's whole path too: brokers' stores are all ``<broker>/store``, and one's report replaced another's."""
     os.makedirs(directory, exist_ok=True)
-    name = f"{Path(r.root).name}-{Path(r.segment).name}-{r.start:020d}.jsonl"
+    root = hashlib.sha256(os.path.abspath(r.root).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    name = f"{Path(r.root).name}-{root}-{Path(r.segment).name}-{r.start:020d}.jsonl"
     tmp = os.path.join(directory, f".{name}.tmp")
     with open(tmp, "w", encoding="utf-8") as out:
         out.writelines(json.dumps(item) + "\n" for item in skipped)
