@@ -415,9 +415,10 @@ def test_the_plain_put_kernel_refuses_lengths_that_disagree_with_its_blob():
     sizes = [88 + len(body) + 1 + len(topic) + 2 + len(p) for p in props]
     store_host = bytes([127, 0, 0, 1, 0, 0, 0x2A, 0x9F])
 
-    full, head_size = sum(sizes), len(head)
+    full, head_size, topic_size = sum(sizes), len(head), len(topic)
 
-    def run(body_lens, codes=(0, 0), room=full, blob_extra=b"", first=0xFFFF, head_len=head_size):
+    def run(body_lens, codes=(0, 0), room=full, blob_extra=b"", first=0xFFFF, head_len=head_size, tags=tags,
+            topic_len=topic_size):
         n = len(body_lens)
         meta = np.zeros(8 * n + 2 + 3, dtype=np.int64)
         meta[0:n] = body_lens
@@ -425,7 +426,7 @@ def test_the_plain_put_kernel_refuses_lengths_that_disagree_with_its_blob():
         meta[2 * n : 3 * n] = list(map(len, keys))
         meta[3 * n : 4 * n] = codes
         meta[4 * n : 5 * n] = [3, 5]
-        meta[7 * n : 7 * n + 4] = [len(topic), first, 2, head_len]
+        meta[7 * n : 7 * n + 4] = [topic_len, first, 2, head_len]
         blob = body * n + b"".join(tags) + b"".join(keys) + topic + bytes(8 * n) + store_host + head + blob_extra
         out = np.zeros(room, dtype=np.uint8)
         written = encode_plain_v1(out, meta, np.frombuffer(blob, np.uint8), n, 1)
@@ -439,7 +440,10 @@ def test_the_plain_put_kernel_refuses_lengths_that_disagree_with_its_blob():
     two = [len(body)] * 2
     for bad in ({"body_lens": [len(body), len(body) - 1]}, {"body_lens": two, "codes": (0, 1)},
                 {"body_lens": two, "blob_extra": b"x"}, {"body_lens": two, "room": sum(sizes) - 1},
-                {"body_lens": two, "first": 0x10000}, {"body_lens": two, "head_len": len(head) - 1}):
+                {"body_lens": two, "first": 0x10000}, {"body_lens": two, "head_len": len(head) - 1},
+                # a negative topic length that the blob's total hides; a properties string past a short's range
+                {"body_lens": two, "topic_len": -1, "tags": [b"aT", b""], "blob_extra": b"x"},
+                {"body_lens": two, "tags": [b"a" * 0x7FFF, b""]}):
         written, out, _ = run(**bad)
         assert written == -1 and not out[sizes[0] :].any()
 

@@ -161,6 +161,9 @@ def test_put_results_are_made_when_first_read_and_name_their_records(tmp_path, s
         assert built == [1] and len(listed) == 16
         assert results == listed and listed == results and results[3] == listed[3] and results[-2:] == listed[-2:]
         assert list(results) == listed and built == [1]
+        head, tail = [listed[0]], listed[1:]
+        assert results + tail == listed + tail and head + results == head + listed  # as the list it was
+        assert results + results == listed + listed
         assert len({r.uniq_key for r in results}) == 16
         store.wait_for_dispatch(10)
         for msg, result in zip(batch, results, strict=True):

@@ -249,6 +249,16 @@ class PutResults(Sequence[PutMessageResult]):
 
     __hash__ = None  # type: ignore[assignment]  # like the list it stands for
 
+    def __add__(self, other: object) -> list[PutMessageResult]:
+        if isinstance(other, PutResults | list):
+            return [*self._list(), *other]
+        return NotImplemented
+
+    def __radd__(self, other: object) -> list[PutMessageResult]:
+        if isinstance(other, list):
+            return [*other, *self._list()]
+        return NotImplemented
+
     def __repr__(self) -> str:
         return repr(self._list())
 

@@ -267,9 +267,10 @@ def encode_plain_v1(out, meta, blob, n, topics):
     properties string is built here: UNIQ_KEY (the head and the 4 hex digits of (first + row) & 0xFFFF), TAGS
     and KEYS when present, then the zeros; in Python (a string per id and per properties string, then encoded)
     that was a sixth of a put of 32. Returns the bytes written, or -1 (``out`` untouched past its end) when the
-    lengths and ``blob`` disagree. Holds the GIL, as ``stamp_records`` does: a producer giving the GIL up for
-    ~10 us gets it back only after the dispatcher thread's next pause (a switch interval when it runs Python;
-    measured with the loop this replaced, stop 31: put_messages(32) 286 -> 310 k msg/s holding it)."""
+    lengths and ``blob`` disagree or a properties string would pass 32767 bytes. Holds the GIL, as
+    ``stamp_records`` does: a producer giving the GIL up for ~10 us gets it back only after the dispatcher
+    thread's next pause (a switch interval when it runs Python; measured with the loop this replaced, stop 31:
+    put_messages(32) 286 -> 310 k msg/s holding it)."""
     if n < 0 or topics < 0 or meta.size != 8 * n + 2 * topics + 3:
         return -1
     body_len = meta[0:n]
@@ -284,6 +285,8 @@ def encode_plain_v1(out, meta, blob, n, topics):
     topic_off = np.empty(topics + 1, dtype=np.int64)
     topic_off[0] = 0
     for t in range(topics):
+        if meta[7 * n + t] < 0:
+            return -1
         topic_off[t + 1] = topic_off[t] + meta[7 * n + t]
         highest[t] = -1
     body_off = np.empty(n + 1, dtype=np.int64)
@@ -316,6 +319,8 @@ def encode_plain_v1(out, meta, blob, n, topics):
             size += PLAIN_PROP_OVERHEAD + tag_len[i]
         if key_len[i]:
             size += PLAIN_PROP_OVERHEAD + key_len[i]
+        if size > 0x7FFF:  # the record's properties length is a short
+            return -1
         props_off[i + 1] = props_off[i] + size
         sizes[i] = _PLAIN_V1_OVERHEAD + body_len[i] + topic_off[topic + 1] - topic_off[topic] + size
     props = np.empty(props_off[n], dtype=np.uint8)
