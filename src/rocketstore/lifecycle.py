@@ -1,4 +1,5 @@
-"""The files that say a store is in use: ``lock`` (one writer) and ``abort`` (running, or crashed).
+"""The files that say a store is in use: ``lock`` (one writer), ``abort`` (running, or crashed) and
+``redispatch`` (an open's catch-up of the consume queues and index was under way).
 
 ``lock`` holds an exclusive POSIX record lock on byte 0, the lock a RocketMQ broker takes with
 ``FileChannel.tryLock``, so rocketstore and a broker keep each other out. POSIX locks belong to
@@ -20,6 +21,7 @@ from .errors import StoreIOError, StoreLockedError
 
 LOCK_FILE = "lock"
 ABORT_FILE = "abort"
+REDISPATCH_FILE = "redispatch"
 
 _held: set[tuple[int, int]] = set()
 _held_guard = threading.Lock()
@@ -123,6 +125,53 @@ class AbortFile:
     def delete(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+        _fsync_dir(self.path.parent)
+
+
+class RedispatchMarker:
+    """``redispatch`` holds the log offset an open's catch-up dispatch started from, until the queues and index it
+    wrote are flushed. A kill before that leaves it, and the next open starts there again: without it, the next
+    open resumed at the largest queue end, past everything a set-aside queue or a deleted index still lacked
+    (and a kill before ``abort`` was created even looked like a clean exit). RocketMQ ignores the file."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / REDISPATCH_FILE
+
+    def load(self) -> int | None:
+        """The offset a catch-up that did not finish started from; 0 (the whole log) if the file is torn."""
+        try:
+            text = self.path.read_text(encoding="ascii", errors="replace")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot read {self.path}: {exc.strerror}") from exc
+        try:
+            return max(0, int(text.strip()))
+        except ValueError:
+            return 0
+
+    def save(self, offset: int) -> None:
+        """Durably, before the catch-up writes anything: a temporary file, fsync, rename, directory fsync."""
+        tmp = self.path.with_name(f".{REDISPATCH_FILE}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                os.write(fd, str(offset).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot write {self.path}: {exc.strerror}") from exc
+        _fsync_dir(self.path.parent)
+
+    def delete(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot remove {self.path}: {exc.strerror}") from exc
         _fsync_dir(self.path.parent)
 
 

@@ -48,7 +48,7 @@ from .errors import (
 from .flush import CommitLogFlusher
 from .health import StoreHealth
 from .index.service import IndexService
-from .lifecycle import AbortFile, StoreLock
+from .lifecycle import AbortFile, RedispatchMarker, StoreLock
 from .mapped.file import STAGING_DIR
 from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, PutResults, SysFlag
 from .reads import GetMessageResult, StoreReader
@@ -164,7 +164,7 @@ class MessageStore:
                                      self.health)
         self.dispatcher.reput_from_offset = self._reput_start(abnormal, dispatch_from)
         if not self.read_only:
-            self.dispatcher.dispatch_available()  # catch up before the first put or read
+            self._catch_up()
         for (topic, queue_id), queue in self.queues.queues.items():
             queue.correct_min_offset(self.commit_log.min_offset)
             self.commit_log.queue_offsets[(topic, queue_id)] = queue.max_offset_in_queue
@@ -183,6 +183,25 @@ class MessageStore:
             self._maintenance = threading.Thread(target=self._maintain, name="rocketstore-maintenance",
                                                  daemon=True)
             self._maintenance.start()
+
+    def _catch_up(self) -> None:
+        """Dispatch what the queues and index lack before the first put or read, under a durable marker of where
+        it started (``RedispatchMarker``) that goes only once what it wrote is flushed."""
+        assert self.dispatcher is not None and self.recovery is not None and self.index is not None
+        marker = RedispatchMarker(self.root)
+        unfinished = marker.load()
+        dispatcher = self.dispatcher
+        if unfinished is not None:
+            log.warning("an earlier open's catch-up dispatch from %d did not finish: dispatching from there again",
+                        unfinished)
+            dispatcher.reput_from_offset = max(min(dispatcher.reput_from_offset, unfinished),
+                                               self.commit_log.min_offset)
+        if dispatcher.reput_from_offset < self.recovery.end_offset:
+            marker.save(dispatcher.reput_from_offset)
+            dispatcher.dispatch_available()
+            self.queues.flush(0)
+            self.index.flush()
+        marker.delete()
 
     def _reput_start(self, abnormal: bool, dispatch_from: int) -> int:
         """Where dispatch resumes: after the consume queues, or, after a crash, from the point recovery
