@@ -161,6 +161,45 @@ def test_two_groups_consume_independently_and_resume(tmp_path):
             assert len(a.poll(timeout=1, max_msgs=100)) == 40
 
 
+def test_a_consumer_closed_after_its_store_writes_nothing(tmp_path):
+    """Closing a consumer after its store wrote the offsets file over: the file may be another writer's by then
+    (found in an audit: another process's reset and another group's offsets were replaced). Offsets left to
+    commit raise StoreClosedError; with none left, close is quiet."""
+    from rocketstore.errors import StoreClosedError
+
+    store = MessageStore.open(tmp_path, CONFIG)
+    fill(store, 40)
+    store.wait_for_dispatch()
+    consumer = store.consumer("G", "Orders")
+    assert len(consumer.poll(timeout=1, max_msgs=5)) == 5
+    idle = store.consumer("H", "Orders")
+    store.close()
+    with MessageStore.open(tmp_path, CONFIG) as other:  # the next writer resets G and commits another group
+        other.reset_offset("G", "Orders", "latest")
+        other.commit_offset("OTHER", "Orders", 0, 3)
+    before = (tmp_path / "config" / "consumerOffset.json").read_bytes()
+    with pytest.raises(StoreClosedError):
+        consumer.close()
+    idle.close()
+    assert (tmp_path / "config" / "consumerOffset.json").read_bytes() == before
+
+
+def test_a_reset_is_not_undone_by_an_open_consumers_next_commit(tmp_path):
+    """``reset_offset`` while a consumer of the group is open: its next auto-commit wrote the old positions back
+    over the reset (10 committed again right after a reset to 0). It now reads on from the reset offsets."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        fill(store, 40)
+        store.wait_for_dispatch()
+        with store.consumer("G", "Orders") as consumer:
+            assert len(consumer.poll(timeout=1, max_msgs=100)) == 40
+            assert set(store.reset_offset("G", "Orders", "earliest").values()) == {0}
+            again = consumer.poll(timeout=1, max_msgs=100)
+            assert len(again) == 40
+            assert [store.query_offset("G", "Orders", q) for q in range(4)] == [0, 0, 0, 0]
+            consumer.commit()
+            assert [store.query_offset("G", "Orders", q) for q in range(4)] == [10, 10, 10, 10]
+
+
 def test_consumer_waits_for_new_messages_without_spinning(tmp_path):
     with MessageStore.open(tmp_path, CONFIG) as store:
         consumer = store.consumer("G", "Live", start="latest")

@@ -32,6 +32,7 @@ class Consumer:
         self._positions: dict[int, int] = {}
         self._handed_out: dict[int, int] = {}
         self._next_queue = 0
+        self._resets = store.offset_resets(group, topic)
         self.closed = False
         if not store.read_only:
             store.subscription_groups.ensure(group)
@@ -65,6 +66,7 @@ class Consumer:
         """The next messages (across queues, in order within each), waiting up to ``timeout`` seconds."""
         if self.closed:
             raise RuntimeError("consumer is closed")
+        self._follow_reset()
         if self.auto_commit:
             self.commit()
         limit = max_msgs or self.batch_size
@@ -99,10 +101,26 @@ class Consumer:
         while not self.closed:
             yield from self.poll(timeout=1.0)
 
+    def _follow_reset(self) -> None:
+        """After ``store.reset_offset`` of this group and topic, forget what was handed out and read on from the
+        new committed offsets: committing the old positions would undo the operator's reset."""
+        resets = self.store.offset_resets(self.group, self.topic)
+        if resets != self._resets:
+            self._resets = resets
+            self._handed_out.clear()
+            self._positions.clear()
+
     def commit(self) -> None:
-        """Commit the offsets after everything handed out so far (``commitOffset``)."""
+        """Commit the offsets after everything handed out so far (``commitOffset``).
+
+        Raises ``StoreClosedError`` once the store is closed (its offsets file may belong to another writer by
+        then), ``ReadOnlyStoreError`` on a read-only store."""
         if self.store.read_only:
             raise ReadOnlyStoreError("a read-only store cannot commit consumer offsets")
+        self._follow_reset()
+        if not self._handed_out:
+            return
+        self.store._check_open(write=True)
         for queue_id, offset in self._handed_out.items():
             self.store.consumer_offsets.commit(self.group, self.topic, queue_id, offset)
         self._handed_out.clear()
@@ -111,10 +129,15 @@ class Consumer:
         self._positions[queue_id] = offset
 
     def close(self) -> None:
-        if not self.closed and self.auto_commit:
-            self.commit()
-            self.store.consumer_offsets.persist()
+        """Commit (with ``auto_commit``) and persist the offsets. A consumer closed after its store commits
+        nothing and raises ``StoreClosedError`` if it had offsets left to commit (they are delivered again)."""
+        if self.closed:
+            return
         self.closed = True
+        if self.auto_commit:
+            self.commit()
+            if not self.store.closed:  # the store's close persisted everything committed before it
+                self.store.consumer_offsets.persist()
 
     def __enter__(self) -> Consumer:
         return self

@@ -91,6 +91,7 @@ class MessageStore:
         self.subscription_groups = SubscriptionGroupManager(root, read_only=read_only)
         self.schedule: ScheduleMessageService | None = None
         self._topic_lock = threading.Lock()
+        self._offset_resets: dict[tuple[str, str], int] = {}
         self.index: IndexService | None = None
         self.flusher: CommitLogFlusher | None = None
         self.dispatcher: Dispatcher | None = None
@@ -418,6 +419,10 @@ class MessageStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self, write: bool = False) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.root} is closed")
@@ -550,9 +555,14 @@ class MessageStore:
         self._check_open()
         return self.consumer_offsets.query(group, topic, queue_id)
 
+    def offset_resets(self, group: str, topic: str) -> int:
+        """How many times ``reset_offset`` moved this group on this topic (consumers of it follow a reset)."""
+        return self._offset_resets.get((group, topic), 0)
+
     def reset_offset(self, group: str, topic: str, to: str | int) -> dict[int, int]:
         """Point a group at "earliest", "latest" or the first message at or after an epoch-ms time in every
-        queue (``resetOffsetByTime``); returns the new offsets and persists them at once."""
+        queue (``resetOffsetByTime``); returns the new offsets and persists them at once. This process's open
+        consumers of the group read on from there (what they handed out before is not committed)."""
         self._check_open(write=True)
         if to not in ("earliest", "latest") and not isinstance(to, int):
             raise ValueError("reset to 'earliest', 'latest' or an epoch-ms timestamp")
@@ -561,6 +571,7 @@ class MessageStore:
         if config is not None:
             queue_ids.update(range(config.read_queue_nums))
         offsets = {}
+        self._offset_resets[(group, topic)] = self._offset_resets.get((group, topic), 0) + 1
         for queue_id in sorted(queue_ids):
             if to == "earliest":
                 offsets[queue_id] = self.get_min_offset_in_queue(topic, queue_id)
@@ -569,6 +580,7 @@ class MessageStore:
             else:
                 offsets[queue_id] = self.get_offset_in_queue_by_time(topic, queue_id, int(to))
             self.consumer_offsets.commit(group, topic, queue_id, offsets[queue_id])
+        self._offset_resets[(group, topic)] += 1  # again: a consumer that followed the first saw the old offsets
         self.consumer_offsets.persist(force=True)
         return offsets
 
