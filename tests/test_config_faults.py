@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import random
@@ -451,6 +452,40 @@ def test_a_failed_write_keeps_a_good_file_and_is_retried(tmp_path, failing_fsync
     offsets.persist()
     for suffix in ("", ".bak"):
         ConsumerOffsetManager.SCHEMA(parse_fastjson((config_dir / f"consumerOffset.json{suffix}").read_text()), "")
+
+
+OPEN_AND_CLOSE = """
+import sys
+from rocketstore import MessageStore, StoreConfig
+from rocketstore.errors import StoreIOError
+try:
+    with MessageStore.open(sys.argv[1], StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        print(store.query_offset("g", "T", 0), flush=True)
+except StoreIOError as exc:
+    print(type(exc).__name__, exc.errno, flush=True)
+"""
+
+
+@pytest.mark.parametrize("error", ["EMFILE", "EIO", "EACCES"])
+def test_a_config_file_that_cannot_be_read_now_is_not_replaced_by_its_older_backup(tmp_path, error):
+    """An error opening a good offsets file (too many open files, EIO, no permission) is not bad content: the
+    store ran on the older ``.bak`` and then wrote it over the file (an audit saw an offset go from 30 to 20)."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        store.commit_offset("g", "T", 0, 20)
+        store.consumer_offsets.persist(force=True)
+        store.commit_offset("g", "T", 0, 30)
+    config_dir = tmp_path / "config"
+    before = {p.name: p.read_bytes() for p in config_dir.iterdir()}
+    target = config_dir / "consumerOffset.json"
+    done = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(target),
+                           "-e", f"inject=openat:error={error}:when=1", sys.executable, "-c", OPEN_AND_CLOSE,
+                           str(tmp_path)], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["StoreIOError", str(getattr(errno, error))], done.stderr
+    assert {p.name: p.read_bytes() for p in config_dir.iterdir()} == before
+    with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        assert store.query_offset("g", "T", 0) == 30
 
 
 # --- bad input through the API never reaches the files ------------------------------------------------------------

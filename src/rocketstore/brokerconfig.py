@@ -27,6 +27,7 @@ Files (RocketMQ's names and fields)::
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -306,13 +307,20 @@ def decode_config(path: Path, raw: bytes, schema: Check = free) -> dict | None:
     return checked
 
 
+_NOT_A_FILE = frozenset({errno.EISDIR, errno.ELOOP, errno.ENOTDIR})
+
+
 def _read_config(path: Path, schema: Check) -> dict | None:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    except OSError as exc:  # a directory, no permission, EIO: as bad as bad content
-        raise ConfigFileError(f"cannot be read: {exc.strerror}", str(path)) from None
+    except OSError as exc:
+        if exc.errno in _NOT_A_FILE:  # a directory or a symlink loop in its place: as bad as bad content
+            raise ConfigFileError(f"cannot be read: {exc.strerror}", str(path)) from None
+        # EIO, EMFILE, EACCES...: the file may be good. Falling back to the older .bak would run on stale
+        # topics or offsets and then write them over the file (found in an audit: an offset went 30 -> 20).
+        raise StoreIOError(exc.errno, f"cannot read {path}: {exc.strerror}") from exc
     return decode_config(path, raw, schema)
 
 
@@ -451,8 +459,8 @@ class ConfigFile:
         log a warning and keep the empty configuration."""
         try:
             data = load_config(self.path, self.SCHEMA) or {}
-        except ConfigFileError as exc:
-            self.load_error = exc
+        except (ConfigFileError, StoreIOError) as exc:
+            self.load_error = exc if isinstance(exc, ConfigFileError) else None
             if not empty_if_bad:
                 raise
             log.warning("%s; using an empty %s", exc, self.FILE)
