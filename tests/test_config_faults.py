@@ -454,6 +454,35 @@ def test_a_failed_write_keeps_a_good_file_and_is_retried(tmp_path, failing_fsync
         ConsumerOffsetManager.SCHEMA(parse_fastjson((config_dir / f"consumerOffset.json{suffix}").read_text()), "")
 
 
+def test_a_failed_topics_write_changes_no_topic(tmp_path, monkeypatch):
+    """``create_or_update`` and ``delete`` kept their change in memory when topics.json could not be written
+    (found in an audit: a put then used 16 queues the file never had, and a restart brought 13 back)."""
+    from rocketstore.brokerconfig import TopicConfigManager
+    from rocketstore.errors import StoreIOError
+
+    topics = TopicConfigManager(tmp_path)
+    topics.create_or_update("Kept", write_queue_nums=4)
+    before = (tmp_path / "config" / "topics.json").read_bytes()
+
+    def full_disk(self, body):
+        raise StoreIOError(28, "cannot write topics.json: No space left on device")
+
+    monkeypatch.setattr(TopicConfigManager, "_write", full_disk)
+    with pytest.raises(StoreIOError):
+        topics.create_or_update("New", write_queue_nums=16)
+    with pytest.raises(StoreIOError):
+        topics.create_or_update("Kept", write_queue_nums=16, order=True)
+    with pytest.raises(StoreIOError):
+        topics.delete("Kept")
+    assert topics.get("New") is None
+    kept = topics.get("Kept")
+    assert (kept.write_queue_nums, kept.read_queue_nums, kept.order) == (4, 4, False)
+    assert (tmp_path / "config" / "topics.json").read_bytes() == before
+    monkeypatch.undo()
+    topics.create_or_update("New", write_queue_nums=16)
+    assert topics.get("New").write_queue_nums == 16 and topics.get("Kept").write_queue_nums == 4
+
+
 OPEN_AND_CLOSE = """
 import sys
 from rocketstore import MessageStore, StoreConfig

@@ -38,7 +38,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -553,20 +553,37 @@ class TopicConfigManager(ConfigFile):
         checked(_PERM, perm, "perm")
         checked(boolean, order, "order")
         with self._lock:
-            cfg = self.topics.get(topic) or TopicConfig(topic)
+            before = self.topics.get(topic)
+            cfg = replace(before, attributes=dict(before.attributes), extra=dict(before.extra)) if before \
+                else TopicConfig(topic)
             cfg.write_queue_nums = write_queue_nums
             cfg.read_queue_nums = read_queue_nums or write_queue_nums
             cfg.perm, cfg.order = perm, order
             self.topics[topic] = cfg
-            self.persist()
+            try:
+                self.persist()
+            except BaseException:  # a failed write changes nothing: puts must not use what the file lacks
+                self._put_back(topic, before)
+                raise
         return cfg
 
     def delete(self, topic: str) -> bool:
+        """Remove the topic and write the file; a failed write removes nothing."""
         with self._lock:
-            existed = self.topics.pop(topic, None) is not None
-            if existed:
-                self.persist()
-        return existed
+            before = self.topics.pop(topic, None)
+            if before is not None:
+                try:
+                    self.persist()
+                except BaseException:
+                    self._put_back(topic, before)
+                    raise
+        return before is not None
+
+    def _put_back(self, topic: str, before: TopicConfig | None) -> None:
+        if before is None:
+            self.topics.pop(topic, None)
+        else:
+            self.topics[topic] = before
 
 
 # --- offsets ---------------------------------------------------------------------------------------------------
