@@ -200,6 +200,29 @@ def test_a_reset_is_not_undone_by_an_open_consumers_next_commit(tmp_path):
             assert [store.query_offset("G", "Orders", q) for q in range(4)] == [10, 10, 10, 10]
 
 
+def test_an_unreadable_record_is_skipped_in_the_open(tmp_path, caplog):
+    """A record whose body fails its CRC is skipped by reads (RocketMQ skips what it cannot read), but no longer
+    silently: the result and the consumer name it, and it is logged as an error."""
+    from rocketstore.codec import read_layout
+
+    config = CONFIG.replace(mapped_file_size_commit_log=4096)  # the victim in an older segment: a clean exit
+    with MessageStore.open(tmp_path, config) as store:  # vouches for it, so no recovery re-checks it at open
+        results = [store.put_message(Message("Orders", b"body-%d" % i, queue_id=0)) for i in range(100)]
+    victim = results[2]
+    segment = tmp_path / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[read_layout(bytes(data), victim.commit_log_offset).body_pos] ^= 0x01
+    segment.write_bytes(bytes(data))
+    with MessageStore.open(tmp_path, config) as store:
+        got = store.get_message("Orders", 0, 0, 10)
+        assert [m.body for m in got.messages] == [b"body-%d" % i for i in range(11) if i != 2]
+        assert got.unreadable == [victim.commit_log_offset] and got.next_begin_offset == 11
+        assert any(r.levelname == "ERROR" and str(victim.commit_log_offset) in r.getMessage() for r in caplog.records)
+        with store.consumer("G", "Orders") as consumer:
+            assert len(consumer.poll(timeout=1, max_msgs=200)) == 99
+            assert consumer.unreadable == [victim.commit_log_offset]
+
+
 def test_consumer_waits_for_new_messages_without_spinning(tmp_path):
     with MessageStore.open(tmp_path, CONFIG) as store:
         consumer = store.consumer("G", "Live", start="latest")

@@ -33,6 +33,7 @@ class Consumer:
         self._handed_out: dict[int, int] = {}
         self._next_queue = 0
         self._resets = store.offset_resets(group, topic)
+        self.unreadable: list[int] = []  # commit-log offsets of records skipped as unreadable (each logged)
         self.closed = False
         if not store.read_only:
             store.subscription_groups.ensure(group)
@@ -84,6 +85,8 @@ class Consumer:
                                      GetMessageStatus.OFFSET_FOUND_NULL, GetMessageStatus.FOUND,
                                      GetMessageStatus.NO_MATCHED_MESSAGE, GetMessageStatus.MESSAGE_WAS_REMOVING):
                     self._positions[queue_id] = result.next_begin_offset
+                if result.unreadable:
+                    self.unreadable.extend(result.unreadable)
                 if result.messages:
                     out.extend(result.messages)
                     self._handed_out[queue_id] = result.next_begin_offset

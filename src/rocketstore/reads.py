@@ -58,6 +58,9 @@ class GetMessageResult:
     min_offset: int
     max_offset: int
     messages: list[MessageExt] = field(default_factory=list)
+    # commit-log offsets of records a unit pointed at that could not be read (a CRC failure, no record there):
+    # skipped as RocketMQ skips what it cannot read, but named here and logged, never passed over silently
+    unreadable: list[int] = field(default_factory=list)
 
 
 def parse_tags(tags: str | Iterable[str] | None) -> set[str] | None:
@@ -127,7 +130,10 @@ class StoreReader:
             except SegmentDeletedError:
                 result.status = GetMessageStatus.MESSAGE_WAS_REMOVING
                 continue
-            except (MessageNotFoundError, CorruptDataError):
+            except (MessageNotFoundError, CorruptDataError) as exc:
+                log.error("%s-%d offset %d: skipping the unreadable record at commit-log offset %d: %s", topic,
+                          queue_id, offset + i, phy, exc)
+                result.unreadable.append(phy)
                 continue
             if (msg.topic, msg.queue_id, msg.queue_offset) != (topic, queue_id, offset + i):
                 msg = self._misdirected(topic, queue_id, offset + i, msg)
