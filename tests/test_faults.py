@@ -490,3 +490,126 @@ def test_a_second_writer_is_refused_whatever_path_it_uses(tmp_path, monkeypatch)
             done = subprocess.run([sys.executable, "-c", script, other], check=False, capture_output=True,
                                   text=True, timeout=60)
             assert done.returncode != 0 and "StoreLockedError" in done.stderr
+
+
+# --- errors the kernel reports where none was expected: typed, and nothing left behind -----------------------------
+
+@pytest.mark.parametrize("failing", ["lockf", "pwrite"])
+def test_a_lock_that_cannot_be_taken_or_written_is_a_store_io_error_and_no_stale_claim(tmp_path, monkeypatch,
+                                                                                     failing):
+    """ENOLCK from the record lock (an NFS mount without a lock manager) or ENOSPC writing the new lock file
+    escaped as a bare OSError, and after the write's failure this process could never open the store again."""
+    import fcntl
+
+    real = {"lockf": fcntl.lockf, "pwrite": os.pwrite}[failing]
+
+    def fail(*args):
+        raise OSError(errno.ENOLCK if failing == "lockf" else errno.ENOSPC, "injected")
+
+    monkeypatch.setattr(fcntl if failing == "lockf" else os, failing, fail)
+    with pytest.raises(StoreIOError) as info:
+        MessageStore.open(tmp_path / "s", StoreConfig(mapped_file_size_commit_log=4096))
+    assert info.value.errno == (errno.ENOLCK if failing == "lockf" else errno.ENOSPC)
+    monkeypatch.setattr(fcntl if failing == "lockf" else os, failing, real)
+    with MessageStore.open(tmp_path / "s", StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        store.put_message(Message("T", b"after"))
+
+
+def test_an_abort_file_that_cannot_be_removed_is_a_store_io_error(tmp_path, monkeypatch):
+    """EROFS removing ``abort`` at close escaped as a bare OSError; the next open then recovers as after a crash."""
+    store = MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096))
+    store.put_message(Message("T", b"x"))
+    real = Path.unlink
+
+    def read_only_fs(self, *args, **kwargs):
+        if self.name == "abort":
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", read_only_fs)
+    with pytest.raises(StoreIOError, match="cannot remove"):
+        store.close()
+    monkeypatch.undo()
+    with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)) as again:
+        assert again.recovery.abnormal and [m.body for m in again.iter_messages()] == [b"x"]
+
+
+CUT_A_TORN_TAIL = """
+import sys
+from rocketstore import MessageStore, StoreConfig
+from rocketstore.errors import RocketStoreError
+try:
+    MessageStore.open(sys.argv[1], StoreConfig(mapped_file_size_commit_log=1 << 16)).close()
+    print("opened")
+except RocketStoreError as exc:
+    print(type(exc).__name__, exc.errno)
+"""
+
+
+def test_a_failed_msync_while_recovery_cuts_a_torn_tail_is_a_flush_error(tmp_path):
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    config = StoreConfig(mapped_file_size_commit_log=1 << 16)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(10):
+            store.put_message(Message("T", b"body-%04d" % i))
+        end = store.max_phy_offset
+    segment = tmp_path / "commitlog" / f"{0:020d}"
+    with open(segment, "r+b") as f:  # bytes after the end: a torn append for recovery to cut
+        f.seek(end + 8)
+        f.write(b"\xff" * 40)
+    (tmp_path / "abort").write_text("1")
+    done = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=msync",
+                           "-e", "inject=msync:error=EIO:when=1", sys.executable, "-c", CUT_A_TORN_TAIL,
+                           str(tmp_path)], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["FlushError", str(errno.EIO)], done.stderr
+    with MessageStore.open(tmp_path, config) as store:  # the next open cuts it again
+        assert store.recovery.end_offset == end and len(list(store.iter_messages())) == 10
+
+
+def test_retention_under_a_running_iterator_is_a_typed_error(tmp_path):
+    """``iter_messages`` over segments retention deletes mid-walk raised ``ValueError: mmap closed``."""
+    from rocketstore.errors import SegmentDeletedError
+
+    with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        for i in range(300):
+            store.put_message(Message("T", b"body-%04d" % i))
+        store.wait_for_dispatch()
+        walk = store.iter_messages()
+        assert [next(walk).body for _ in range(3)] == [b"body-0000", b"body-0001", b"body-0002"]
+        far = 10 ** 13
+        assert store.delete_expired_files(now_ms=far, immediately=True).commit_log_files
+        with pytest.raises(SegmentDeletedError):
+            list(walk)
+
+
+def test_a_key_query_skips_an_index_file_retention_deletes_under_it(tmp_path, monkeypatch):
+    """A query walking index files while retention deleted one raised ``ValueError: mmap closed`` (or a misleading
+    StoreIOError); a file no longer in the index is skipped, as its messages went with their segments. A file
+    still in the index that fails the same way is still an error."""
+    from rocketstore.index import service
+
+    config = StoreConfig(mapped_file_size_commit_log=4096, max_hash_slot_num=97, max_index_num=100)
+    with MessageStore.open(tmp_path, config) as store:
+        results = [store.put_message(Message("T", b"body-%d" % i, keys=[f"k{i}", "all"])) for i in range(300)]
+        store.wait_for_dispatch()
+        index = store.index
+        assert len(index.files) > 3
+        files = index.files
+        failing = {"file": files[0], "remove": True}
+        real = service.key_candidates
+
+        def deleted_meanwhile(file, key, begin):
+            if file is failing["file"]:
+                if failing["remove"]:
+                    index.files = index.files[1:]  # what retention does before it closes the file
+                raise ValueError("mmap closed or invalid")
+            return real(file, key, begin)
+
+        monkeypatch.setattr(service, "key_candidates", deleted_meanwhile)
+        found = index.candidates("T", "all", 0, 10 ** 13)
+        assert found and set(found) < {r.commit_log_offset for r in results}
+        index.files = files
+        failing.update(file=files[1], remove=False)  # fails the same way while still part of the index
+        with pytest.raises(ValueError):
+            index.candidates("T", "all", 0, 10 ** 13)

@@ -369,12 +369,15 @@ class CommitLog:
             mapped, limit = run.mapped, run.limit
             buf = mapped.buffer
             for pos, phy in zip(run.starts, run.phy_offsets, strict=True):
-                msg = decode_v4_at(buf, pos, limit, phy, check_crc=False, read_body=read_body)
-                if msg is None:  # not two IPv4 hosts
-                    path, base = str(mapped.path), mapped.file_from_offset
-                    layout = read_layout(buf, pos, limit, path=path, base=base)
-                    assert layout is not None  # the walk accepted a record here
-                    msg = message_from_layout(buf, pos, layout, read_body=read_body, path=path, base=base)
+                try:
+                    msg = decode_v4_at(buf, pos, limit, phy, check_crc=False, read_body=read_body)
+                    if msg is None:  # not two IPv4 hosts
+                        path, base = str(mapped.path), mapped.file_from_offset
+                        layout = read_layout(buf, pos, limit, path=path, base=base)
+                        assert layout is not None  # the walk accepted a record here
+                        msg = message_from_layout(buf, pos, layout, read_body=read_body, path=path, base=base)
+                except ValueError as exc:  # "mmap closed": retention deleted the segment between two records
+                    raise deleted_under(mapped, exc) from None
                 yield msg
 
     def iter_layouts(self, from_offset: int | None = None, to_offset: int | None = None, *,

@@ -40,16 +40,19 @@ class StoreLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as exc:
             raise StoreIOError(exc.errno, f"cannot open {self.path}: {exc.strerror}") from exc
+        key = None
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
             with _held_guard:
                 if key in _held:
+                    key = None  # another StoreLock's: not ours to release
                     raise StoreLockedError(f"{self.path.parent} is already open for writing in this process")
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
                 except OSError as exc:
+                    key = None
                     if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                         raise StoreLockedError(
                             f"{self.path.parent} is locked by another writer (a rocketstore process or a "
@@ -58,8 +61,13 @@ class StoreLock:
                 _held.add(key)
             if st.st_size == 0:
                 os.pwrite(fd, b"lock", 0)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
+            if key is not None:  # a failure after the lock was taken must not keep this process out for good
+                with _held_guard:
+                    _held.discard(key)
+            if isinstance(exc, OSError) and not isinstance(exc, StoreIOError):  # ENOLCK, ENOSPC, EIO...
+                raise StoreIOError(exc.errno, f"cannot lock {self.path}: {exc.strerror}") from exc
             raise
         self._fd, self._key = fd, key
 
@@ -123,8 +131,12 @@ class AbortFile:
             raise StoreIOError(exc.errno, f"cannot write {self.path}: {exc.strerror}") from exc
 
     def delete(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the next open then takes the exit for a crash: safe, but say why
+            raise StoreIOError(exc.errno, f"cannot remove {self.path}: {exc.strerror}") from exc
         _fsync_dir(self.path.parent)
 
 

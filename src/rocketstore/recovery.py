@@ -27,7 +27,7 @@ from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
 from .codec.record import BLANK_RECORD_LEN, RecordLayout, read_layout
 from .commitlog import CommitLog
-from .errors import CorruptDataError
+from .errors import CorruptDataError, FlushError, StoreIOError
 from .mapped.file import MappedFile, fsync_dir, unused_path
 
 log = logging.getLogger(__name__)
@@ -217,16 +217,19 @@ def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report
     tail_end = _last_nonzero_end(mapped, pos + BLANK_RECORD_LEN if at_blank else pos)
     if at_blank and tail_end == pos + BLANK_RECORD_LEN:
         mapped.buffer[pos:tail_end] = bytes(BLANK_RECORD_LEN)
-        mapped.buffer.flush()
+        _sync_cut(mapped)
         tail_end = pos
     stamp = time.strftime("%Y%m%d%H%M%S")
     if tail_end > pos:
         keep = min(tail_end - pos, commit_log.config.recovery_salvage_max_bytes)
         target = unused_path(root / RECOVERY_DIR, f"commitlog-{mapped.file_from_offset + pos:020d}-{stamp}", ".tail")
-        with open(target, "xb") as out:
-            out.write(mapped.buffer[pos : pos + keep])
-            out.flush()
-            os.fsync(out.fileno())
+        try:
+            with open(target, "xb") as out:
+                out.write(mapped.buffer[pos : pos + keep])
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot salvage the torn tail to {target}: {exc.strerror}") from exc
         fsync_dir(target.parent)  # the salvage's name, and the directory's own, before the bytes are zeroed
         fsync_dir(root)
         report.salvaged.append(str(target))
@@ -234,7 +237,7 @@ def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report
         for start in range(pos, tail_end, len(_ZERO_CHUNK)):
             stop = min(start + len(_ZERO_CHUNK), tail_end)
             buf[start:stop] = _ZERO_CHUNK[: stop - start]
-        buf.flush()
+        _sync_cut(mapped)
         report.cut_bytes = tail_end - pos
 
     def move_away(dropped: MappedFile) -> None:
@@ -244,6 +247,14 @@ def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report
             report.salvaged.append(str(target))
 
     commit_log.mapped_files.truncate_dirty_files(mapped.file_from_offset + pos, discard=move_away)
+
+
+def _sync_cut(mapped: MappedFile) -> None:
+    try:
+        mapped.buffer.flush()
+    except OSError as exc:  # the open fails; the next one cuts again (the tail is salvaged already)
+        raise FlushError(exc.errno, f"msync of {mapped.path} failed while cutting its torn tail: {exc.strerror}"
+                         ) from exc
 
 
 def _last_nonzero_end(mapped: MappedFile, start: int) -> int:

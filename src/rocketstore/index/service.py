@@ -32,7 +32,7 @@ import numpy as np
 from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, StoreIOError
 from ..mapped.file import STAGING_DIR, unused_path
 from ..message import SysFlag
 from .bulk import key_candidates, put_hashes
@@ -303,10 +303,15 @@ class IndexService:
         widened_begin = max(0, begin - 1000)
         found: list[int] = []
         for index in files:
-            if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
-                found += key_candidates(index, key_utf8, widened_begin)
-            if index.begin_timestamp < widened_begin:
-                break
+            try:
+                if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
+                    found += key_candidates(index, key_utf8, widened_begin)
+                if index.begin_timestamp < widened_begin:
+                    break
+            except (ValueError, StoreIOError):
+                if index in self.files:
+                    raise
+                continue  # retention deleted it under this query: its messages are gone with their segments
         return found
 
     # --- durability and retention ------------------------------------------------------------
