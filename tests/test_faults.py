@@ -613,3 +613,34 @@ def test_a_key_query_skips_an_index_file_retention_deletes_under_it(tmp_path, mo
         failing.update(file=files[1], remove=False)  # fails the same way while still part of the index
         with pytest.raises(ValueError):
             index.candidates("T", "all", 0, 10 ** 13)
+
+
+BROKER_STYLE_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # all FileChannel.tryLock(0, 1, false) takes: no flock
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_brokers_record_lock_counts_as_a_live_writer(tmp_path):
+    """A RocketMQ broker holds only a POSIX record lock; ``is_locked`` (what verify and inspect ask before
+    judging a live store's tail) probed with flock alone and saw no writer."""
+    from rocketstore.errors import StoreLockedError
+    from rocketstore.lifecycle import is_locked
+
+    MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)).close()
+    assert not is_locked(tmp_path)
+    broker = subprocess.Popen([sys.executable, "-c", BROKER_STYLE_LOCK, str(tmp_path / "lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert broker.stdout.readline().strip() == "held"
+        assert is_locked(tmp_path)
+        with pytest.raises(StoreLockedError):
+            MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096))
+        assert is_locked(tmp_path)  # probing took and dropped nothing
+    finally:
+        broker.kill()
+        broker.wait()
+    assert not is_locked(tmp_path)

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import shutil
+import struct
 import threading
 from pathlib import Path
 
@@ -98,12 +99,26 @@ def is_locked(root: Path) -> bool:
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        return _record_locked(fd)
     finally:
         os.close(fd)
-    return False
+
+
+_FLOCK = struct.Struct("hhqqi4x")  # Linux's struct flock: type, whence, start, len, pid (native alignment)
+
+
+def _record_locked(fd: int) -> bool:
+    """Whether another process holds a POSIX record lock on byte 0, as a RocketMQ broker does (it takes no
+    flock): asked with F_GETLK, which takes nothing, so closing ``fd`` afterwards drops nothing of ours."""
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+    except OSError:
+        return False
+    return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
 
 class AbortFile:
