@@ -223,6 +223,27 @@ def test_an_unreadable_record_is_skipped_in_the_open(tmp_path, caplog):
             assert consumer.unreadable == [victim.commit_log_offset]
 
 
+@pytest.mark.parametrize(("topic", "options", "error"), [
+    ("bad topic!", {}, "InvalidTopicError"), ("", {}, "InvalidTopicError"),
+    ("Orders", {"start": "earliest "}, "InvalidQueryError"), ("Orders", {"start": True}, "InvalidQueryError"),
+    ("Orders", {"start": -5}, "InvalidQueryError"), ("Orders", {"batch_size": 0}, "InvalidQueryError"),
+    ("Orders", {"tags": 5}, "InvalidQueryError"), ("Orders", {"tags": [1]}, "InvalidQueryError"),
+])
+def test_a_consumer_with_bad_arguments_is_a_typed_error_that_writes_no_group(tmp_path, topic, options, error):
+    """Found by an audit: a bad topic still wrote the group to subscriptionGroup.json; a bad start, batch size or
+    tags raised bare ValueError or TypeError, or only at the first poll."""
+    from rocketstore.errors import RocketStoreError
+
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        fill(store, 4)
+        with pytest.raises(RocketStoreError) as info:
+            store.consumer("NewGroup", topic, **options)
+        assert type(info.value).__name__ == error and isinstance(info.value, ValueError)
+        assert "NewGroup" not in store.subscription_groups.groups
+        with pytest.raises(ValueError, match="epoch-ms"):
+            store.reset_offset("G", "Orders", "yesterday")
+
+
 def test_consumer_waits_for_new_messages_without_spinning(tmp_path):
     with MessageStore.open(tmp_path, CONFIG) as store:
         consumer = store.consumer("G", "Live", start="latest")

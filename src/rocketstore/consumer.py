@@ -12,16 +12,22 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 
-from .errors import ReadOnlyStoreError
+from .encoder import validate_topic
+from .errors import InvalidQueryError, ReadOnlyStoreError
 from .message import MessageExt
-from .reads import GetMessageStatus
+from .reads import GetMessageStatus, parse_tags
 
 
 class Consumer:
     def __init__(self, store, group: str, topic: str, *, tags: str | Iterable[str] | None = None,
                  start: str | int = "earliest", auto_commit: bool = True, batch_size: int = 32) -> None:
-        if start not in ("earliest", "latest") and not isinstance(start, int):
-            raise ValueError("start is 'earliest', 'latest' or an epoch-ms timestamp")
+        # every argument checked before anything is written (the group goes to subscriptionGroup.json)
+        validate_topic(topic)
+        if start not in ("earliest", "latest") and (type(start) is not int or start < 0):
+            raise InvalidQueryError(f"start is 'earliest', 'latest' or an epoch-ms timestamp, not {start!r}")
+        if type(batch_size) is not int or batch_size < 1:
+            raise InvalidQueryError(f"batch_size is a positive int, not {batch_size!r}")
+        parse_tags(tags)
         self.store = store
         self.group = group
         self.topic = topic

@@ -67,7 +67,10 @@ def parse_tags(tags: str | Iterable[str] | None) -> set[str] | None:
     """A subscription: ``"TagA || TagB"``, an iterable of tags, or None / ``"*"`` for everything."""
     if tags is None:
         return None
-    items = [t.strip() for t in (tags.split("||") if isinstance(tags, str) else tags)]
+    try:
+        items = [t.strip() for t in (tags.split("||") if isinstance(tags, str) else tags)]
+    except (TypeError, AttributeError):
+        raise InvalidQueryError(f"tags are a subscription string or an iterable of tags, not {tags!r}") from None
     items = [t for t in items if t]
     if not items or "*" in items:
         return None

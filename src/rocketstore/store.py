@@ -564,8 +564,8 @@ class MessageStore:
         queue (``resetOffsetByTime``); returns the new offsets and persists them at once. This process's open
         consumers of the group read on from there (what they handed out before is not committed)."""
         self._check_open(write=True)
-        if to not in ("earliest", "latest") and not isinstance(to, int):
-            raise ValueError("reset to 'earliest', 'latest' or an epoch-ms timestamp")
+        if to not in ("earliest", "latest") and (type(to) is not int or to < 0):
+            raise InvalidQueryError(f"reset to 'earliest', 'latest' or an epoch-ms timestamp, not {to!r}")
         queue_ids = set(self.queue_ids(topic))
         config = self.topic_config.get(topic)
         if config is not None:
