@@ -121,6 +121,38 @@ def test_a_salvage_whose_name_cannot_be_made_durable_stops_recovery_before_the_b
     assert path.read_bytes()[pos : pos + len(torn)] == bytes(len(torn))
 
 
+def test_a_log_that_lost_flushed_messages_says_so_and_consumers_skip_nothing_new(tmp_path, small_config, caplog):
+    """A segment deleted by hand (or lost by a device): the open succeeded silently with 84 of 100 acknowledged
+    messages, and a group committed at 100 then skipped the first 16 new messages (found in an audit). The
+    report and an error now say flushed messages are missing, and offsets past a queue's end go back to it."""
+    from rocketstore import FlushDiskType
+    from rocketstore.checkpoint import StoreCheckpoint as Checkpoint
+
+    config = small_config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(100):
+            store.put_message(Message("T", b"body-%03d" % i))
+        store.wait_for_dispatch()
+        store.commit_offset("G", "T", 0, 100)
+    flushed = Checkpoint.load(tmp_path / "checkpoint").physic_msg_timestamp
+    sorted((tmp_path / "commitlog").iterdir())[-1].unlink()
+    with MessageStore.open(tmp_path, config) as store:
+        kept = store.get_max_offset_in_queue("T", 0)
+        assert 0 < kept < 100 and store.recovery.missing_flushed_until == flushed
+        assert any(r.levelname == "ERROR" and "flushed messages are missing" in r.getMessage() for r in caplog.records)
+        assert store.query_offset("G", "T", 0) == kept
+        for i in range(30):
+            store.put_message(Message("T", b"new-%02d" % i))
+        store.wait_for_dispatch()
+        got = []
+        with store.consumer("G", "T") as consumer:
+            while batch := consumer.poll(timeout=0.2, max_msgs=100):
+                got += [m.body for m in batch]
+        assert got == [b"new-%02d" % i for i in range(30)]
+    with MessageStore.open(tmp_path, config) as store:  # said once: the new messages are flushed and present
+        assert store.recovery.missing_flushed_until == 0
+
+
 def damage_second_last_segment(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         results = fill(store, 120)

@@ -51,6 +51,9 @@ class RecoveryReport:
     cut_bytes: int = 0  # torn-tail bytes zeroed after the end
     salvaged: list[str] = field(default_factory=list)  # files written or moved to recovery/
     seconds: float = 0.0
+    # the checkpoint's last flushed store time when the recovered log ends before it (0: nothing flushed is
+    # missing): messages a SYNC_FLUSH put acknowledged are gone, by a deleted segment or outside damage
+    missing_flushed_until: int = 0
 
 
 def choose_start_index(commit_log: CommitLog, checkpoint: StoreCheckpoint, *, abnormal: bool,

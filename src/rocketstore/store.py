@@ -170,6 +170,7 @@ class MessageStore:
             queue.correct_min_offset(self.commit_log.min_offset)
             self.commit_log.queue_offsets[(topic, queue_id)] = queue.max_offset_in_queue
         self.commit_log.last_store_timestamp = self._last_store_timestamp()
+        self._check_flushed_present()
         self.reader = StoreReader(self.commit_log, self.queues, self.index, self.config)
         if not self.read_only:
             self.reader.repair_unit = self._repair_unit
@@ -184,6 +185,30 @@ class MessageStore:
             self._maintenance = threading.Thread(target=self._maintain, name="rocketstore-maintenance",
                                                  daemon=True)
             self._maintenance.start()
+
+    def _check_flushed_present(self) -> None:
+        """The checkpoint names the store time of the last flushed message: a log that ends before it lost
+        flushed messages (a segment deleted by hand, a device that lied about a flush). Said loudly, and
+        consumers' offsets past the shortened queues are brought back to their ends, as a broker corrects an
+        offset past a queue at the next pull: left there, they would skip as many new messages."""
+        assert self.recovery is not None and self.checkpoint is not None
+        newest, flushed = self.commit_log.last_store_timestamp, self.checkpoint.physic_msg_timestamp
+        if not self.commit_log.mapped_files.files or flushed <= newest:
+            return
+        self.recovery.missing_flushed_until = flushed
+        log.error("the commit log ends at a message stored at %d ms but the checkpoint says messages up to %d ms "
+                  "were flushed: flushed messages are missing (a segment deleted or damaged outside rocketstore?)",
+                  newest, flushed)
+        if self.read_only:
+            return
+        for topic, group in self.consumer_offsets.groups():
+            for queue_id, offset in self.consumer_offsets.offsets(group, topic).items():
+                queue = self.queues.get(topic, queue_id)
+                if queue is not None and offset > queue.max_offset_in_queue:
+                    log.warning("%s@%s queue %d: committed offset %d is past the queue's end %d; moved back to it",
+                                topic, group, queue_id, offset, queue.max_offset_in_queue)
+                    self.consumer_offsets.commit(group, topic, queue_id, queue.max_offset_in_queue)
+        self.consumer_offsets.persist()
 
     def _catch_up(self) -> None:
         """Dispatch what the queues and index lack before the first put or read, under a durable marker of where
@@ -220,7 +245,9 @@ class MessageStore:
             start = min(start, self._queue_restart)  # a queue's tail pointed at the wrong records
         if self.queues.set_aside:
             start = log_min  # a damaged queue was set aside: re-dispatch rebuilds it
-        return max(start, log_min)
+        # never past the recovered end: queues that pointed into a segment lost since would have the dispatcher
+        # wait there, reading the middle of the records new puts write from the end
+        return min(max(start, log_min), self.recovery.end_offset)
 
     # --- consume-queue units that point at the wrong record -----------------------------------------------
 
