@@ -32,13 +32,19 @@ def crash(root: Path) -> None:
     (root / "abort").write_text("999999")
 
 
-def test_torn_append_is_cut_salvaged_and_zeroed(tmp_path, small_config):
-    small_config = small_config.replace(mapped_file_size_commit_log=1 << 16)
-    with MessageStore.open(tmp_path, small_config) as store:
+def store_with_a_last_record(root: Path, config: StoreConfig) -> tuple[list, int, bytes, Path, int]:
+    """20 messages in 64 KiB segments: (results, log end, the last record's bytes, segment, end's position)."""
+    with MessageStore.open(root, config) as store:
         results = fill(store, 20)
         end = store.max_phy_offset
         torn = bytes(store.commit_log.get_record_bytes(results[-1].commit_log_offset))
-    path, pos = segment_of(tmp_path, end, 1 << 16)
+    path, pos = segment_of(root, end, 1 << 16)
+    return results, end, torn, path, pos
+
+
+def test_torn_append_is_cut_salvaged_and_zeroed(tmp_path, small_config):
+    small_config = small_config.replace(mapped_file_size_commit_log=1 << 16)
+    results, end, torn, path, pos = store_with_a_last_record(tmp_path, small_config)
     with open(path, "r+b") as f:  # a kill mid-append: everything but the first 8 bytes landed
         f.seek(pos + 8)
         f.write(torn[8:])
@@ -67,11 +73,7 @@ def test_two_recoveries_in_one_second_keep_both_salvaged_tails(tmp_path, small_c
     real, second = time_module.strftime, time_module.strftime("%Y%m%d%H%M%S")
     monkeypatch.setattr(time_module, "strftime", lambda fmt, *when: real(fmt, *when) if when else second)
     small_config = small_config.replace(mapped_file_size_commit_log=1 << 16)
-    with MessageStore.open(tmp_path, small_config) as store:
-        results = fill(store, 20)
-        end = store.max_phy_offset
-        torn = bytes(store.commit_log.get_record_bytes(results[-1].commit_log_offset))
-    path, pos = segment_of(tmp_path, end, 1 << 16)
+    _, end, torn, path, pos = store_with_a_last_record(tmp_path, small_config)
     tails = []
     for fill_byte in (0x41, 0x42):
         with open(path, "r+b") as f:  # a kill mid-append, twice at the same offset, different bytes each time
@@ -93,11 +95,7 @@ def test_a_salvage_whose_name_cannot_be_made_durable_stops_recovery_before_the_b
     from rocketstore.errors import FlushError
 
     small_config = small_config.replace(mapped_file_size_commit_log=1 << 16)
-    with MessageStore.open(tmp_path, small_config) as store:
-        results = fill(store, 20)
-        end = store.max_phy_offset
-        torn = bytes(store.commit_log.get_record_bytes(results[-1].commit_log_offset))
-    path, pos = segment_of(tmp_path, end, 1 << 16)
+    _, _, torn, path, pos = store_with_a_last_record(tmp_path, small_config)
     with open(path, "r+b") as f:
         f.seek(pos + 8)
         f.write(torn[8:])

@@ -151,3 +151,18 @@ def test_stopping_quietly_ends_the_drivers_python_daemon_first(tmp_path):
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["daemons"] and got["alive"] == []
     assert "Traceback" not in done.stderr and "Broken pipe" not in done.stderr
+
+
+def test_quiet_logging_turns_off_task_failures_and_the_shutdown_race_but_verbose_keeps_them():
+    """A failed cluster command's stderr is its one-line error: the loggers that repeat a task failure with a
+    stack trace, and the driver's report of an executor message arriving after its scheduler stopped (it failed
+    a CI-form run with a JVM stack trace under the error), are off unless ``--verbose``."""
+    from rocketstore.spark.session import SHUTDOWN_RACE_LOGGERS, TASK_FAILURE_LOGGERS, log4j2_properties
+
+    quiet, verbose = log4j2_properties(False), log4j2_properties(True)
+    assert "org.apache.spark.network.server.TransportRequestHandler" in SHUTDOWN_RACE_LOGGERS
+    for name in TASK_FAILURE_LOGGERS + SHUTDOWN_RACE_LOGGERS:
+        lines = quiet.splitlines()
+        key = next(line.split("=")[0].strip() for line in lines if line.endswith(f"= {name}"))
+        assert f"{key.removesuffix('.name')}.level = off" in lines
+        assert f"= {name}\n" not in verbose

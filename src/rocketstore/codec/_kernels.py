@@ -255,6 +255,17 @@ PLAIN_PROPS_FIXED = _PLAIN_UNIQ.size + 4 + 1  # UNIQ_KEY\x01, the head, 4 counte
 PLAIN_PROP_OVERHEAD = _PLAIN_TAGS.size + 1  # a TAGS or KEYS name, \x01 and \x02 around a value
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _put_plain_prop(props, p, name, blob, start, length):
+    """``name`` (with its \x01), ``length`` bytes of ``blob`` from ``start``, and \x02; returns the next position."""
+    props[p : p + name.size] = name
+    p += name.size
+    _copy(props, p, blob, start, length)
+    p += length
+    props[p] = 2
+    return p + 1
+
+
 @njit(cache=True)
 def encode_plain_v1(out, meta, blob, n, topics):
     """``_encode_v1`` for ``put_messages``, fed from Python lists at the least cost: three arrays, as a dispatch
@@ -338,19 +349,9 @@ def encode_plain_v1(out, meta, blob, n, topics):
         props[p] = 2
         p += 1
         if tag_len[i]:
-            props[p : p + _PLAIN_TAGS.size] = _PLAIN_TAGS
-            p += _PLAIN_TAGS.size
-            _copy(props, p, blob, b + tag_off[i], tag_len[i])
-            p += tag_len[i]
-            props[p] = 2
-            p += 1
+            p = _put_plain_prop(props, p, _PLAIN_TAGS, blob, b + tag_off[i], tag_len[i])
         if key_len[i]:
-            props[p : p + _PLAIN_KEYS.size] = _PLAIN_KEYS
-            p += _PLAIN_KEYS.size
-            _copy(props, p, blob, g + key_off[i], key_len[i])
-            p += key_len[i]
-            props[p] = 2
-            p += 1
+            p = _put_plain_prop(props, p, _PLAIN_KEYS, blob, g + key_off[i], key_len[i])
         for z in range(reserve):
             props[p + z] = 0
     return _encode_v1(out, sizes, body_off, blob[:b], props_off, props, topic_off, blob[k:t], codes,
