@@ -481,6 +481,21 @@ def test_a_failed_topics_write_changes_no_topic(tmp_path, monkeypatch):
     monkeypatch.undo()
     topics.create_or_update("New", write_queue_nums=16)
     assert topics.get("New").write_queue_nums == 16 and topics.get("Kept").write_queue_nums == 4
+    # a failed fsync of the directory comes after the rename: the file has the change, and memory keeps it
+    from rocketstore.brokerconfig import persist_text
+    from rocketstore.errors import FlushError
+
+    def renamed_then_dir_fsync_fails(self, body):
+        persist_text(self.path, json.dumps(body), self.SCHEMA)
+        raise FlushError(5, "fsync of directory config failed: Input/output error")
+
+    monkeypatch.setattr(TopicConfigManager, "_write", renamed_then_dir_fsync_fails)
+    with pytest.raises(FlushError):
+        topics.create_or_update("Late", write_queue_nums=2)
+    monkeypatch.undo()
+    reloaded = TopicConfigManager(tmp_path)
+    reloaded.load()
+    assert topics.get("Late") is not None and reloaded.get("Late") is not None
 
 
 OPEN_AND_CLOSE = """

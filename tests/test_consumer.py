@@ -244,6 +244,26 @@ def test_a_consumer_with_bad_arguments_is_a_typed_error_that_writes_no_group(tmp
             store.reset_offset("G", "Orders", "yesterday")
 
 
+def test_consumer_details_found_in_review(tmp_path):
+    """Tags given as a generator were read by the argument check and the consumer then took every tag; a bad
+    max_msgs returned nothing quietly; a consumer's ``with`` block whose store was closed inside it hid the
+    block's own exception behind StoreClosedError."""
+    from rocketstore.errors import InvalidQueryError
+
+    store = MessageStore.open(tmp_path, CONFIG)
+    fill(store, 40)
+    store.wait_for_dispatch()
+    with store.consumer("A", "Orders", tags=(tag for tag in ["T1"])) as consumer:
+        got = consumer.poll(timeout=1, max_msgs=100)
+        assert got and {m.tags for m in got} == {"T1"}
+        with pytest.raises(InvalidQueryError):
+            consumer.poll(max_msgs=-1)
+    with pytest.raises(KeyError), store.consumer("B", "Orders") as consumer:
+        assert consumer.poll(timeout=1, max_msgs=5)
+        store.close()
+        raise KeyError("the application's own error")
+
+
 def test_consumer_waits_for_new_messages_without_spinning(tmp_path):
     with MessageStore.open(tmp_path, CONFIG) as store:
         consumer = store.consumer("G", "Live", start="latest")

@@ -644,3 +644,17 @@ def test_a_brokers_record_lock_counts_as_a_live_writer(tmp_path):
         broker.kill()
         broker.wait()
     assert not is_locked(tmp_path)
+
+
+def test_a_second_writer_refused_in_this_process_leaves_the_first_ones_record_lock(tmp_path):
+    """The refused second open opened ``lock`` and closed it again, which dropped the first writer's POSIX
+    record lock: a RocketMQ broker (it checks only that lock) could then take the live store (review)."""
+    from rocketstore.errors import StoreLockedError
+
+    with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)):
+        with pytest.raises(StoreLockedError):
+            MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096))
+        broker = BROKER_STYLE_LOCK.replace("time.sleep(60)", "")  # takes the lock and exits, if it can
+        probe = subprocess.run([sys.executable, "-c", broker, str(tmp_path / "lock")], capture_output=True,
+                               text=True, timeout=60, check=False)
+        assert probe.returncode != 0 and "held" not in probe.stdout, "a broker took the lock of an open store"

@@ -151,6 +151,28 @@ def test_a_log_that_lost_flushed_messages_says_so_and_consumers_skip_nothing_new
         assert store.recovery.missing_flushed_until == 0
 
 
+def test_a_log_that_lost_every_segment_says_so_too(tmp_path, small_config):
+    """A one-segment store whose segment is deleted is a log that lost every segment: the check returned early
+    when no segment was left, and a group committed at 10 skipped the first 10 new messages (review)."""
+    from rocketstore import FlushDiskType
+
+    config = small_config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(10):
+            store.put_message(Message("T", b"old-%d" % i))
+        store.wait_for_dispatch()
+        store.commit_offset("G", "T", 0, 10)
+    for segment in (tmp_path / "commitlog").iterdir():
+        segment.unlink()
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.recovery.missing_flushed_until > 0 and store.query_offset("G", "T", 0) == 0
+        for i in range(5):
+            store.put_message(Message("T", b"new-%d" % i))
+        store.wait_for_dispatch()
+        with store.consumer("G", "T") as consumer:
+            assert [m.body for m in consumer.poll(timeout=1, max_msgs=100)] == [b"new-%d" % i for i in range(5)]
+
+
 def damage_second_last_segment(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         results = fill(store, 120)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from .encoder import _TOPIC_CHARS, validate_topic
-from .errors import ConfigError, ConfigFileError, StoreIOError
+from .errors import ConfigError, ConfigFileError, FlushError, StoreIOError
 from .mapped.file import fsync_dir
 
 CONFIG_DIR = "config"
@@ -562,6 +562,8 @@ class TopicConfigManager(ConfigFile):
             self.topics[topic] = cfg
             try:
                 self.persist()
+            except FlushError:
+                raise  # renamed into place, its directory entry not synced: the file has the change, memory keeps it
             except BaseException:  # a failed write changes nothing: puts must not use what the file lacks
                 self._put_back(topic, before)
                 raise
@@ -574,6 +576,8 @@ class TopicConfigManager(ConfigFile):
             if before is not None:
                 try:
                     self.persist()
+                except FlushError:
+                    raise  # the file has the change (see create_or_update)
                 except BaseException:
                     self._put_back(topic, before)
                     raise
@@ -717,6 +721,8 @@ class SubscriptionGroupManager(ConfigFile):
             config["consumeMessageOrderly"] = orderly
             try:
                 self.persist()
+            except FlushError:
+                raise  # the file has the change (see TopicConfigManager.create_or_update)
             except BaseException:
                 config["consumeMessageOrderly"] = before
                 raise
@@ -735,6 +741,8 @@ class SubscriptionGroupManager(ConfigFile):
                                   "retryQueueNums": 1, "whichBrokerWhenConsumeSlowly": 1}
             try:
                 self.persist()
+            except FlushError:
+                raise  # the file has the group (see TopicConfigManager.create_or_update)
             except BaseException:
                 del self.groups[group]
                 raise

@@ -9,13 +9,16 @@ between delivers those messages again, never loses them (at least once).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 
 from .encoder import validate_topic
-from .errors import InvalidQueryError, ReadOnlyStoreError
+from .errors import InvalidQueryError, ReadOnlyStoreError, RocketStoreError
 from .message import MessageExt
 from .reads import GetMessageStatus, parse_tags
+
+log = logging.getLogger(__name__)
 
 
 class Consumer:
@@ -27,11 +30,11 @@ class Consumer:
             raise InvalidQueryError(f"start is 'earliest', 'latest' or an epoch-ms timestamp, not {start!r}")
         if type(batch_size) is not int or batch_size < 1:
             raise InvalidQueryError(f"batch_size is a positive int, not {batch_size!r}")
-        parse_tags(tags)
+        parsed = parse_tags(tags)  # kept parsed: a generator given as tags is read once
         self.store = store
         self.group = group
         self.topic = topic
-        self.tags = tags
+        self.tags = None if parsed is None else tuple(sorted(parsed))
         self.start = start
         self.auto_commit = auto_commit and not store.read_only
         self.batch_size = batch_size
@@ -73,6 +76,8 @@ class Consumer:
         """The next messages (across queues, in order within each), waiting up to ``timeout`` seconds."""
         if self.closed:
             raise RuntimeError("consumer is closed")
+        if max_msgs is not None and (type(max_msgs) is not int or max_msgs < 1):
+            raise InvalidQueryError(f"max_msgs is a positive int or None, not {max_msgs!r}")
         self._follow_reset()
         if self.auto_commit:
             self.commit()
@@ -151,5 +156,12 @@ class Consumer:
     def __enter__(self) -> Consumer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the block's own exception is the one to see; offsets left uncommitted are delivered again
+            self.close()
+        except RocketStoreError as failure:
+            log.warning("consumer %s of %s closed without committing its offsets: %s", self.group, self.topic,
+                        failure)

@@ -37,6 +37,11 @@ class StoreLock:
         self._key: tuple[int, int] | None = None
 
     def acquire(self) -> None:
+        with contextlib.suppress(OSError), _held_guard:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) in _held:  # before opening it: closing a descriptor of the file would drop
+                raise StoreLockedError(  # the POSIX lock this process's writer holds (all a broker checks)
+                    f"{self.path.parent} is already open for writing in this process")
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as exc:

@@ -193,7 +193,7 @@ class MessageStore:
         offset past a queue at the next pull: left there, they would skip as many new messages."""
         assert self.recovery is not None and self.checkpoint is not None
         newest, flushed = self.commit_log.last_store_timestamp, self.checkpoint.physic_msg_timestamp
-        if not self.commit_log.mapped_files.files or flushed <= newest:
+        if flushed <= newest:  # with no segment at all, newest is 0: a checkpoint that saw a flush says loss
             return
         self.recovery.missing_flushed_until = flushed
         log.error("the commit log ends at a message stored at %d ms but the checkpoint says messages up to %d ms "
@@ -204,10 +204,11 @@ class MessageStore:
         for topic, group in self.consumer_offsets.groups():
             for queue_id, offset in self.consumer_offsets.offsets(group, topic).items():
                 queue = self.queues.get(topic, queue_id)
-                if queue is not None and offset > queue.max_offset_in_queue:
+                end = 0 if queue is None else queue.max_offset_in_queue  # a queue lost whole restarts at 0
+                if offset > end:
                     log.warning("%s@%s queue %d: committed offset %d is past the queue's end %d; moved back to it",
-                                topic, group, queue_id, offset, queue.max_offset_in_queue)
-                    self.consumer_offsets.commit(group, topic, queue_id, queue.max_offset_in_queue)
+                                topic, group, queue_id, offset, end)
+                    self.consumer_offsets.commit(group, topic, queue_id, end)
         self.consumer_offsets.persist()
 
     def _catch_up(self) -> None:
