@@ -173,6 +173,25 @@ def test_a_log_that_lost_every_segment_says_so_too(tmp_path, small_config):
             assert [m.body for m in consumer.poll(timeout=1, max_msgs=100)] == [b"new-%d" % i for i in range(5)]
 
 
+def test_offsets_past_a_queues_end_go_back_to_it_at_a_writer_open(tmp_path, small_config):
+    """A consumer offsets file ahead of the log (it survived a power loss the log's unflushed tail did not, with
+    the checkpoint not ahead) made the group skip as many new messages; a queue this store never had keeps
+    whatever a broker's file says (review)."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        for i in range(10):
+            store.put_message(Message("T", b"old-%d" % i))
+        store.wait_for_dispatch()
+        store.commit_offset("G", "T", 0, 15)
+        store.commit_offset("G", "Elsewhere", 3, 42)
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert store.recovery.missing_flushed_until == 0
+        assert store.query_offset("G", "T", 0) == 10 and store.query_offset("G", "Elsewhere", 3) == 42
+        store.put_message(Message("T", b"new"))
+        store.wait_for_dispatch()
+        with store.consumer("G", "T") as consumer:
+            assert [m.body for m in consumer.poll(timeout=1)] == [b"new"]
+
+
 def damage_second_last_segment(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         results = fill(store, 120)

@@ -188,28 +188,34 @@ class MessageStore:
 
     def _check_flushed_present(self) -> None:
         """The checkpoint names the store time of the last flushed message: a log that ends before it lost
-        flushed messages (a segment deleted by hand, a device that lied about a flush). Said loudly, and
-        consumers' offsets past the shortened queues are brought back to their ends, as a broker corrects an
-        offset past a queue at the next pull: left there, they would skip as many new messages."""
+        flushed messages (a segment deleted by hand, a device that lied about a flush), said loudly. And on a
+        writer open, consumers' offsets past their queue's end are brought back to it, as a broker corrects an
+        offset past a queue at the next pull: left there, they would skip as many new messages (queues cut by
+        that loss, or a consumer offsets file that survived a power loss the log's tail did not)."""
         assert self.recovery is not None and self.checkpoint is not None
         newest, flushed = self.commit_log.last_store_timestamp, self.checkpoint.physic_msg_timestamp
-        if flushed <= newest:  # with no segment at all, newest is 0: a checkpoint that saw a flush says loss
-            return
-        self.recovery.missing_flushed_until = flushed
-        log.error("the commit log ends at a message stored at %d ms but the checkpoint says messages up to %d ms "
-                  "were flushed: flushed messages are missing (a segment deleted or damaged outside rocketstore?)",
-                  newest, flushed)
+        lost = flushed > newest  # with no segment at all, newest is 0: a checkpoint that saw a flush says loss
+        if lost:
+            self.recovery.missing_flushed_until = flushed
+            log.error("the commit log ends at a message stored at %d ms but the checkpoint says messages up to %d "
+                      "ms were flushed: flushed messages are missing (a segment deleted or damaged outside "
+                      "rocketstore?)", newest, flushed)
         if self.read_only:
             return
+        corrected = False
         for topic, group in self.consumer_offsets.groups():
             for queue_id, offset in self.consumer_offsets.offsets(group, topic).items():
                 queue = self.queues.get(topic, queue_id)
+                if queue is None and not lost:
+                    continue  # a queue this store never had (a broker's offsets file brought in): left alone
                 end = 0 if queue is None else queue.max_offset_in_queue  # a queue lost whole restarts at 0
                 if offset > end:
                     log.warning("%s@%s queue %d: committed offset %d is past the queue's end %d; moved back to it",
                                 topic, group, queue_id, offset, end)
                     self.consumer_offsets.commit(group, topic, queue_id, end)
-        self.consumer_offsets.persist()
+                    corrected = True
+        if corrected:
+            self.consumer_offsets.persist()
 
     def _catch_up(self) -> None:
         """Dispatch what the queues and index lack before the first put or read, under a durable marker of where
