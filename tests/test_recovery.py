@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
 from rocketstore.checkpoint import StoreCheckpoint
 from rocketstore.codec import decode_record, read_layout
 from rocketstore.errors import ChecksumError, CorruptDataError, OffsetOutOfRangeError
@@ -119,19 +119,24 @@ def test_a_salvage_whose_name_cannot_be_made_durable_stops_recovery_before_the_b
     assert path.read_bytes()[pos : pos + len(torn)] == bytes(len(torn))
 
 
+def consumed_sync_store(root: Path, config: StoreConfig, count: int) -> StoreConfig:
+    """``count`` SYNC_FLUSH messages in topic T queue 0, all consumed by group G; returns the config used."""
+    config = config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    with MessageStore.open(root, config) as store:
+        for i in range(count):
+            store.put_message(Message("T", b"old-%03d" % i))
+        store.wait_for_dispatch()
+        store.commit_offset("G", "T", 0, count)
+    return config
+
+
 def test_a_log_that_lost_flushed_messages_says_so_and_consumers_skip_nothing_new(tmp_path, small_config, caplog):
     """A segment deleted by hand (or lost by a device): the open succeeded silently with 84 of 100 acknowledged
     messages, and a group committed at 100 then skipped the first 16 new messages (found in an audit). The
     report and an error now say flushed messages are missing, and offsets past a queue's end go back to it."""
-    from rocketstore import FlushDiskType
     from rocketstore.checkpoint import StoreCheckpoint as Checkpoint
 
-    config = small_config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
-    with MessageStore.open(tmp_path, config) as store:
-        for i in range(100):
-            store.put_message(Message("T", b"body-%03d" % i))
-        store.wait_for_dispatch()
-        store.commit_offset("G", "T", 0, 100)
+    config = consumed_sync_store(tmp_path, small_config, 100)
     flushed = Checkpoint.load(tmp_path / "checkpoint").physic_msg_timestamp
     sorted((tmp_path / "commitlog").iterdir())[-1].unlink()
     with MessageStore.open(tmp_path, config) as store:
@@ -154,14 +159,7 @@ def test_a_log_that_lost_flushed_messages_says_so_and_consumers_skip_nothing_new
 def test_a_log_that_lost_every_segment_says_so_too(tmp_path, small_config):
     """A one-segment store whose segment is deleted is a log that lost every segment: the check returned early
     when no segment was left, and a group committed at 10 skipped the first 10 new messages (review)."""
-    from rocketstore import FlushDiskType
-
-    config = small_config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
-    with MessageStore.open(tmp_path, config) as store:
-        for i in range(10):
-            store.put_message(Message("T", b"old-%d" % i))
-        store.wait_for_dispatch()
-        store.commit_offset("G", "T", 0, 10)
+    config = consumed_sync_store(tmp_path, small_config, 10)
     for segment in (tmp_path / "commitlog").iterdir():
         segment.unlink()
     with MessageStore.open(tmp_path, config) as store:
