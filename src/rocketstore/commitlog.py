@@ -11,7 +11,6 @@ process killed at any instant leaves either the complete append or nothing that 
 from __future__ import annotations
 
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +40,8 @@ from .errors import (
     SegmentDeletedError,
 )
 from .health import StoreHealth
-from .mapped.file import STAGING_DIR, MappedFile, deleted_under, reading
+from .locks import YieldingLock
+from .mapped.file import COPY_LIMIT, STAGING_DIR, MappedFile, deleted_under, reading
 from .mapped.file_queue import MappedFileQueue
 from .message import MessageExt
 
@@ -73,7 +73,7 @@ class CommitLog:
         self.mapped_files = MappedFileQueue(self.directory, config.mapped_file_size_commit_log,
                                             read_only=read_only, preallocate=config.preallocate,
                                             staging=root / STAGING_DIR)
-        self.put_lock = threading.Lock()
+        self.put_lock = YieldingLock()  # producer threads would convoy on a threading.Lock (see locks.py)
         # next queue offset of each (topic, queue id); rebuilt by recovery
         self.queue_offsets: dict[tuple[str, int], int] = {}
         self.last_store_timestamp = 0
@@ -116,6 +116,7 @@ class CommitLog:
                 f"batch of {total} bytes does not fit one {self.config.mapped_file_size_commit_log}-byte segment")
         seal = self.config.enabled_append_prop_crc
         with self.put_lock:
+            self.put_lock.io = total > COPY_LIMIT  # a pwrite gives the GIL away: waiters sleep, not yield
             store_ts = max(now_ms(), self.last_store_timestamp)  # never backwards: time lookups bisect
             try:
                 mapped = self.mapped_files.last_for_write()
@@ -198,6 +199,7 @@ class CommitLog:
         queues = [(batch.topics[key >> 32], key & 0xFFFFFFFF) for key in group_keys.tolist()]
         phys = np.empty(n, dtype=np.int64)
         with self.put_lock:
+            self.put_lock.io = len(batch.data) > COPY_LIMIT
             store_ts = max(now_ms(), self.last_store_timestamp)
             bases = np.array([self.queue_offsets.get(queue, 0) for queue in queues], dtype=np.int64)
             queue_offsets = bases[group] + rank  # consecutive per queue in row order, continuing each queue
@@ -256,6 +258,7 @@ class CommitLog:
 
         The new segment is created first, so a failure (disk full) leaves the log unchanged.
         """
+        self.put_lock.io = True  # creating and fsyncing a segment: waiters sleep
         nxt = self.mapped_files.create_file(mapped.file_end_offset)
         pos = mapped.wrote_position
         mapped.write(pos, blank_record(mapped.file_size - pos))
@@ -403,4 +406,5 @@ class CommitLog:
 
     def close(self) -> None:
         with self.put_lock:  # no append is inside a segment while its descriptor closes
+            self.put_lock.io = True
             self.mapped_files.close()

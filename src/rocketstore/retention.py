@@ -49,6 +49,7 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
     at_delete_hour = immediately or time.strftime("%H", time.localtime(now / 1000)) in config.delete_when.split(";")
     reserved_ms = config.file_reserved_time * 3_600_000
     with commit_log.put_lock:
+        commit_log.put_lock.io = True  # stats and unlinks: producers wait asleep
         files = commit_log.mapped_files.files
         doomed = 0
         for mapped in files[:-1]:
