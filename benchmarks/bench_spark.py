@@ -72,6 +72,40 @@ def baseline_rebuild(root: Path) -> tuple[float, int]:
     return time.perf_counter() - started, keys
 
 
+def cpu_snapshot() -> dict[str, float]:
+    """CPU seconds used so far by the whole machine (``busy`` of ``all``) and by Spark's JVM and Python workers
+    (``/proc``, Linux; empty elsewhere). The machine runs nothing else during a bench, so the busy share over a
+    timed job says how many cores it kept working: a local[1] job that already keeps both cores of a 2-core
+    machine busy (its task's Python worker decoding while the JVM converts and aggregates the previous batch)
+    leaves local[2] nothing to add."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return {}
+    hz = os.sysconf("SC_CLK_TCK")
+    snap = {"busy": (sum(ticks) - ticks[3] - ticks[4]) / hz, "all": sum(ticks) / hz, "jvm": 0.0, "python_workers": 0.0}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        kind = "jvm" if argv[0].endswith(b"/java") else "python_workers" if b"pyspark.daemon" in argv else None
+        if kind:
+            fields = stat.rsplit(")", 1)[1].split()
+            snap[kind] += (int(fields[11]) + int(fields[12])) / hz
+    return snap
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    if not before or not after:
+        return {}
+    cores = os.cpu_count() or 1
+    return {"cores_busy": round((after["busy"] - before["busy"]) / max(after["all"] - before["all"], 1e-9) * cores, 2),
+            "jvm_cpu_s": round(after["jvm"] - before["jvm"], 2),
+            "python_workers_cpu_s": round(after["python_workers"] - before["python_workers"], 2)}
+
+
 def spark_child(root: str, master: str) -> dict:
     """Runs in a subprocess: the scans (count per topic) and rebuild on one master, default partitioning (as
     many tasks as cores, at most 64 MiB each), each timed after a warm-up run (until stop 41 the rebuild was
@@ -85,9 +119,12 @@ def spark_child(root: str, master: str) -> dict:
     for name, columns in SCANS.items():
         best = float("inf")
         for _ in range(2):
+            before = cpu_snapshot()
             started = time.perf_counter()
             read_store(spark, root, includeBody=False, columns=columns).groupBy("topic").count().collect()
-            best = min(best, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            if seconds < best:
+                best, out[f"{name}_cpu"] = seconds, cpu_used(before, cpu_snapshot())
         out[f"{name}_s"] = best
     rebuild(root, spark=spark, config=CONFIG)  # warm-up: the first rebuild in a JVM also compiles Spark's paths
     report = rebuild(root, spark=spark, config=CONFIG)
@@ -136,6 +173,7 @@ def run(count: int, cluster: bool, masters: tuple[str, ...] = ("local[1]", "loca
                 started.stop()
         for master, child in children.items():
             results[master] = {**{f"{name}_mb_s": log_bytes / 1e6 / child[f"{name}_s"] for name in SCANS},
+                               **{f"{name}_cpu": child[f"{name}_cpu"] for name in SCANS},
                                "rebuild_keys_s": child["keys"] / child["rebuild_s"], "partitions": child["partitions"],
                                "windowed_keys_s": child["keys"] / child["windowed_s"], "windows": child["windows"]}
     return results
@@ -158,6 +196,12 @@ def table(results: dict) -> str:
     two, one = results["local[2]"], results["local[1]"]
     lines.append("2 cores vs 1 core: " + ", ".join(f"{n} x{two[f'{n}_mb_s'] / one[f'{n}_mb_s']:.2f}" for n in SCANS)
                  + f", rebuild x{two['rebuild_keys_s'] / one['rebuild_keys_s']:.2f}")
+    for master in ("local[1]", "local[2]"):
+        for n in SCANS:
+            cpu = results[master].get(f"{n}_cpu")
+            if cpu:
+                lines.append(f"{master} {n}: {cpu['cores_busy']:.2f} of {os.cpu_count()} cores busy; CPU s: JVM "
+                             f"{cpu['jvm_cpu_s']:.2f}, Python workers {cpu['python_workers_cpu_s']:.2f}")
     return "\n".join(lines)
 
 
@@ -182,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         if "local[1]" in results:
             one = results["local[1]"]
             rows.append(Result("spark", f"{label} local[2] vs local[1]", two[f"{name}_mb_s"], "MB/s",
-                               f"local[1], {one[f'{name}_mb_s']:.1f} MB/s", one[f"{name}_mb_s"], 1.6))
+                               f"local[1], {one[f'{name}_mb_s']:.1f} MB/s", one[f"{name}_mb_s"], 1.6,
+                               notes={"cpu_local[1]": one[f"{name}_cpu"], "cpu_local[2]": two[f"{name}_cpu"]}))
         rows.append(Result("spark", f"{label} local[2] vs one process", two[f"{name}_mb_s"], "MB/s",
                            f"scan_arrow in one process, {base[f'{name}_mb_s']:.1f} MB/s", base[f"{name}_mb_s"], 1.0))
     if "local[1]" in results:
