@@ -141,7 +141,8 @@ class MessageExt:
 
     def has_key(self, key: str) -> bool:
         """Whether ``key`` is one of the KEYS tokens (``key in keys``, without the list for a single key)."""
-        keys = self.get_property(PropertyName.KEYS)
+        props = self._properties  # get_property, inline: a key query asks this of every candidate
+        keys = property_value(props, PropertyName.KEYS) if type(props) is str else props.get(PropertyName.KEYS)
         if keys is None:
             return False
         return (keys == key and KEY_SEPARATOR not in key) or key in split_keys(keys)

@@ -283,10 +283,22 @@ class StoreReader:
         ``key`` among their KEYS (or as their UNIQ_KEY): a hash match proves nothing."""
         if self.index is None or max_num <= 0:
             return []
-        found: dict[int, MessageExt] = {}
+        candidates = self.index.candidates(topic, key, begin, end)
         get_message = self.commit_log.get_message
+        if len(candidates) == 1:  # the usual answer, checked without the bookkeeping of several
+            try:
+                msg = get_message(candidates[0])
+            except (MessageNotFoundError, CorruptDataError):
+                return []
+            keyed = msg.uniq_key == key if by_uniq_key else msg.has_key(key)
+            if not keyed or not begin <= msg.store_timestamp <= end:
+                return []
+            if msg.topic == topic or (msg.topic in PARKED_TOPICS and msg.get_property("REAL_TOPIC") == topic):
+                return [msg]
+            return []
+        found: dict[int, MessageExt] = {}
         parked = False
-        for phy in self.index.candidates(topic, key, begin, end):
+        for phy in candidates:
             if phy in found:
                 continue
             try:

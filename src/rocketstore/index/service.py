@@ -298,15 +298,16 @@ class IndexService:
         The time window is widened by the index's one-second rounding; callers check the real
         store time and the real key. A list, not a generator: a query reads every chain anyway.
         """
-        key_utf8 = build_key(topic, key).encode("utf-8", "surrogatepass")
-        files = self.files[::-1]
-        widened_begin = max(0, begin - 1000)
+        key_utf8 = f"{topic}#{key}".encode("utf-8", "surrogatepass")
+        low = begin - 1000 if begin > 1000 else 0
+        high = end + 1000
         found: list[int] = []
-        for index in files:
+        for index in reversed(self.files):  # a tuple replaced, never changed: this is a snapshot
             try:
-                if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
-                    found += key_candidates(index, key_utf8, widened_begin)
-                if index.begin_timestamp < widened_begin:
+                # ``is_time_matched(low, high)``, which is exactly "the two intervals overlap"
+                if index.index_count > 1 and low <= index.end_timestamp and high >= index.begin_timestamp:
+                    found += key_candidates(index, key_utf8, low)
+                if index.begin_timestamp < low:
                     break
             except (ValueError, StoreIOError):
                 if index in self.files:
