@@ -43,6 +43,7 @@ from .health import StoreHealth
 from .locks import YieldingLock
 from .mapped.file import COPY_LIMIT, STAGING_DIR, MappedFile, deleted_under, reading
 from .mapped.file_queue import MappedFileQueue
+from .mapped.warm import WriteAheadWarmer
 from .message import MessageExt
 
 _I64 = struct.Struct(">q")
@@ -75,6 +76,7 @@ class CommitLog:
                                             staging=root / STAGING_DIR)
         self._check_crc = config.check_crc_on_read  # get_message's, read once (the config is frozen)
         self._one_pass_reads = not (config.check_crc_on_read and config.force_verify_prop_crc)
+        self.warmer: WriteAheadWarmer | None = None  # started by a writable store (start_warming)
         self.put_lock = YieldingLock()  # producer threads would convoy on a threading.Lock (see locks.py)
         # next queue offset of each (topic, queue id); rebuilt by recovery
         self.queue_offsets: dict[tuple[str, int], int] = {}
@@ -171,6 +173,8 @@ class CommitLog:
             offsets.update(assigned)
             self.last_store_timestamp = store_ts
             self.last_append = (first + total, store_ts)
+            if self.warmer is not None:
+                self.warmer.nudge(first + total)
         return first, queue_offsets, store_ts
 
     def _stamp(self, data, sizes, store_ts_pos, queue_offsets, phy: int, store_ts: int) -> int:
@@ -248,6 +252,8 @@ class CommitLog:
                 self.last_store_timestamp = store_ts
                 self.last_append = (int(phys[j - 1] + sizes[j - 1]), store_ts)
                 i = j
+            if self.warmer is not None:
+                self.warmer.nudge(self.last_append[0])
         return phys, queue_offsets, store_ts
 
     def _advance_queues(self, keys: np.ndarray, queue_offsets: np.ndarray, topics: list[str]) -> None:
@@ -405,7 +411,17 @@ class CommitLog:
                 pos += layout.size
             offset = mapped.file_end_offset
 
+    def start_warming(self, ahead: int) -> None:
+        """Fault the pages ahead of the write position in from a background thread (``mapped/warm.py``)."""
+        if ahead > 0 and not self.read_only and self.warmer is None:
+            self.warmer = WriteAheadWarmer(self.mapped_files, ahead)
+            self.warmer.start()
+            if self.mapped_files.last is not None:
+                self.warmer.nudge(self.max_offset)
+
     def close(self) -> None:
+        if self.warmer is not None:  # it uses the newest mapping: stopped before anything is unmapped
+            self.warmer.stop()
         with self.put_lock:  # no append is inside a segment while its descriptor closes
             self.put_lock.io = True
             self.mapped_files.close()

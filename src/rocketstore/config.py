@@ -41,6 +41,8 @@ class StoreConfig:
     preallocate: bool = True  # rocketstore: reserve segment blocks up front, so a full disk fails
     #                           the roll, not a later write into the mapping (SIGBUS)
     max_open_consume_queue_files: int = 256  # rocketstore: mapped consume-queue files kept open (LRU)
+    warm_ahead_commit_log: int = 32 * MIB  # rocketstore: bytes past the write position faulted in before the
+    #                                        appends that fill them (mapped/warm.py; 0 turns it off)
 
     # --- messages
     max_message_size: int = 4 * MIB  # maxMessageSize (body; the record may add 64 KiB)
@@ -94,6 +96,7 @@ class StoreConfig:
         _check_range("mapped_file_size_commit_log", self.mapped_file_size_commit_log, 1024, (1 << 31) - 1)
         _check_range("mapped_file_size_consume_queue", self.mapped_file_size_consume_queue, 20, (1 << 31) - 1)
         _check_range("max_open_consume_queue_files", self.max_open_consume_queue_files, 4, 1 << 20)
+        _check_range("warm_ahead_commit_log", self.warm_ahead_commit_log, 0, 1 << 30)
         if self.mapped_file_size_consume_queue % 20:
             raise ConfigError("mapped_file_size_consume_queue must be a multiple of 20 (the unit size)")
         _check_range("max_hash_slot_num", self.max_hash_slot_num, 1, 100_000_000)

@@ -179,6 +179,7 @@ class MessageStore:
             self.flusher = CommitLogFlusher(self.commit_log, self.checkpoint, self.config, self.health)
             self.flusher.start()
             self.dispatcher.start()
+            self.commit_log.start_warming(self.config.warm_ahead_commit_log)
             if self.config.enable_schedule_message:
                 self.schedule = ScheduleMessageService(self, self.delay_offsets, timer_offsets=self.timer_offsets)
                 self.schedule.start()

@@ -1,0 +1,92 @@
+"""Pages ahead of the commit log's write position, faulted in before the appends that fill them.
+
+An append copies its records into the mapping, and the first touch of each page of a fresh segment is a page
+fault taken with the GIL held (allocate, zero, map): ~10 us of every 7 KB ``put_messages(32)``. This thread
+asks the kernel to fault the next ``ahead`` bytes in, writable, beforehand (MADV_POPULATE_WRITE, no byte
+changed, no GIL held), so the producer's copy finds them mapped: +9% for ``put_messages(32)``. RocketMQ's
+``warmMappedFile`` writes zeros over a whole new segment for the same reason; this touches only what the next
+appends need.
+
+It is an optimization and nothing more: a kernel without the advice, a file without allocated blocks, or any
+error stops it (logged once), and the store goes on exactly as without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from .file_queue import MappedFileQueue
+
+log = logging.getLogger(__name__)
+
+STEP = 2 << 20  # bytes per madvise: ~0.5 ms of kernel work, so a stop never waits long
+
+
+class WriteAheadWarmer:
+    """Keeps ``[write position, write position + ahead)`` of the newest segment faulted in."""
+
+    def __init__(self, files: MappedFileQueue, ahead: int) -> None:
+        self.files = files
+        self.ahead = ahead
+        self.warmed_until = 0  # log offset: everything below it in the newest segment was warmed
+        self.warmed_bytes = 0
+        self.stopped_by: str | None = None  # why warming stopped for good (unsupported, an error)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.ahead > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rocketstore-warm", daemon=True)
+            self._thread.start()
+
+    def nudge(self, end: int) -> None:
+        """An append ended at log offset ``end``: wake the thread once half the warmed lead is used up."""
+        if end + (self.ahead >> 1) > self.warmed_until and not self._wake.is_set():
+            self._wake.set()
+
+    def stop(self) -> None:
+        """Stop and join: the caller may unmap the segments afterwards."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            try:
+                self.warm_once()
+            except Exception as exc:  # an optimization never fails the store
+                self._give_up(f"{type(exc).__name__}: {exc}")
+            if self.stopped_by is not None:
+                return
+
+    def warm_once(self) -> None:
+        """Warm the newest segment up to ``ahead`` bytes past its write position (or its end)."""
+        mapped = self.files.last
+        if mapped is None:
+            return
+        base = mapped.file_from_offset
+        written = base + mapped.wrote_position
+        target = min(written + self.ahead, base + mapped.file_size)
+        start = max(self.warmed_until, written)
+        while start < target and not self._stop.is_set():
+            length = min(STEP, target - start)
+            try:
+                warmed = mapped.warm(start - base, length)
+            except ValueError:  # the mapping closed under us (a rolled segment deleted): the next round starts over
+                return
+            if not warmed:
+                self._give_up("this kernel or file cannot fault pages in ahead (MADV_POPULATE_WRITE)")
+                return
+            start += length
+            self.warmed_until = start
+            self.warmed_bytes += length
+
+    def _give_up(self, why: str) -> None:
+        self.stopped_by = why
+        log.info("commit-log pages are no longer faulted in ahead of appends: %s", why)

@@ -1,0 +1,120 @@
+"""Faulting commit-log pages in ahead of the appends (mapped/warm.py): it happens, it changes no byte, it stops
+cleanly when the kernel or the file cannot, and it never outlives the mapping it works on."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import struct
+import sys
+import time
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.mapped import file as mapped_file
+from rocketstore.mapped.file import PAGE_SIZE, mapping_address, populate_write
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+
+
+def mapped_pages(mm: mmap.mmap, start: int, length: int) -> int:
+    """How many pages of ``mm[start:start + length]`` this process has mapped (/proc/self/pagemap's present bit:
+    a page in the page cache but not yet touched through the mapping, as readahead leaves them, is not)."""
+    start -= start % PAGE_SIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek((mapping_address(mm) + start) // PAGE_SIZE * 8)
+        entries = f.read((length + PAGE_SIZE - 1) // PAGE_SIZE * 8)
+    return sum(entry >> 63 for (entry,) in struct.iter_unpack("<Q", entries))
+
+
+def config(**changes) -> StoreConfig:
+    return StoreConfig(**{"mapped_file_size_commit_log": 8 << 20, "max_hash_slot_num": 97, "max_index_num": 5000,
+                          "warm_ahead_commit_log": 1 << 20, **changes})
+
+
+def wait_until(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@linux_only
+def test_populate_write_faults_pages_in_and_changes_no_byte(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"\xab" * PAGE_SIZE + bytes(15 * PAGE_SIZE))
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 16 * PAGE_SIZE) as mm:
+        if not populate_write(mm, 0, 16 * PAGE_SIZE):
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+        assert mapped_pages(mm, 0, 16 * PAGE_SIZE) == 16
+        assert mm[:PAGE_SIZE] == b"\xab" * PAGE_SIZE and mm[PAGE_SIZE:] == bytes(15 * PAGE_SIZE)
+
+
+@linux_only
+def test_the_pages_ahead_of_the_write_position_are_faulted_in_and_stay_zero(tmp_path):
+    with MessageStore.open(tmp_path, config()) as store:
+        log = store.commit_log
+        assert log.warmer is not None
+        results = store.put_messages([Message("Warm", b"x" * 500, keys=[f"k{i}"]) for i in range(200)])
+        end = log.max_offset
+        assert wait_until(lambda: log.warmer.warmed_until >= end + (1 << 19) or log.warmer.stopped_by), \
+            "the warmer did not catch up"
+        if log.warmer.stopped_by:
+            pytest.skip(log.warmer.stopped_by)
+        assert log.warmer.warmed_until <= log.mapped_files.last.file_end_offset
+        segment = log.mapped_files.last
+        ahead = segment.wrote_position + PAGE_SIZE
+        ahead -= ahead % PAGE_SIZE
+        assert mapped_pages(segment.buffer, ahead, 1 << 19) == (1 << 19) // PAGE_SIZE
+        assert segment.buffer[segment.wrote_position : segment.wrote_position + (1 << 20)] == bytes(1 << 20)
+        assert store.wait_for_dispatch()
+        assert [m.body for m in store.query_message("Warm", "k7")] == [b"x" * 500] and results[7].ok
+
+
+@linux_only
+def test_without_warming_the_pages_ahead_stay_untouched(tmp_path):
+    with MessageStore.open(tmp_path, config(warm_ahead_commit_log=0)) as store:
+        assert store.commit_log.warmer is None
+        store.put_messages([Message("Cold", b"x" * 500) for _ in range(20)])
+        segment = store.commit_log.mapped_files.last
+        assert mapped_pages(segment.buffer, 4 << 20, 1 << 20) == 0, "nothing else faults those pages in"
+
+
+@pytest.mark.parametrize("failure", ["unsupported", "efault"])
+def test_a_kernel_or_file_that_cannot_warm_stops_the_warmer_not_the_store(tmp_path, monkeypatch, caplog, failure):
+    def cannot(mm, start, length):
+        if failure == "unsupported":
+            return False
+        raise OSError(errno.EFAULT, "Bad address")
+
+    monkeypatch.setattr(mapped_file, "populate_write", cannot)
+    caplog.set_level(logging.INFO, logger="rocketstore.mapped.warm")
+    with MessageStore.open(tmp_path, config()) as store:
+        store.put_messages([Message("T", b"x" * 100) for _ in range(10)])
+        assert wait_until(lambda: store.commit_log.warmer.stopped_by is not None)
+        assert ("MADV_POPULATE_WRITE" if failure == "unsupported" else "Bad address") in \
+            store.commit_log.warmer.stopped_by
+        thread = store.commit_log.warmer._thread
+        assert wait_until(lambda: not thread.is_alive()), "the thread ends when warming stops"
+        assert all(r.ok for r in store.put_messages([Message("T", b"y" * 100) for _ in range(10)]))
+        assert store.wait_for_dispatch()
+        assert store.get_message("T", 0, 0, max_msgs=32).messages[-1].body == b"y" * 100
+    assert "no longer faulted in ahead" in caplog.text
+
+
+def test_close_stops_the_warmer_before_unmapping(tmp_path):
+    """Closing while the thread is inside a large warm: it is joined first, so no close meets an exported
+    buffer (BufferError) or a warm meets an unmapped segment."""
+    for n in range(15):
+        cfg = config(warm_ahead_commit_log=8 << 20)
+        with MessageStore.open(tmp_path / str(n % 3), cfg) as store:
+            store.put_messages([Message("T", b"z" * 300) for _ in range(50)])
+            warmer = store.commit_log.warmer
+        assert warmer._thread is None and warmer._stop.is_set()
+        with MessageStore.open(tmp_path / str(n % 3), cfg, read_only=True) as store:
+            assert store.commit_log.warmer is None
+            assert store.get_max_offset_in_queue("T", 0) + store.get_max_offset_in_queue("T", 1) > 0
