@@ -141,6 +141,16 @@ def test_each_result_names_its_own_record(tmp_path, small_config, count):
             assert (stored.topic, stored.queue_id) == (msg.topic, msg.queue_id)
             queued = store.get_message(msg.topic, msg.queue_id, result.queue_offset, 1).messages
             assert queued[0].msg_id == result.msg_id
+        # put_message builds its one result directly: the same fields as put_messages' would be
+        for msg in (Message("T1", b"single", keys=["s"]), Message("T1", b"again", born_host="[2001:db8::7]:4000")):
+            result = store.put_message(msg)
+            store.wait_for_dispatch(10)
+            stored = store.view_message_by_id(result.msg_id)
+            assert type(result) is PutMessageResult and result.ok and result.msg_id == stored.msg_id
+            assert (stored.body, stored.uniq_key, stored.store_size, stored.queue_offset, stored.store_timestamp,
+                    stored.commit_log_offset) == (msg.body, result.uniq_key, result.store_size, result.queue_offset,
+                                                  result.store_timestamp, result.commit_log_offset)
+            assert result.queue_offset == store.get_max_offset_in_queue("T1", 0) - 1 > 0
 
 
 def test_put_results_are_made_when_first_read_and_name_their_records(tmp_path, small_config, monkeypatch):
