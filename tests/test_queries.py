@@ -335,3 +335,24 @@ def test_query_messages_arrow_refuses_what_is_not_a_list_of_pairs(many_keys_stor
         pass
 
     assert store.query_messages_arrow([(Text("T2"), Text("k7"))]).num_rows == 4, "str subclasses are strings"
+
+
+def test_an_index_file_whose_clock_stepped_back_is_still_searched(tmp_path, small_config, monkeypatch):
+    """A RocketMQ broker stores ``currentTimeMillis``, which can step back: an index file may end before it
+    begins. Its messages are still found in their time windows, by one query and by many at once."""
+    from rocketstore import commitlog
+
+    t0 = 1_700_000_000_000
+    with MessageStore.open(tmp_path, small_config) as store:
+        for key, ts in (("a", t0 + 20_000), ("b", t0 + 15_000), ("c", t0 + 10_000)):
+            monkeypatch.setattr(commitlog, "now_ms", lambda ts=ts: ts)
+            store.commit_log.last_store_timestamp = 0  # as a Java broker writes it: no max with the last time
+            store.put_message(Message("T", key.encode(), keys=[key]))
+        assert store.wait_for_dispatch(10)
+        index = store.index.files[-1]
+        assert index.end_timestamp < index.begin_timestamp
+        for key, ts in (("a", t0 + 20_000), ("b", t0 + 15_000), ("c", t0 + 10_000)):
+            begin, end = ts - 500, ts + 500
+            assert [m.body for m in store.query_message("T", key, begin=begin, end=end)] == [key.encode()]
+            assert store.query_messages_arrow([("T", key)], begin=begin, end=end).column("body").to_pylist() == \
+                [key.encode()]

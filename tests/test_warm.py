@@ -15,6 +15,7 @@ import pytest
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.mapped import file as mapped_file
 from rocketstore.mapped.file import PAGE_SIZE, mapping_address, populate_write
+from rocketstore.mapped.warm import WriteAheadWarmer
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 
@@ -54,7 +55,19 @@ def test_populate_write_faults_pages_in_and_changes_no_byte(tmp_path):
         assert mm[:PAGE_SIZE] == b"\xab" * PAGE_SIZE and mm[PAGE_SIZE:] == bytes(15 * PAGE_SIZE)
 
 
+@pytest.fixture(scope="module")
+def kernel_warms(tmp_path_factory) -> None:
+    """Skip where this kernel has no MADV_POPULATE_WRITE (a fresh mapping says so); elsewhere a warmer that stops
+    is a failure."""
+    path = tmp_path_factory.mktemp("probe") / "f"
+    path.write_bytes(bytes(PAGE_SIZE))
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), PAGE_SIZE) as mm:
+        if not populate_write(mm, 0, PAGE_SIZE):
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+
+
 @linux_only
+@pytest.mark.usefixtures("kernel_warms")
 def test_the_pages_ahead_of_the_write_position_are_faulted_in_and_stay_zero(tmp_path):
     with MessageStore.open(tmp_path, config()) as store:
         log = store.commit_log
@@ -63,8 +76,7 @@ def test_the_pages_ahead_of_the_write_position_are_faulted_in_and_stay_zero(tmp_
         end = log.max_offset
         assert wait_until(lambda: log.warmer.warmed_until >= end + (1 << 19) or log.warmer.stopped_by), \
             "the warmer did not catch up"
-        if log.warmer.stopped_by:
-            pytest.skip(log.warmer.stopped_by)
+        assert log.warmer.stopped_by is None
         assert log.warmer.warmed_until <= log.mapped_files.last.file_end_offset
         segment = log.mapped_files.last
         ahead = segment.wrote_position + PAGE_SIZE
@@ -76,9 +88,10 @@ def test_the_pages_ahead_of_the_write_position_are_faulted_in_and_stay_zero(tmp_
 
 
 @linux_only
-def test_without_warming_the_pages_ahead_stay_untouched(tmp_path):
-    with MessageStore.open(tmp_path, config(warm_ahead_commit_log=0)) as store:
-        assert store.commit_log.warmer is None
+@pytest.mark.parametrize("changes", [{"warm_ahead_commit_log": 0}, {"preallocate": False}])
+def test_without_warming_the_pages_ahead_stay_untouched(tmp_path, changes):
+    with MessageStore.open(tmp_path, config(**changes)) as store:
+        assert store.commit_log.warmer is None, "sparse segments are never warmed: a fault may meet a full disk"
         store.put_messages([Message("Cold", b"x" * 500) for _ in range(20)])
         segment = store.commit_log.mapped_files.last
         assert mapped_pages(segment.buffer, 4 << 20, 1 << 20) == 0, "nothing else faults those pages in"
@@ -118,3 +131,32 @@ def test_close_stops_the_warmer_before_unmapping(tmp_path):
         with MessageStore.open(tmp_path / str(n % 3), cfg, read_only=True) as store:
             assert store.commit_log.warmer is None
             assert store.get_max_offset_in_queue("T", 0) + store.get_max_offset_in_queue("T", 1) > 0
+
+
+@linux_only
+@pytest.mark.usefixtures("kernel_warms")
+def test_a_segment_rolled_and_deleted_under_the_warmer_does_not_stop_it(tmp_path, monkeypatch):
+    """Between two of the warmer's steps producers fill its segment and retention (under disk pressure) deletes
+    it: the round ends, and the next one warms the new newest segment; warming never stops for good."""
+    cfg = config(warm_ahead_commit_log=8 << 20, file_reserved_time=0)
+    with MessageStore.open(tmp_path, cfg) as store:
+        store.commit_log.warmer.stop()  # drive a warmer by hand instead of the store's thread
+        store.put_messages([Message("T", b"x" * 1000) for _ in range(10)])
+        warmer = WriteAheadWarmer(store.commit_log.mapped_files, cfg.warm_ahead_commit_log)
+        real, calls = mapped_file.populate_write, []
+
+        def populate(mm, start, length):
+            calls.append(start)
+            warmed = real(mm, start, length)
+            if len(calls) == 1:  # meanwhile: a roll, and retention deletes the segment being warmed
+                while len(store.commit_log.mapped_files.files) < 2:
+                    store.put_messages([Message("T", b"y" * 60000) for _ in range(16)])
+                assert store.delete_expired_files(immediately=True).commit_log_files == ["00000000000000000000"]
+            return warmed
+
+        monkeypatch.setattr(mapped_file, "populate_write", populate)
+        warmer.warm_once()
+        assert warmer.stopped_by is None and len(calls) == 1, "the deleted segment was not warmed further"
+        newest = store.commit_log.mapped_files.last
+        warmer.warm_once()
+        assert warmer.stopped_by is None and warmer.warmed_until > newest.file_from_offset + newest.wrote_position

@@ -41,7 +41,7 @@ from .errors import (
 )
 from .health import StoreHealth
 from .locks import YieldingLock
-from .mapped.file import COPY_LIMIT, STAGING_DIR, MappedFile, deleted_under, reading
+from .mapped.file import STAGING_DIR, MappedFile, deleted_under, reading
 from .mapped.file_queue import MappedFileQueue
 from .mapped.warm import WriteAheadWarmer
 from .message import MessageExt
@@ -77,7 +77,7 @@ class CommitLog:
         self._check_crc = config.check_crc_on_read  # get_message's, read once (the config is frozen)
         self._one_pass_reads = not (config.check_crc_on_read and config.force_verify_prop_crc)
         self.warmer: WriteAheadWarmer | None = None  # started by a writable store (start_warming)
-        self.put_lock = YieldingLock()  # producer threads would convoy on a threading.Lock (see locks.py)
+        self.put_lock = YieldingLock()  # with put_lock.held(): producer threads wait by yielding the GIL (locks.py)
         # next queue offset of each (topic, queue id); rebuilt by recovery
         self.queue_offsets: dict[tuple[str, int], int] = {}
         self.last_store_timestamp = 0
@@ -119,8 +119,7 @@ class CommitLog:
             raise MessageTooLargeError(
                 f"batch of {total} bytes does not fit one {self.config.mapped_file_size_commit_log}-byte segment")
         seal = self.config.enabled_append_prop_crc
-        with self.put_lock:
-            self.put_lock.io = total > COPY_LIMIT  # a pwrite gives the GIL away: waiters sleep, not yield
+        with self.put_lock.held():
             store_ts = max(now_ms(), self.last_store_timestamp)  # never backwards: time lookups bisect
             try:
                 mapped = self.mapped_files.last_for_write()
@@ -129,6 +128,7 @@ class CommitLog:
             except FlushError as exc:  # a new segment whose name may not survive: nothing after it would
                 self.health.fail_flush(exc)
                 raise
+            self.put_lock.io = mapped.writes_by_syscall(total)  # a pwrite gives the GIL away: waiters sleep
             pos = mapped.wrote_position
             first = mapped.file_from_offset + pos
             offsets = self.queue_offsets
@@ -204,8 +204,8 @@ class CommitLog:
         group, rank, group_keys, counts = queue_groups(keys)
         queues = [(batch.topics[key >> 32], key & 0xFFFFFFFF) for key in group_keys.tolist()]
         phys = np.empty(n, dtype=np.int64)
-        with self.put_lock:
-            self.put_lock.io = len(batch.data) > COPY_LIMIT
+        with self.put_lock.held():
+            self.put_lock.io = True  # tables of rows: pwrites (and rolls) that give the GIL away
             store_ts = max(now_ms(), self.last_store_timestamp)
             bases = np.array([self.queue_offsets.get(queue, 0) for queue in queues], dtype=np.int64)
             queue_offsets = bases[group] + rank  # consecutive per queue in row order, continuing each queue
@@ -422,6 +422,6 @@ class CommitLog:
     def close(self) -> None:
         if self.warmer is not None:  # it uses the newest mapping: stopped before anything is unmapped
             self.warmer.stop()
-        with self.put_lock:  # no append is inside a segment while its descriptor closes
+        with self.put_lock.held():  # no append is inside a segment while its descriptor closes
             self.put_lock.io = True
             self.mapped_files.close()

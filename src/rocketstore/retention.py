@@ -48,7 +48,7 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
     disk_full = ratio >= config.disk_max_used_space_ratio
     at_delete_hour = immediately or time.strftime("%H", time.localtime(now / 1000)) in config.delete_when.split(";")
     reserved_ms = config.file_reserved_time * 3_600_000
-    with commit_log.put_lock:
+    with commit_log.put_lock.held():
         commit_log.put_lock.io = True  # stats and unlinks: producers wait asleep
         files = commit_log.mapped_files.files
         doomed = 0

@@ -179,7 +179,8 @@ class MessageStore:
             self.flusher = CommitLogFlusher(self.commit_log, self.checkpoint, self.config, self.health)
             self.flusher.start()
             self.dispatcher.start()
-            self.commit_log.start_warming(self.config.warm_ahead_commit_log)
+            if self.config.preallocate:  # sparse segments are never warmed (a fault in a hole may meet a full disk)
+                self.commit_log.start_warming(self.config.warm_ahead_commit_log)
             if self.config.enable_schedule_message:
                 self.schedule = ScheduleMessageService(self, self.delay_offsets, timer_offsets=self.timer_offsets)
                 self.schedule.start()

@@ -304,8 +304,7 @@ class IndexService:
         found: list[int] = []
         for index in reversed(self.files):  # a tuple replaced, never changed: this is a snapshot
             try:
-                # ``is_time_matched(low, high)``, which is exactly "the two intervals overlap"
-                if index.index_count > 1 and low <= index.end_timestamp and high >= index.begin_timestamp:
+                if index.index_count > 1 and index.is_time_matched(low, high):
                     found += key_candidates(index, key_utf8, low)
                 if index.begin_timestamp < low:
                     break

@@ -152,6 +152,16 @@ class MappedFile:
     def read(self, pos: int, size: int) -> bytes:
         return self.buffer[pos : pos + size]
 
+    def writes_by_syscall(self, size: int) -> bool:
+        """Whether ``write`` of ``size`` bytes is a pwrite, which gives the GIL away, rather than a copy."""
+        return self._fd >= 0 and not (size <= COPY_LIMIT and self._reserved)
+
+    @property
+    def warmable(self) -> bool:
+        """Whether ``warm`` may fault pages in: mapped, writable, and every block allocated (a fault in a hole
+        could meet a full disk)."""
+        return self._mm is not None and not self.read_only and self._reserved and not self._deleted
+
     def write(self, pos: int, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` to ``pos``; the caller advances ``wrote_position`` once the bytes are complete.
 
@@ -202,11 +212,10 @@ class MappedFile:
 
     def warm(self, start: int, length: int) -> bool:
         """Fault ``length`` bytes from ``start`` in, writable, ahead of the appends that will fill them
-        (``populate_write``). Only a writable file with every block allocated (a fault elsewhere could meet a
-        full disk); False when this file or the kernel cannot."""
+        (``populate_write``; ask ``warmable`` first). False when the kernel cannot."""
         mm = self._mm
-        if mm is None or self.read_only or not self._reserved:
-            return False
+        if mm is None:
+            raise ValueError("mmap closed or invalid")
         start -= start % PAGE_SIZE
         length = min(length, self.file_size - start)
         return length <= 0 or populate_write(mm, start, length)
@@ -339,15 +348,22 @@ def populate_write(mm: mmap.mmap, start: int, length: int) -> bool:
     through ctypes: the GIL is released). False where the kernel cannot (not Linux, or before 5.14).
 
     A copy into a page of a fresh segment otherwise takes the page fault itself, with the GIL held: ~10 us per
-    7 KB append here, a tenth of ``put_messages(32)``. Raises ``OSError`` for anything else (EFAULT: the file
-    has no blocks there, a write would have raised SIGBUS)."""
+    7 KB append here, a tenth of ``put_messages(32)``. The pages become dirty (zeros) until the appends fill
+    them. The buffer export is held across the call, so the mapping cannot be unmapped and its addresses given
+    to another under it (``close_mapping`` then leaves the unmap to the last reference). Raises ``OSError`` for
+    anything else (EFAULT: the file has no blocks there, a write would have raised SIGBUS)."""
     if not sys.platform.startswith("linux"):  # the advice number is Linux's
         return False
-    address = mapping_address(mm)
-    if _libc().madvise(ctypes.c_void_p(address + start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
-        err = ctypes.get_errno()
-        if err in (errno.EINVAL, errno.ENOSYS):
-            return False
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        failed = _libc().madvise(ctypes.c_void_p(ctypes.addressof(view) + start), ctypes.c_size_t(length),
+                                 _MADV_POPULATE_WRITE)
+        err = ctypes.get_errno() if failed else 0
+    finally:
+        del view
+    if err in (errno.EINVAL, errno.ENOSYS):
+        return False
+    if err:
         raise OSError(err, os.strerror(err))
     return True
 

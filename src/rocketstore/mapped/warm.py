@@ -7,12 +7,15 @@ changed, no GIL held), so the producer's copy finds them mapped: +9% for ``put_m
 ``warmMappedFile`` writes zeros over a whole new segment for the same reason; this touches only what the next
 appends need.
 
-It is an optimization and nothing more: a kernel without the advice, a file without allocated blocks, or any
-error stops it (logged once), and the store goes on exactly as without it.
+It is an optimization and nothing more: a segment without allocated blocks is skipped, a kernel without the advice
+or any unexpected error stops it (logged once), and the store goes on exactly as without it. The pages it
+faults in are dirty zeros until appends fill them: a producer slower than ``ahead`` bytes per ~30 s (the
+kernel's writeback age) has some of them written twice, zeros first.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 
@@ -67,7 +70,8 @@ class WriteAheadWarmer:
 
     def warm_once(self) -> None:
         """Warm the newest segment up to ``ahead`` bytes past its write position (or its end)."""
-        mapped = self.files.last
+        files = self.files
+        mapped = files.last
         if mapped is None:
             return
         base = mapped.file_from_offset
@@ -75,13 +79,19 @@ class WriteAheadWarmer:
         target = min(written + self.ahead, base + mapped.file_size)
         start = max(self.warmed_until, written)
         while start < target and not self._stop.is_set():
+            if mapped is not files.last or not mapped.warmable:
+                return  # rolled, deleted, or a segment without allocated blocks: the next round looks again
             length = min(STEP, target - start)
             try:
-                warmed = mapped.warm(start - base, length)
-            except ValueError:  # the mapping closed under us (a rolled segment deleted): the next round starts over
+                supported = mapped.warm(start - base, length)
+            except ValueError:  # unmapped under us (retention under disk pressure): the next round starts over
                 return
-            if not warmed:
-                self._give_up("this kernel or file cannot fault pages in ahead (MADV_POPULATE_WRITE)")
+            except OSError as exc:
+                if exc.errno in (errno.ENOMEM, errno.EAGAIN):  # no memory to spare now: not a reason to stop
+                    return
+                raise
+            if not supported:
+                self._give_up("this kernel cannot fault pages in ahead (MADV_POPULATE_WRITE)")
                 return
             start += length
             self.warmed_until = start
