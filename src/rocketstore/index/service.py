@@ -304,7 +304,8 @@ class IndexService:
         found: list[int] = []
         for index in reversed(self.files):  # a tuple replaced, never changed: this is a snapshot
             try:
-                if index.index_count > 1 and index.is_time_matched(low, high):
+                b, e = index.begin_timestamp, index.end_timestamp  # is_time_matched(low, high), inline
+                if index.index_count > 1 and ((low < b and high > e) or b <= low <= e or b <= high <= e):
                     found += key_candidates(index, key_utf8, low)
                 if index.begin_timestamp < low:
                     break
