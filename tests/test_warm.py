@@ -72,6 +72,8 @@ def test_the_pages_ahead_of_the_write_position_are_faulted_in_and_stay_zero(tmp_
     with MessageStore.open(tmp_path, config()) as store:
         log = store.commit_log
         assert log.warmer is not None
+        time.sleep(0.7)
+        assert log.warmer.warmed_bytes == 0, "an open that writes nothing faults nothing in"
         results = store.put_messages([Message("Warm", b"x" * 500, keys=[f"k{i}"]) for i in range(200)])
         end = log.max_offset
         assert wait_until(lambda: log.warmer.warmed_until >= end + (1 << 19) or log.warmer.stopped_by), \

@@ -414,10 +414,8 @@ class CommitLog:
     def start_warming(self, ahead: int) -> None:
         """Fault the pages ahead of the write position in from a background thread (``mapped/warm.py``)."""
         if ahead > 0 and not self.read_only and self.warmer is None:
-            self.warmer = WriteAheadWarmer(self.mapped_files, ahead)
-            self.warmer.start()
-            if self.mapped_files.last is not None:
-                self.warmer.nudge(self.max_offset)
+            self.warmer = WriteAheadWarmer(self.mapped_files, ahead)  # the first append wakes it: an open that
+            self.warmer.start()  # writes nothing faults nothing in
 
     def close(self) -> None:
         if self.warmer is not None:  # it uses the newest mapping: stopped before anything is unmapped

@@ -41,8 +41,8 @@ class StoreConfig:
     preallocate: bool = True  # rocketstore: reserve segment blocks up front, so a full disk fails
     #                           the roll, not a later write into the mapping (SIGBUS)
     max_open_consume_queue_files: int = 256  # rocketstore: mapped consume-queue files kept open (LRU)
-    warm_ahead_commit_log: int = 32 * MIB  # rocketstore: bytes past the write position faulted in before the
-    #                                        appends that fill them (mapped/warm.py; 0 turns it off)
+    warm_ahead_commit_log: int = 8 * MIB  # rocketstore: bytes past the write position faulted in before the
+    #                                       appends that fill them (mapped/warm.py; 0 turns it off)
 
     # --- messages
     max_message_size: int = 4 * MIB  # maxMessageSize (body; the record may add 64 KiB)

@@ -59,7 +59,8 @@ class WriteAheadWarmer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(0.5)
+            if not self._wake.wait(0.5):
+                continue  # only appends wake it: a store that writes nothing gets nothing faulted in
             self._wake.clear()
             try:
                 self.warm_once()
