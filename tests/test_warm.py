@@ -162,3 +162,11 @@ def test_a_segment_rolled_and_deleted_under_the_warmer_does_not_stop_it(tmp_path
         newest = store.commit_log.mapped_files.last
         warmer.warm_once()
         assert warmer.stopped_by is None and warmer.warmed_until > newest.file_from_offset + newest.wrote_position
+
+
+@pytest.mark.parametrize("bad", [-1, (1 << 30) + 1, "8M"])
+def test_a_bad_warm_ahead_setting_is_a_typed_error(bad):
+    from rocketstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="warm_ahead_commit_log"):
+        StoreConfig(warm_ahead_commit_log=bad)

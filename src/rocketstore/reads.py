@@ -290,12 +290,7 @@ class StoreReader:
                 msg = get_message(candidates[0])
             except (MessageNotFoundError, CorruptDataError):
                 return []
-            keyed = msg.uniq_key == key if by_uniq_key else msg.has_key(key)
-            if not keyed or not begin <= msg.store_timestamp <= end:
-                return []
-            if msg.topic == topic or (msg.topic in PARKED_TOPICS and msg.get_property("REAL_TOPIC") == topic):
-                return [msg]
-            return []
+            return [msg] if _answers(msg, topic, key, begin, end, by_uniq_key) else []
         found: dict[int, MessageExt] = {}
         parked = False
         for phy in candidates:
@@ -305,13 +300,9 @@ class StoreReader:
                 msg = get_message(phy)
             except (MessageNotFoundError, CorruptDataError):
                 continue
-            if (not begin <= msg.store_timestamp <= end
-                    or not (msg.uniq_key == key if by_uniq_key else msg.has_key(key))):
+            if not _answers(msg, topic, key, begin, end, by_uniq_key):
                 continue
-            if msg.topic != topic:
-                if msg.topic not in PARKED_TOPICS or msg.get_property("REAL_TOPIC") != topic:
-                    continue
-                parked = True
+            parked = parked or msg.topic != topic
             found[phy] = msg
             if len(found) >= max_num:
                 break
@@ -482,3 +473,11 @@ def _query_columns(queries) -> tuple[list[str], list[str]]:
 def _int32(value: int) -> int:
     value &= 0xFFFFFFFF
     return value - (1 << 32) if value & 0x80000000 else value
+
+
+def _answers(msg: MessageExt, topic: str, key: str, begin: int, end: int, by_uniq_key: bool) -> bool:
+    """Whether a candidate really answers a key query: stored in [begin, end], ``key`` among its KEYS (or its
+    UNIQ_KEY), and ``topic``'s own or parked for it (a delay or timer message before delivery)."""
+    if not begin <= msg.store_timestamp <= end or not (msg.uniq_key == key if by_uniq_key else msg.has_key(key)):
+        return False
+    return msg.topic == topic or (msg.topic in PARKED_TOPICS and msg.get_property("REAL_TOPIC") == topic)

@@ -28,6 +28,7 @@ from .brokerconfig import (
 )
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
+from .codec.msgid import create_offset_msg_id
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
@@ -471,8 +472,8 @@ class MessageStore:
         """Store one message (``putMessage``). Illegal messages raise and write nothing."""
         status, phy, pending, queue_offsets, store_ts = self._put([msg])
         # put_results' C loops pay off from a few records on; for one, a tuple (a seventh of a put otherwise)
-        return PutMessageResult(status, f"{self._store_host_hex}{phy:016X}", pending.uniq_keys[0], phy,
-                                queue_offsets[0], store_ts, pending.sizes[0])
+        return PutMessageResult(status, create_offset_msg_id(self.encoder.store_host_raw, phy), pending.uniq_keys[0],
+                                phy, queue_offsets[0], store_ts, pending.sizes[0])
 
     def put_messages(self, msgs: Iterable[Message]) -> PutResults:
         """Store messages as one contiguous, all-or-nothing append (``putMessages``).
