@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import random
 import shutil
@@ -220,6 +221,32 @@ def test_a_kill_during_an_opens_catch_up_leaves_it_to_the_next_open(tmp_path, da
         assert bodies == [b"body-%d" % i for i in range(0, 6000, 2)][: len(bodies)] and len(bodies) > 0
         for i in range(0, 6000, 97):
             assert [m.body for m in store.query_message("T" if i % 2 == 0 else "U", f"k{i}")] == [b"body-%d" % i]
+    assert verify_store(root, config).clean
+
+
+@pytest.mark.parametrize("offset", ["mid-record", "a record start", "past the end"])
+def test_a_redispatch_marker_off_a_record_boundary_still_opens(tmp_path, offset, caplog):
+    """``redispatch`` edited or damaged into an offset inside a record made every open fail with "bad magic"
+    until the file was deleted by hand. The open now dispatches from the record's segment start instead."""
+    options = {"mapped_file_size_commit_log": 1 << 16, "max_hash_slot_num": 1009, "max_index_num": 8000}
+    config = StoreConfig(**options)
+    root = tmp_path / "s"
+    with MessageStore.open(root, config) as store:
+        results = [store.put_message(Message("T", b"body-%d" % i, keys=[f"k{i}"])) for i in range(600)]
+    starts = [r.commit_log_offset for r in results]
+    second_segment = next(p for p in starts if p >= 1 << 16)
+    marker = {"mid-record": second_segment + 7, "a record start": starts[400], "past the end": 1 << 40}[offset]
+    shutil.rmtree(root / "index")  # what the catch-up has to rebuild, from the start of the log
+    (root / "redispatch").write_text(str(marker))
+    with caplog.at_level(logging.WARNING, logger="rocketstore.store"), MessageStore.open(root, config) as store:
+        assert not (root / "redispatch").exists()
+        store.wait_for_dispatch()
+        for i in range(0, 600, 7):
+            assert [m.body for m in store.query_message("T", f"k{i}")] == [b"body-%d" % i]
+    falls_back = [r.getMessage() for r in caplog.records if "where no record starts" in r.getMessage()]
+    assert bool(falls_back) == (offset == "mid-record")
+    if falls_back:
+        assert f"dispatching from {1 << 16} instead" in falls_back[0]
     assert verify_store(root, config).clean
 
 

@@ -228,6 +228,7 @@ class MessageStore:
         unfinished = marker.load()
         dispatcher = self.dispatcher
         if unfinished is not None:
+            unfinished = self._record_start_at_or_before(unfinished)
             log.warning("an earlier open's catch-up dispatch from %d did not finish: dispatching from there again",
                         unfinished)
             dispatcher.reput_from_offset = max(min(dispatcher.reput_from_offset, unfinished),
@@ -258,6 +259,24 @@ class MessageStore:
         # never past the recovered end: queues that pointed into a segment lost since would have the dispatcher
         # wait there, reading the middle of the records new puts write from the end
         return min(max(start, log_min), self.recovery.end_offset)
+
+    def _record_start_at_or_before(self, phy: int) -> int:
+        """``phy`` when a whole record starts there, else the start of its segment (always a record boundary).
+
+        ``redispatch`` is written only with record boundaries, but a file edited or damaged into another number
+        had dispatch decode the middle of a record: the open failed with "bad magic" until the file was deleted
+        by hand. Dispatching from the segment's start costs a re-read; its duplicates are absorbed."""
+        log_min, log_end = self.commit_log.min_offset, self.recovery.end_offset if self.recovery else 0
+        if phy <= log_min or phy >= log_end:
+            return phy  # clamped to the log by the caller; at or past the end nothing is dispatched from it
+        try:
+            self.commit_log.locate(phy, check_crc=True)
+            return phy
+        except (MessageNotFoundError, CorruptDataError):
+            mapped = self.commit_log.mapped_files.find(phy)
+            start = log_min if mapped is None else max(mapped.file_from_offset, log_min)
+            log.warning("redispatch names offset %d, where no record starts: dispatching from %d instead", phy, start)
+            return start
 
     # --- consume-queue units that point at the wrong record -----------------------------------------------
 
