@@ -162,14 +162,28 @@ def select_batch(index: IndexFile, key_hashes: np.ndarray, max_num: int, begin: 
     return _walk_chains(index, hashes, np.full(len(hashes), max_num, dtype=np.int64), begin, end, True)
 
 
+_key_walk: list = []  # ``_k.key_candidates``'s machine code, called without numba's dispatcher
+
+
+def _compiled_key_walk(args: tuple):
+    """The compiled ``_k.key_candidates`` for ``key_candidates``'s argument types, which never change (bytes, an
+    index file's read-only array, five ints): numba's dispatcher resolves the types of every call again, 0.3 us
+    of a 7 us key lookup. The entry point still converts each argument and raises TypeError on a wrong one."""
+    kernel = _k.key_candidates
+    kernel(*args)  # compiled, or loaded from numba's cache
+    _key_walk[:] = [kernel.overloads[tuple(map(kernel.typeof_pyval, args))].entry_point]
+    return _key_walk[0]
+
+
 def key_candidates(index: IndexFile, key_utf8: bytes, begin: int) -> list[int]:
     """A query's candidates in one file: every offset whose entry has the hash of ``topic#key`` (given as its
     UTF-8), newest first, no count limit, stopping at the first entry older than ``begin``."""
     if index.index_count <= 1:
         return []
     buf = index.array
-    matches, newest, key_hash = _k.key_candidates(key_utf8, buf, index.hash_slot_num, index.index_num,
-                                                  index.index_count, index.begin_timestamp, begin)
+    args = (key_utf8, buf, index.hash_slot_num, index.index_num, index.index_count, index.begin_timestamp, begin)
+    walk = _key_walk[0] if _key_walk else _compiled_key_walk(args)
+    matches, newest, key_hash = walk(*args)
     if matches <= 1:
         return [newest] if matches else []
     return _k.chain_offsets(buf, index.hash_slot_num, index.index_num, index.index_count, index.begin_timestamp,
