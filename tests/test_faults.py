@@ -273,10 +273,11 @@ def test_failed_background_flush_surfaces_at_the_next_put_flush_and_close(tmp_pa
 # the record bytes, or the commit point after them (8 bytes: a copy into a preallocated segment)
 @pytest.mark.parametrize(("case", "fail_at"), [("sparse", 1), ("sparse", 2), ("large", 1)])
 def test_failed_commit_log_write_is_an_error_and_writes_nothing(tmp_path, monkeypatch, fail_at, case):
-    """Appends to a sparse segment, and appends larger than COPY_LIMIT, go through pwrite(2): a failed one (EIO,
+    """Appends to a sparse segment, and appends larger than the copy limit, go through pwrite(2): a failed one (EIO,
     ENOSPC) raises a StoreIOError for that put, nothing of it is ever visible or recovered, and the next put
     lands where it would have."""
-    config = ASYNC.replace(preallocate=False) if case == "sparse" else ASYNC
+    # without a warmer: with one, appends up to WARMED_COPY_LIMIT (more than this segment) are copies
+    config = ASYNC.replace(preallocate=False) if case == "sparse" else ASYNC.replace(warm_ahead_commit_log=0)
     store = MessageStore.open(tmp_path, config)
     for i in range(3):
         store.put_message(message(i))

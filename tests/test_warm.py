@@ -121,6 +121,38 @@ def test_a_kernel_or_file_that_cannot_warm_stops_the_warmer_not_the_store(tmp_pa
     assert "no longer faulted in ahead" in caplog.text
 
 
+@linux_only
+@pytest.mark.usefixtures("kernel_warms")
+@pytest.mark.parametrize("warming", [True, False])
+def test_large_appends_copy_into_warmed_pages_and_pwrite_otherwise(tmp_path, monkeypatch, warming):
+    """With pages faulted in ahead, a 64 KiB put is a copy into the mapping (no system call handing the GIL to
+    the other producers and waiting for it back); without a warmer, or once it stops, it is a pwrite again."""
+    pwrites: list[int] = []
+    pwrite = mapped_file.os.pwrite
+
+    def counted(fd, data, pos):
+        if len(data) > mapped_file.COPY_LIMIT:  # an append's (small ones are other files' bookkeeping)
+            pwrites.append(len(data))
+        return pwrite(fd, data, pos)
+
+    monkeypatch.setattr(mapped_file.os, "pwrite", counted)
+    body = bytes(range(256)) * 256  # 64 KiB
+    with MessageStore.open(tmp_path, config(warm_ahead_commit_log=(1 << 20) if warming else 0)) as store:
+        files = store.commit_log.mapped_files
+        assert files.copy_limit == (mapped_file.WARMED_COPY_LIMIT if warming else mapped_file.COPY_LIMIT)
+        results = [store.put_message(Message("Big", body, keys=[f"k{i}"])) for i in range(3)]
+        assert (not pwrites) == warming, pwrites
+        assert all(f.copy_limit == files.copy_limit for f in files.files)
+        if warming:  # the warmer stops for good: the next large put is a pwrite
+            store.commit_log.warmer._give_up("a test")
+            store.put_message(Message("Big", body))
+            assert pwrites and pwrites[0] > len(body)
+        assert store.wait_for_dispatch()
+        assert [m.body for m in store.query_message("Big", "k2")] == [body] and results[2].ok
+        warmer = store.commit_log.warmer
+    assert warmer is None or files.copy_limit == mapped_file.COPY_LIMIT
+
+
 def test_close_stops_the_warmer_before_unmapping(tmp_path):
     """Closing while the thread is inside a large warm: it is joined first, so no close meets an exported
     buffer (BufferError) or a warm meets an unmapped segment."""

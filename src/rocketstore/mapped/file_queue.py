@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CorruptDataError, FlushError, StoreIOError
-from .file import FileBudget, MappedFile, fsync_dir, parse_segment_name, segment_name
+from .file import COPY_LIMIT, FileBudget, MappedFile, fsync_dir, parse_segment_name, segment_name
 
 
 class MappedFileQueue:
@@ -29,6 +29,13 @@ class MappedFileQueue:
         self.files: list[MappedFile] = []
         self._starts: list[int] = []
         self.flushed_where = 0
+        self.copy_limit = COPY_LIMIT  # each file's (MappedFile.write): raised while a warmer works ahead
+
+    def set_copy_limit(self, limit: int) -> None:
+        """The largest write copied into a mapping rather than pwritten, for every file now and to come."""
+        self.copy_limit = limit
+        for mapped in self.files:
+            mapped.copy_limit = limit
 
     def load(self) -> None:
         """Map every segment. A zero-length *last* file (a crash during creation) is removed.
@@ -63,6 +70,7 @@ class MappedFileQueue:
                     f"segment does not start where {self.files[-1].path.name} ends (a segment is missing)",
                     str(path))
             mapped.wrote_position = mapped.flushed_position = self.mapped_file_size
+            mapped.copy_limit = self.copy_limit
             self.files.append(mapped)
         self._starts = [f.file_from_offset for f in self.files]
 
@@ -108,6 +116,7 @@ class MappedFileQueue:
         self.directory.mkdir(parents=True, exist_ok=True)
         mapped = MappedFile.create(self.directory / segment_name(start_offset), self.mapped_file_size,
                                    preallocate=self.preallocate, staging=self.staging, budget=self.budget)
+        mapped.copy_limit = self.copy_limit
         self.files.append(mapped)
         self._starts.append(start_offset)
         return mapped

@@ -7,6 +7,9 @@ changed, no GIL held), so the producer's copy finds them mapped: +9% for ``put_m
 ``warmMappedFile`` writes zeros over a whole new segment for the same reason; this touches only what the next
 appends need.
 
+While it runs, appends of up to ``WARMED_COPY_LIMIT`` bytes copy into the mapping instead of pwriting (the
+copy finds its pages mapped; see ``MappedFile.write``); once it stops, the ordinary limit is back.
+
 It is an optimization and nothing more: a segment without allocated blocks is skipped, a kernel without the advice
 or any unexpected error stops it (logged once), and the store goes on exactly as without it. The pages it
 faults in are dirty zeros until appends fill them: a producer slower than ``ahead`` bytes per ~30 s (the
@@ -19,6 +22,7 @@ import errno
 import logging
 import threading
 
+from .file import COPY_LIMIT, WARMED_COPY_LIMIT
 from .file_queue import MappedFileQueue
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,7 @@ class WriteAheadWarmer:
 
     def start(self) -> None:
         if self.ahead > 0 and self._thread is None:
+            self.files.set_copy_limit(WARMED_COPY_LIMIT)
             self._thread = threading.Thread(target=self._run, name="rocketstore-warm", daemon=True)
             self._thread.start()
 
@@ -56,6 +61,7 @@ class WriteAheadWarmer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.files.set_copy_limit(COPY_LIMIT)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -100,4 +106,5 @@ class WriteAheadWarmer:
 
     def _give_up(self, why: str) -> None:
         self.stopped_by = why
+        self.files.set_copy_limit(COPY_LIMIT)  # the copies would take the page faults again, with the GIL
         log.info("commit-log pages are no longer faulted in ahead of appends: %s", why)
