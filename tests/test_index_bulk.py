@@ -247,9 +247,10 @@ def test_compiled_candidates_equal_the_walk(tmp_path_factory, puts, slots, begin
     assert mapping.closed  # the array kept for the compiled walks does not keep the file open
 
 
-def test_the_key_walk_called_without_numbas_dispatcher_still_checks_its_arguments(tmp_path):
+def test_the_key_walk_called_without_numbas_dispatcher_answers_as_the_dispatcher_does(tmp_path):
     """``key_candidates`` calls the compiled walk's entry point directly (0.3 us less per key lookup): it is the
-    dispatcher's own machine code for the same types, and an argument of another type is refused, not misread."""
+    dispatcher's own machine code for ``IndexFile.array``'s type, and it refuses an array of another item size
+    and objects of other kinds (it does not check an array's dtype or layout: only index files' arrays go in)."""
     from rocketstore.index.bulk import _compiled_key_walk, key_candidates
 
     index = IndexFile.create(tmp_path / "f", 11, 40)
@@ -258,6 +259,8 @@ def test_the_key_walk_called_without_numbas_dispatcher_still_checks_its_argument
     args = (b"T#k", index.array, index.hash_slot_num, index.index_num, index.index_count, index.begin_timestamp, 0)
     walk = _compiled_key_walk(args)
     assert walk(*args) == bulk._k.key_candidates(*args)
+    array = index.array
+    assert array.ndim == 1 and array.dtype == np.uint8 and array.flags.c_contiguous and not array.flags.writeable
     for bad in (np.zeros(index.array.size // 8, dtype=np.int64), "not an array"):
         with pytest.raises(TypeError):
             walk(args[0], bad, *args[2:])

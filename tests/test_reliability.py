@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
 from rocketstore.codec import decode_offset_msg_id, decode_properties, decode_uniq_key, read_layout
 from rocketstore.consumequeue import ConsumeQueue
+from rocketstore.dispatch import Dispatcher
 from rocketstore.errors import ChecksumError, RocketStoreError, StoreIOError
 from rocketstore.index import IndexFile
 from rocketstore.lifecycle import is_locked
@@ -224,29 +225,62 @@ def test_a_kill_during_an_opens_catch_up_leaves_it_to_the_next_open(tmp_path, da
     assert verify_store(root, config).clean
 
 
-@pytest.mark.parametrize("offset", ["mid-record", "a record start", "past the end"])
-def test_a_redispatch_marker_off_a_record_boundary_still_opens(tmp_path, offset, caplog):
-    """``redispatch`` edited or damaged into an offset inside a record made every open fail with "bad magic"
-    until the file was deleted by hand. The open now dispatches from the record's segment start instead."""
+def test_a_redispatch_marker_damaged_off_a_record_boundary_dispatches_the_whole_log(tmp_path, caplog):
+    """A kill mid catch-up leaves queues and index complete to the log's end but with holes before it, and
+    ``redispatch`` the only record of where the catch-up began. Damaged into an offset inside a record, it made
+    every open fail ("bad magic") until deleted by hand; the number proves nothing then, so the open dispatches
+    the whole log again (restarting at the named segment's start lost every key before it for good)."""
+    options = {"mapped_file_size_commit_log": 1 << 16, "mapped_file_size_consume_queue": 20 * 2000,
+               "max_hash_slot_num": 1009, "max_index_num": 12000}
+    config = StoreConfig(**options)
+    root = tmp_path / "s"
+    with MessageStore.open(root, config) as store:
+        starts = []
+        for j in range(0, 6000, 200):
+            results = store.put_messages([Message("T", b"body-%d" % i, keys=[f"k{i}"]) for i in range(j, j + 200)])
+            starts += [r.commit_log_offset for r in results]
+    shutil.rmtree(root / "index")
+    child = subprocess.run([sys.executable, "-c", KILL_AFTER_FIRST_BATCH, str(root), repr(options)],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert child.returncode == -9, child.stderr
+    marker = next(p for p in starts if p >= 8 << 16) + 7  # inside a record of the ninth segment
+    (root / "redispatch").write_text(str(marker))
+    with caplog.at_level(logging.WARNING, logger="rocketstore.store"), MessageStore.open(root, config) as store:
+        assert not (root / "redispatch").exists()
+        for i in range(0, 6000, 37):
+            assert [m.body for m in store.query_message("T", f"k{i}")] == [b"body-%d" % i], i
+    assert "where no record starts: dispatching the whole log from 0" in caplog.text
+    assert verify_store(root, config).clean
+
+
+@pytest.mark.parametrize("where", ["a record start", "a segment's closing blank", "past the end"])
+def test_a_redispatch_marker_at_a_boundary_is_trusted(tmp_path, monkeypatch, where):
+    """A record start, the blank that closes a segment (where dispatch stands after a segment's last record) and
+    anything past the log's end are where a catch-up may have begun: the open starts there, no whole-log redo."""
     options = {"mapped_file_size_commit_log": 1 << 16, "max_hash_slot_num": 1009, "max_index_num": 8000}
     config = StoreConfig(**options)
     root = tmp_path / "s"
     with MessageStore.open(root, config) as store:
         results = [store.put_message(Message("T", b"body-%d" % i, keys=[f"k{i}"])) for i in range(600)]
-    starts = [r.commit_log_offset for r in results]
-    second_segment = next(p for p in starts if p >= 1 << 16)
-    marker = {"mid-record": second_segment + 7, "a record start": starts[400], "past the end": 1 << 40}[offset]
-    shutil.rmtree(root / "index")  # what the catch-up has to rebuild, from the start of the log
+    blank = max(r.commit_log_offset + r.store_size for r in results if r.commit_log_offset < 1 << 16)
+    assert blank < 1 << 16
+    marker = {"a record start": results[400].commit_log_offset, "a segment's closing blank": blank,
+              "past the end": 1 << 40}[where]
     (root / "redispatch").write_text(str(marker))
-    with caplog.at_level(logging.WARNING, logger="rocketstore.store"), MessageStore.open(root, config) as store:
+    started = []
+    available = Dispatcher.dispatch_available
+
+    def recorded(self):
+        started.append(self.reput_from_offset)
+        return available(self)
+
+    monkeypatch.setattr(Dispatcher, "dispatch_available", recorded)
+    with MessageStore.open(root, config) as store:
         assert not (root / "redispatch").exists()
-        store.wait_for_dispatch()
+        if where != "past the end":
+            assert started[0] == marker, "the catch-up started somewhere else"
         for i in range(0, 600, 7):
             assert [m.body for m in store.query_message("T", f"k{i}")] == [b"body-%d" % i]
-    falls_back = [r.getMessage() for r in caplog.records if "where no record starts" in r.getMessage()]
-    assert bool(falls_back) == (offset == "mid-record")
-    if falls_back:
-        assert f"dispatching from {1 << 16} instead" in falls_back[0]
     assert verify_store(root, config).clean
 
 

@@ -29,6 +29,7 @@ from .brokerconfig import (
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
 from .codec.msgid import create_offset_msg_id
+from .codec.record import read_layout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
@@ -228,7 +229,7 @@ class MessageStore:
         unfinished = marker.load()
         dispatcher = self.dispatcher
         if unfinished is not None:
-            unfinished = self._record_start_at_or_before(unfinished)
+            unfinished = self._marker_start(unfinished)
             log.warning("an earlier open's catch-up dispatch from %d did not finish: dispatching from there again",
                         unfinished)
             dispatcher.reput_from_offset = max(min(dispatcher.reput_from_offset, unfinished),
@@ -260,12 +261,15 @@ class MessageStore:
         # wait there, reading the middle of the records new puts write from the end
         return min(max(start, log_min), self.recovery.end_offset)
 
-    def _record_start_at_or_before(self, phy: int) -> int:
-        """``phy`` when a whole record starts there, else the start of its segment (always a record boundary).
+    def _marker_start(self, phy: int) -> int:
+        """Where a catch-up that ``redispatch`` says did not finish starts again: ``phy`` when a record or a
+        segment's closing blank starts there, else the start of the log.
 
         ``redispatch`` is written only with record boundaries, but a file edited or damaged into another number
         had dispatch decode the middle of a record: the open failed with "bad magic" until the file was deleted
-        by hand. Dispatching from the segment's start costs a re-read; its duplicates are absorbed."""
+        by hand. Such a number proves nothing about where the unfinished catch-up began (a kill mid catch-up
+        leaves queues and index complete up to the log's end but with holes before it), so the whole log is
+        dispatched again, as for a marker that does not parse; its duplicates are absorbed."""
         log_min, log_end = self.commit_log.min_offset, self.recovery.end_offset if self.recovery else 0
         if phy <= log_min or phy >= log_end:
             return phy  # clamped to the log by the caller; at or past the end nothing is dispatched from it
@@ -273,10 +277,15 @@ class MessageStore:
             self.commit_log.locate(phy, check_crc=True)
             return phy
         except (MessageNotFoundError, CorruptDataError):
-            mapped = self.commit_log.mapped_files.find(phy)
-            start = log_min if mapped is None else max(mapped.file_from_offset, log_min)
-            log.warning("redispatch names offset %d, where no record starts: dispatching from %d instead", phy, start)
-            return start
+            pass
+        mapped = self.commit_log.mapped_files.find(phy)
+        if mapped is not None:
+            with contextlib.suppress(CorruptDataError):  # the blank that closes a segment: dispatch steps over it
+                if read_layout(mapped.buffer, phy - mapped.file_from_offset, mapped.wrote_position) is None:
+                    return phy
+        log.warning("redispatch names offset %d, where no record starts: dispatching the whole log from %d",
+                    phy, log_min)
+        return log_min
 
     # --- consume-queue units that point at the wrong record -----------------------------------------------
 

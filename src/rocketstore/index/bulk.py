@@ -167,8 +167,10 @@ _key_walk: list = []  # ``_k.key_candidates``'s machine code, called without num
 
 def _compiled_key_walk(args: tuple):
     """The compiled ``_k.key_candidates`` for ``key_candidates``'s argument types, which never change (bytes, an
-    index file's read-only array, five ints): numba's dispatcher resolves the types of every call again, 0.3 us
-    of a 7 us key lookup. The entry point still converts each argument and raises TypeError on a wrong one."""
+    index file's ``array``: always 1-D, C-contiguous, read-only uint8; five ints): numba's dispatcher resolves the
+    types of every call again, 0.3 us of a 7 us key lookup. The entry point converts each argument to the
+    compiled type but checks an array's item size only, not its dtype, dimensions or strides: it is called with
+    ``IndexFile.array`` and nothing else."""
     kernel = _k.key_candidates
     kernel(*args)  # compiled, or loaded from numba's cache
     _key_walk[:] = [kernel.overloads[tuple(map(kernel.typeof_pyval, args))].entry_point]
