@@ -282,6 +282,26 @@ def test_a_writer_refuses_a_store_whose_file_and_backup_are_both_bad_and_changes
         TopicConfigManager.SCHEMA(parse_fastjson((tmp_path / "config" / f"topics.json{suffix}").read_text()), "")
 
 
+def test_a_config_file_that_is_a_dangling_symlink_is_a_config_error_not_an_empty_file(tmp_path, caplog):
+    """topics.json linked to a disk that is not mounted read as a new store's missing file: every topic and, for
+    consumerOffset.json, every committed offset silently gone, then written over. It is a ConfigFileError now
+    (its backup is used when good), and an empty file with no backup loads as empty (as RocketMQ does), loudly."""
+    _store_with_messages(tmp_path)
+    config_dir = tmp_path / "config"
+    (config_dir / "consumerOffset.json.bak").unlink(missing_ok=True)
+    (config_dir / "consumerOffset.json").unlink(missing_ok=True)
+    (config_dir / "consumerOffset.json").symlink_to(tmp_path / "unmounted" / "consumerOffset.json")
+    before = _tree(tmp_path)
+    with pytest.raises(ConfigFileError, match=r"consumerOffset\.json: is a symbolic link to a file that does not"):
+        MessageStore.open(tmp_path, CONFIG)
+    assert _tree(tmp_path) == before, "nothing written, nothing removed"
+    (config_dir / "consumerOffset.json").unlink()
+    (config_dir / "consumerOffset.json").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="rocketstore.brokerconfig"), MessageStore.open(tmp_path, CONFIG):
+        pass
+    assert "consumerOffset.json is empty and has no backup with content" in caplog.text
+
+
 def test_a_bad_main_file_never_becomes_the_backup(tmp_path):
     """The main file is bad, the backup good: the next write must not copy the bad file into the backup."""
     offsets = ConsumerOffsetManager(tmp_path)

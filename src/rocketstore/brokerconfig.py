@@ -314,6 +314,8 @@ def _read_config(path: Path, schema: Check) -> dict | None:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
+        if path.is_symlink():  # a link to a disk not mounted, say: not a new store with no such file yet
+            raise ConfigFileError("is a symbolic link to a file that does not exist", str(path)) from None
         return None
     except OSError as exc:
         if exc.errno in _NOT_A_FILE:  # a directory or a symlink loop in its place: as bad as bad content
@@ -340,6 +342,8 @@ def load_config(path: Path, schema: Check = free) -> dict | None:
                 log.warning("%s; loaded from its backup %s", problems[0], bak.name)
             return data
     if not problems:
+        if path.exists():  # RocketMQ loads an empty file as empty too; an operator should hear of it
+            log.warning("%s is empty and has no backup with content: it is loaded as empty", path)
         return None
     if len(problems) == 1:
         raise problems[0]
