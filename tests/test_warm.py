@@ -137,7 +137,7 @@ def test_large_appends_copy_into_warmed_pages_and_pwrite_otherwise(tmp_path, mon
 
     monkeypatch.setattr(mapped_file.os, "pwrite", counted)
     body = bytes(range(256)) * 256  # 64 KiB
-    with MessageStore.open(tmp_path, config(warm_ahead_commit_log=(1 << 20) if warming else 0)) as store:
+    with MessageStore.open(tmp_path, config(warm_ahead_commit_log=(2 << 20) if warming else 0)) as store:
         files = store.commit_log.mapped_files
         assert files.copy_limit == (mapped_file.WARMED_COPY_LIMIT if warming else mapped_file.COPY_LIMIT)
         results = [store.put_message(Message("Big", body, keys=[f"k{i}"])) for i in range(3)]
@@ -151,6 +151,17 @@ def test_large_appends_copy_into_warmed_pages_and_pwrite_otherwise(tmp_path, mon
         assert [m.body for m in store.query_message("Big", "k2")] == [body] and results[2].ok
         warmer = store.commit_log.warmer
     assert warmer is None or files.copy_limit == mapped_file.COPY_LIMIT
+
+
+def test_the_copy_limit_stays_within_half_the_warmed_lead(tmp_path):
+    """A copy longer than half the lead could reach pages not faulted in yet, and take their faults holding the
+    GIL: a small ``warm_ahead_commit_log`` keeps the limit at half of it (never below the ordinary 16 KiB)."""
+    cases = ((1 << 20, 1 << 19), (8 << 20, mapped_file.WARMED_COPY_LIMIT), (16 << 10, mapped_file.COPY_LIMIT))
+    for ahead, limit in cases:
+        with MessageStore.open(tmp_path / str(ahead), config(warm_ahead_commit_log=ahead)) as store:
+            store.put_message(Message("T", b"x"))
+            assert store.commit_log.mapped_files.copy_limit == limit
+            assert store.commit_log.mapped_files.last.copy_limit == limit
 
 
 def test_close_stops_the_warmer_before_unmapping(tmp_path):

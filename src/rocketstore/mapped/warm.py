@@ -7,8 +7,9 @@ changed, no GIL held), so the producer's copy finds them mapped: +9% for ``put_m
 ``warmMappedFile`` writes zeros over a whole new segment for the same reason; this touches only what the next
 appends need.
 
-While it runs, appends of up to ``WARMED_COPY_LIMIT`` bytes copy into the mapping instead of pwriting (the
-copy finds its pages mapped; see ``MappedFile.write``); once it stops, the ordinary limit is back.
+While it runs, appends of up to ``WARMED_COPY_LIMIT`` bytes (and at most half the lead) copy into the mapping
+instead of pwriting (the copy finds its pages mapped; see ``MappedFile.write``); once it stops, the ordinary
+limit is back.
 
 It is an optimization and nothing more: a segment without allocated blocks is skipped, a kernel without the advice
 or any unexpected error stops it (logged once), and the store goes on exactly as without it. The pages it
@@ -45,7 +46,8 @@ class WriteAheadWarmer:
 
     def start(self) -> None:
         if self.ahead > 0 and self._thread is None:
-            self.files.set_copy_limit(WARMED_COPY_LIMIT)
+            # a copy larger than half the lead would reach pages the warmer may not have faulted in yet
+            self.files.set_copy_limit(max(COPY_LIMIT, min(WARMED_COPY_LIMIT, self.ahead // 2)))
             self._thread = threading.Thread(target=self._run, name="rocketstore-warm", daemon=True)
             self._thread.start()
 
