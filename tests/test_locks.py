@@ -134,6 +134,8 @@ def test_a_hold_marked_io_makes_waiters_sleep_at_once(monkeypatch, set_while_wai
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs interval timers")
+# a timer signal every 20 us also lands in finalizers, whose exceptions Python can only report as unraisable
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_interrupt_never_leaves_the_lock_held():
     """A signal handler that raises (Ctrl-C) runs in the main thread, anywhere in ``with guard.held():``; there
     the lock is taken and released in C, so no interrupt leaves it held (taking it in Python code leaked it
