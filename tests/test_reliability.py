@@ -225,7 +225,8 @@ def test_a_kill_during_an_opens_catch_up_leaves_it_to_the_next_open(tmp_path, da
     assert verify_store(root, config).clean
 
 
-def test_a_redispatch_marker_damaged_off_a_record_boundary_dispatches_the_whole_log(tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["inside a record", "past the end"])
+def test_a_redispatch_marker_damaged_off_a_record_boundary_dispatches_the_whole_log(tmp_path, caplog, damage):
     """A kill mid catch-up leaves queues and index complete to the log's end but with holes before it, and
     ``redispatch`` the only record of where the catch-up began. Damaged into an offset inside a record, it made
     every open fail ("bad magic") until deleted by hand; the number proves nothing then, so the open dispatches
@@ -243,7 +244,7 @@ def test_a_redispatch_marker_damaged_off_a_record_boundary_dispatches_the_whole_
     child = subprocess.run([sys.executable, "-c", KILL_AFTER_FIRST_BATCH, str(root), repr(options)],
                            capture_output=True, text=True, timeout=120, check=False)
     assert child.returncode == -9, child.stderr
-    marker = next(p for p in starts if p >= 8 << 16) + 7  # inside a record of the ninth segment
+    marker = next(p for p in starts if p >= 8 << 16) + 7 if damage == "inside a record" else 1 << 40
     (root / "redispatch").write_text(str(marker))
     with caplog.at_level(logging.WARNING, logger="rocketstore.store"), MessageStore.open(root, config) as store:
         assert not (root / "redispatch").exists()
@@ -253,10 +254,10 @@ def test_a_redispatch_marker_damaged_off_a_record_boundary_dispatches_the_whole_
     assert verify_store(root, config).clean
 
 
-@pytest.mark.parametrize("where", ["a record start", "a segment's closing blank", "past the end"])
+@pytest.mark.parametrize("where", ["a record start", "a segment's closing blank"])
 def test_a_redispatch_marker_at_a_boundary_is_trusted(tmp_path, monkeypatch, where):
-    """A record start, the blank that closes a segment (where dispatch stands after a segment's last record) and
-    anything past the log's end are where a catch-up may have begun: the open starts there, no whole-log redo."""
+    """A record start and the blank that closes a segment (where dispatch stands after a segment's last record) are
+    where a catch-up may have begun: the open starts there, no whole-log redo."""
     options = {"mapped_file_size_commit_log": 1 << 16, "max_hash_slot_num": 1009, "max_index_num": 8000}
     config = StoreConfig(**options)
     root = tmp_path / "s"
@@ -264,8 +265,7 @@ def test_a_redispatch_marker_at_a_boundary_is_trusted(tmp_path, monkeypatch, whe
         results = [store.put_message(Message("T", b"body-%d" % i, keys=[f"k{i}"])) for i in range(600)]
     blank = max(r.commit_log_offset + r.store_size for r in results if r.commit_log_offset < 1 << 16)
     assert blank < 1 << 16
-    marker = {"a record start": results[400].commit_log_offset, "a segment's closing blank": blank,
-              "past the end": 1 << 40}[where]
+    marker = {"a record start": results[400].commit_log_offset, "a segment's closing blank": blank}[where]
     (root / "redispatch").write_text(str(marker))
     started = []
     available = Dispatcher.dispatch_available
@@ -277,8 +277,7 @@ def test_a_redispatch_marker_at_a_boundary_is_trusted(tmp_path, monkeypatch, whe
     monkeypatch.setattr(Dispatcher, "dispatch_available", recorded)
     with MessageStore.open(root, config) as store:
         assert not (root / "redispatch").exists()
-        if where != "past the end":
-            assert started[0] == marker, "the catch-up started somewhere else"
+        assert started[0] == marker, "the catch-up started somewhere else"
         for i in range(0, 600, 7):
             assert [m.body for m in store.query_message("T", f"k{i}")] == [b"body-%d" % i]
     assert verify_store(root, config).clean

@@ -263,7 +263,7 @@ class MessageStore:
 
     def _marker_start(self, phy: int) -> int:
         """Where a catch-up that ``redispatch`` says did not finish starts again: ``phy`` when a record or a
-        segment's closing blank starts there, else the start of the log.
+        segment's closing blank starts there, else (inside a record, at or past the log's end) the start of the log.
 
         ``redispatch`` is written only with record boundaries, but a file edited or damaged into another number
         had dispatch decode the middle of a record: the open failed with "bad magic" until the file was deleted
@@ -271,14 +271,15 @@ class MessageStore:
         leaves queues and index complete up to the log's end but with holes before it), so the whole log is
         dispatched again, as for a marker that does not parse; its duplicates are absorbed."""
         log_min, log_end = self.commit_log.min_offset, self.recovery.end_offset if self.recovery else 0
-        if phy <= log_min or phy >= log_end:
-            return phy  # clamped to the log by the caller; at or past the end nothing is dispatched from it
-        try:
-            self.commit_log.locate(phy, check_crc=True)
-            return phy
-        except (MessageNotFoundError, CorruptDataError):
-            pass
-        mapped = self.commit_log.mapped_files.find(phy)
+        if phy <= log_min:
+            return phy  # raised to the log's start by the caller: the whole log
+        if phy < log_end:  # a catch-up is saved only from below the end, and no put runs before it finishes
+            try:
+                self.commit_log.locate(phy, check_crc=True)
+                return phy
+            except (MessageNotFoundError, CorruptDataError):
+                pass
+        mapped = self.commit_log.mapped_files.find(phy) if phy < log_end else None
         if mapped is not None:
             with contextlib.suppress(CorruptDataError):  # the blank that closes a segment: dispatch steps over it
                 if read_layout(mapped.buffer, phy - mapped.file_from_offset, mapped.wrote_position) is None:
