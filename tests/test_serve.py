@@ -606,3 +606,47 @@ def test_bad_access_control_options_are_usage_errors(tmp_path):
                            (["--accounts-file", str(tmp_path / "missing")], "cannot read")):
         done = rocketstore_cli("serve", "--store", str(tmp_path / "s"), "--listen", "127.0.0.1:0", *args)
         assert done.returncode in (1, 2) and expected in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_sql92_subscriptions_select_by_properties_and_bad_ones_are_refused(served):
+    """A SimpleConsumer subscribed with an SQL92 expression gets exactly the messages it selects; PullMessage
+    filters the same way; an expression that does not parse is ILLEGAL_FILTER_EXPRESSION, not a tag."""
+    from rocketmq.grpc_protocol import FilterType
+
+    server = served()
+    send_all(server, "Shop", [message("Shop", f"sale {i}".encode(), tag="Paid" if i % 2 else "New",
+                                      group="one", amount=str(i * 10), region="eu" if i < 4 else "us")
+                              for i in range(8)])  # one message group: one queue, for the pull below
+    selector = "amount >= 20 AND (region = 'eu' OR TAGS = 'New')"  # 2, 3, 4, 6
+    consumer = SimpleConsumer(server.config(), "Sql", {"Shop": FilterExpression(selector, FilterType.SQL)},
+                              await_duration=1)
+    consumer.startup()
+    try:
+        got = receive_until(consumer, 4)
+        for m in got:
+            consumer.ack(m)
+        assert sorted(m.body for m in got) == [b"sale 2", b"sale 3", b"sale 4", b"sale 6"]
+        assert consumer.receive(32, 10) == []
+    finally:
+        consumer.shutdown()
+
+    queue = next(q for q in (pb.MessageQueue(topic=pb.Resource(name="Shop"), id=i) for i in range(8))
+                 if server.call("QueryOffset", pb.QueryOffsetRequest(
+                     message_queue=q, query_offset_policy=pb.QueryOffsetPolicy.END), pb.QueryOffsetResponse).offset)
+    sql = pb.FilterExpression(type=pb.FilterType.SQL, expression="amount > 50")
+    pull = pb.PullMessageRequest(group=pb.Resource(name="Puller"), message_queue=queue, offset=0, batch_size=32,
+                                 filter_expression=sql)
+    pulled = server.call("PullMessage", pull, pb.PullMessageResponse, stream=True)
+    assert [r.message.body for r in pulled if r.HasField("message")] == [b"sale 6", b"sale 7"]
+    for bad in ("amount >", "amount = NULL", "a = 1 b"):
+        pull.filter_expression.expression = bad
+        reply = server.call("PullMessage", pull, pb.PullMessageResponse, stream=True)
+        assert reply[0].status.code == pb.Code.ILLEGAL_FILTER_EXPRESSION, bad
+        receive = pb.ReceiveMessageRequest(group=pb.Resource(name="Sql2"), message_queue=queue, batch_size=1,
+                                           filter_expression=pb.FilterExpression(type=pb.FilterType.SQL,
+                                                                                 expression=bad))
+        receive.long_polling_timeout.FromSeconds(1)
+        replies = server.call("ReceiveMessage", receive, pb.ReceiveMessageResponse, stream=True)
+        assert replies[0].status.code == pb.Code.ILLEGAL_FILTER_EXPRESSION and not any(
+            r.HasField("message") for r in replies), bad
+    assert server.stop() == 0

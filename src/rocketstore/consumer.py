@@ -17,13 +17,15 @@ from .encoder import validate_topic
 from .errors import InvalidQueryError, ReadOnlyStoreError, RocketStoreError
 from .message import MessageExt
 from .reads import GetMessageStatus, parse_tags
+from .sqlfilter import subscription_filter
 
 log = logging.getLogger(__name__)
 
 
 class Consumer:
     def __init__(self, store, group: str, topic: str, *, tags: str | Iterable[str] | None = None,
-                 start: str | int = "earliest", auto_commit: bool = True, batch_size: int = 32) -> None:
+                 sql: str | None = None, start: str | int = "earliest", auto_commit: bool = True,
+                 batch_size: int = 32) -> None:
         # every argument checked before anything is written (the group goes to subscriptionGroup.json)
         validate_topic(topic)
         if start not in ("earliest", "latest") and (type(start) is not int or start < 0):
@@ -31,6 +33,7 @@ class Consumer:
         if type(batch_size) is not int or batch_size < 1:
             raise InvalidQueryError(f"batch_size is a positive int, not {batch_size!r}")
         parsed = parse_tags(tags)  # kept parsed: a generator given as tags is read once
+        self.sql = subscription_filter(parsed, sql)  # compiled once; an invalid expression writes nothing
         self.store = store
         self.group = group
         self.topic = topic
@@ -91,7 +94,8 @@ class Consumer:
             for i in range(len(queues)):
                 queue_id = queues[(self._next_queue + i) % len(queues)]
                 position = self._position(queue_id)
-                result = self.store.get_message(self.topic, queue_id, position, limit - len(out), self.tags)
+                result = self.store.get_message(self.topic, queue_id, position, limit - len(out), self.tags,
+                                                sql=self.sql)
                 if result.status in (GetMessageStatus.OFFSET_TOO_SMALL, GetMessageStatus.OFFSET_OVERFLOW_BADLY,
                                      GetMessageStatus.OFFSET_FOUND_NULL, GetMessageStatus.FOUND,
                                      GetMessageStatus.NO_MATCHED_MESSAGE, GetMessageStatus.MESSAGE_WAS_REMOVING):

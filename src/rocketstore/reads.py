@@ -29,6 +29,7 @@ from .errors import (
 )
 from .index.service import IndexService, build_key
 from .message import MessageExt
+from .sqlfilter import SqlFilter, subscription_filter
 
 LONG_MAX = (1 << 63) - 1
 MAX_TOTAL_MSG_SIZE = 128 << 20  # maxTransferBytesOnMessageInDisk-style cap on one getMessage batch
@@ -93,9 +94,12 @@ class StoreReader:
     # --- by queue offset ---------------------------------------------------------------------
 
     def get_message(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
-                    tags: str | Iterable[str] | None = None, max_total_bytes: int = MAX_TOTAL_MSG_SIZE
-                    ) -> GetMessageResult:
-        """``getMessage``: up to ``max_msgs`` messages from ``offset`` in one queue, filtered by tags."""
+                    tags: str | Iterable[str] | None = None, max_total_bytes: int = MAX_TOTAL_MSG_SIZE, *,
+                    sql: str | SqlFilter | None = None) -> GetMessageResult:
+        """``getMessage``: up to ``max_msgs`` messages from ``offset`` in one queue, filtered by tags or by an
+        SQL92 expression over their properties (``sqlfilter``); a message filtered out is passed over."""
+        wanted = parse_tags(tags)
+        selector = subscription_filter(wanted, sql)
         queue = self.queues.get(topic, queue_id)
         if queue is None or queue.max_offset_in_queue == 0:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
@@ -106,7 +110,6 @@ class StoreReader:
             return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_ONE, offset, low, high)
         if offset > high:
             return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_BADLY, high, low, high)
-        wanted = parse_tags(tags)
         codes = {java_string_hash(t) for t in wanted} if wanted else None
         max_units = max(16000, max_msgs * 20) // 20
         try:
@@ -144,6 +147,8 @@ class StoreReader:
                     continue
             if wanted is not None and msg.tags not in wanted:
                 continue  # the tags code matched, the tags did not: a hash collision
+            if selector is not None and not selector.matches(msg.properties):
+                continue
             result.messages.append(msg)
             total += size
         if result.messages:

@@ -57,6 +57,7 @@ from .reads import GetMessageResult, StoreReader
 from .recovery import RecoveryReport, recover_commit_log
 from .retention import RetentionReport, delete_expired_files
 from .schedule import ScheduleMessageService
+from .sqlfilter import SqlFilter
 
 log = logging.getLogger(__name__)
 
@@ -672,13 +673,15 @@ class MessageStore:
         return self.dispatcher.wait_dispatched(target, timeout)
 
     def get_message(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
-                    tags: str | Iterable[str] | None = None) -> GetMessageResult:
+                    tags: str | Iterable[str] | None = None, *, sql: str | SqlFilter | None = None
+                    ) -> GetMessageResult:
         """Messages of one queue from a queue offset (``getMessage``), with RocketMQ's statuses.
 
-        ``tags`` is a subscription such as ``"TagA || TagB"`` (None or ``"*"``: all).
+        ``tags`` is a subscription such as ``"TagA || TagB"`` (None or ``"*"``: all); ``sql`` instead an SQL92
+        expression over the messages' properties, as RocketMQ's ``MessageSelector.bySql`` (see ``sqlfilter``).
         """
         self._check_open()
-        return self._reader().get_message(topic, queue_id, offset, max_msgs, tags)
+        return self._reader().get_message(topic, queue_id, offset, max_msgs, tags, sql=sql)
 
     def get_offset_in_queue_by_time(self, topic: str, queue_id: int, timestamp: int,
                                     boundary: str = "lower") -> int:

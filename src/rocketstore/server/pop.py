@@ -30,6 +30,7 @@ from ..codec.properties import PropertyName
 from ..errors import RocketStoreError
 from ..message import MessageExt
 from ..reads import GetMessageStatus
+from ..sqlfilter import SqlFilter
 from ..store import MessageStore
 
 DLQ_PREFIX = "%DLQ%"
@@ -125,7 +126,7 @@ class PopGroups:
         return state
 
     def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
-                tags: str | None) -> list[Delivery]:
+                tags: str | None, sql: SqlFilter | None = None) -> list[Delivery]:
         """Up to ``batch`` messages: those whose invisible time has passed first, then new ones."""
         now = _now_ms()
         out: list[Delivery] = []
@@ -143,7 +144,8 @@ class PopGroups:
                 state = self._state(group, topic, queue_id)
                 if fifo:
                     self._take_held(group, topic, queue_id, state, batch - len(out), now, invisible_ms, out)
-                self._take_new(group, topic, queue_id, state, batch - len(out), now, invisible_ms, tags, out, fifo)
+                self._take_new(group, topic, queue_id, state, batch - len(out), now, invisible_ms, tags, sql, out,
+                               fifo)
         return out
 
     def _deliver(self, group: str, topic: str, queue_id: int, state: QueueState, msg: MessageExt, attempt: int,
@@ -187,9 +189,10 @@ class PopGroups:
             room -= 1
 
     def _take_new(self, group: str, topic: str, queue_id: int, state: QueueState, room: int, now: int,
-                  invisible_ms: int, tags: str | None, out: list[Delivery], fifo: bool = False) -> None:
+                  invisible_ms: int, tags: str | None, sql: SqlFilter | None, out: list[Delivery],
+                  fifo: bool = False) -> None:
         while room > 0 and not (fifo and len(state.held) >= HELD_MAX):
-            found = self.store.get_message(topic, queue_id, state.next, min(SCAN_MAX, room), tags)
+            found = self.store.get_message(topic, queue_id, state.next, min(SCAN_MAX, room), tags, sql=sql)
             if found.status is GetMessageStatus.OFFSET_TOO_SMALL:  # retention removed what we had not read
                 state.next = max(state.next, found.min_offset)
                 state.committed = max(state.committed, found.min_offset)

@@ -39,6 +39,7 @@ from ..errors import (
     TopicNotExistError,
 )
 from ..message import Message, MessageExt, PutMessageStatus
+from ..sqlfilter import InvalidFilterError, SqlFilter, compile_sql92
 from ..store import MessageStore
 from ..transaction import TransactionLog, UnknownTransactionError
 from .auth import Accounts
@@ -76,6 +77,7 @@ _CODES: tuple[tuple[type | tuple[type, ...], int], ...] = (
     (UnknownTransactionError, pb.Code.INVALID_TRANSACTION_ID),
     (InvalidPropertyError, pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY),
     (InvalidReceiptHandleError, pb.Code.INVALID_RECEIPT_HANDLE),
+    (InvalidFilterError, pb.Code.ILLEGAL_FILTER_EXPRESSION),
     ((MessageIllegalError, InvalidQueueError), pb.Code.BAD_REQUEST),
 )
 
@@ -91,6 +93,17 @@ def status_of(exc: BaseException) -> Status:
     if isinstance(exc, StoreFailedError | StoreIOError):
         return Status(pb.Code.INTERNAL_SERVER_ERROR, f"the store cannot write: {text}")
     return Status(pb.Code.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {text}")
+
+
+def subscription(expression) -> tuple[str | None, SqlFilter | None]:
+    """(tags, SQL92 filter) of a request's ``FilterExpression``: a TAG expression (empty or ``*``: every
+    message) or a compiled SQL92 one; an expression that does not compile is ILLEGAL_FILTER_EXPRESSION."""
+    if expression.type == pb.FilterType.SQL:
+        try:
+            return None, compile_sql92(expression.expression)
+        except InvalidFilterError as exc:
+            raise Status(pb.Code.ILLEGAL_FILTER_EXPRESSION, f"SQL92 filter {expression.expression!r}: {exc}") from None
+    return expression.expression or None, None
 
 
 def _ms(stamp) -> int:
@@ -438,10 +451,7 @@ class MessagingService:
             read, _write = self._topic_queues(topic, create=False)
             if not group:
                 raise Status(pb.Code.ILLEGAL_CONSUMER_GROUP, "consumer group is empty")
-            expression = request.filter_expression
-            if expression.type == pb.FilterType.SQL:
-                raise Status(pb.Code.UNSUPPORTED, "SQL92 filters are not supported by rocketstore serve")
-            tags = expression.expression or None
+            tags, sql = subscription(request.filter_expression)
             invisible_ms = _duration_ms(request.invisible_duration) if request.HasField("invisible_duration") \
                 else DEFAULT_INVISIBLE_MS
             if invisible_ms <= 0:
@@ -460,7 +470,7 @@ class MessagingService:
         queue_ids = [(start + i) % read for i in range(read)]
         while True:
             try:
-                deliveries = self.pop.receive(group, topic, queue_ids, batch, invisible_ms, tags)
+                deliveries = self.pop.receive(group, topic, queue_ids, batch, invisible_ms, tags, sql)
             except RocketStoreError as exc:
                 failure = status_of(exc)
                 yield pb.ReceiveMessageResponse(status=status(failure.code, str(failure)))
@@ -578,11 +588,11 @@ class MessagingService:
 
     def PullMessage(self, request, context) -> Iterator:
         queue = request.message_queue
-        tags = request.filter_expression.expression or None
         try:
+            tags, sql = subscription(request.filter_expression)
             found = self.store.get_message(queue.topic.name, queue.id, request.offset, max(1, request.batch_size or 32),
-                                           tags)
-        except RocketStoreError as exc:
+                                           tags, sql=sql)
+        except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             yield pb.PullMessageResponse(status=status(failure.code, str(failure)))
             return

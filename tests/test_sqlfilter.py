@@ -1,0 +1,182 @@
+"""SQL92 property filters: RocketMQ's dialect and results, and subscriptions that use them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.errors import InvalidQueryError
+from rocketstore.sqlfilter import MAX_DEPTH, InvalidFilterError, compile_sql92
+
+PROPS = {"a": "10", "b": "x", "TAGS": "TagA", "f": "2.5", "t": "true", "big": "3000000000", "q": "it's"}
+
+# (expression, selected?) as RocketMQ's filter module evaluates them over PROPS: properties are strings, read as
+# the type of the number they are compared with; a failed read fails the whole expression for the message.
+CASES = [
+    ("a > 5", True), ("a = 10", True), ("a = 10.0", True), ("a <> 10", False), ("a < 5", False),
+    ("a >= 10 AND a <= 10", True), ("a = '10'", True), ("a = '10.0'", False),
+    ("z = 1", False), ("z <> 1", False), ("NOT z = 1", False), ("z IS NULL", True), ("a IS NOT NULL", True),
+    ("z IS NOT NULL", False), ("b = 'x'", True), ("b <> 'y'", True),
+    ("b > 5", False), ("b > 5 OR a > 5", False), ("a > 5 OR b > 5", True),  # the failure is reached or not
+    ("a BETWEEN 1 AND 10", True), ("a BETWEEN 11 AND 20", False), ("a NOT BETWEEN 1 AND 10", False),
+    ("a NOT BETWEEN 11 AND 20", True), ("z BETWEEN 1 AND 2", False), ("z NOT BETWEEN 1 AND 2", False),
+    ("TAGS IN ('TagA', 'TagB')", True), ("TAGS NOT IN ('TagA')", False), ("z IN ('x')", False),
+    ("z NOT IN ('x')", False), ("b CONTAINS 'x'", True), ("b CONTAINS ''", False),
+    ("z NOT CONTAINS 'x'", False),  # NULL is FALSE here, not unknown
+    ("TAGS STARTSWITH 'Tag'", True), ("TAGS ENDSWITH 'A'", True), ("TAGS NOT ENDSWITH 'A'", False),
+    ("q = 'it''s'", True),
+    ("f > 2", False),  # Integer.valueOf("2.5") fails: the message is not selected
+    ("f > 2.0", True), ("f > a", False), ("a > f", True),  # two properties compare as doubles
+    ("big > 1", False), ("big > 1L", False), ("big > 2147483648", True),  # 1 and 1L are Integers: "3e9" does not fit
+    ("t = TRUE", True), ("b = TRUE", False), ("1 = TRUE", False),
+    ("TRUE", True), ("FALSE", False), ("NULL", False), ("a", False),  # a property alone is never TRUE
+    ("NOT (a = 10)", False), ("NOT (z = 1)", False), ("(a = 10) = TRUE", True),
+    ("a = -10", False), ("a > -5", True), ("a > +5", True), ("a > - -5", True), ("-a < 0", False),
+    ("a > 5 AND z = 1", False), ("a > 5 OR z = 1", True), ("a < 5 OR z = 1", False),
+    ("a > 5 and b = 'x' Or z = 1", True),  # keywords in any case
+    ("a > 5 -- a comment\n AND b = 'x'", True), ("a > 5 /* a * comment */ AND b = 'x'", True),
+    ("a > 5 -- to the end", True),
+]
+
+
+@pytest.mark.parametrize(("expression", "selected"), CASES)
+def test_selects_what_rocketmq_selects(expression, selected):
+    assert compile_sql92(expression).matches(PROPS) is selected
+
+
+REFUSED = [
+    ("a = NULL", "cannot be compared"), ("'x' > a", "cannot be compared"), ("a > TRUE", "cannot be compared"),
+    ("a > (b = 1)", "cannot be compared"), ("NOT a > 5", "cannot be compared"),
+    ("a BETWEEN 5 AND 1", "first bound"), ("a BETWEEN NULL AND 1", "cannot be NULL"),
+    ("a BETWEEN 'x' AND 1", "cannot be compared"), ("5 IN ('5')", "needs a property"), ("5", "boolean"),
+    ("'x'", "boolean"), ("a > 5 AND 7", "boolean"), ("a > 0.0", "decimals"), ("a > 1e400", "decimals"),
+    ("a = 99999999999999999999", "64 bits"), ("TRUE = 1", "cannot be compared with"),
+    ("a = 1 b = 2", "after the expression"), ("a >", "expected a value"), ("a ! 5", "unexpected character"),
+    ("a = 'open", "unexpected character"), ("a IN ()", "quoted string"), ("a IN (1)", "quoted string"),
+    ("a CONTAINS b", "quoted string"), ("a IS 5", "expected 'NOT'"), ("(a = 1", "expected ')'"),
+    ("é = 1", "unexpected character"), ("", "empty"), ("   ", "empty"),
+]
+
+
+@pytest.mark.parametrize(("expression", "why"), REFUSED)
+def test_refuses_what_rocketmq_refuses_with_a_reason(expression, why):
+    with pytest.raises(InvalidFilterError, match=re.escape(why)):
+        compile_sql92(expression)
+
+
+def test_not_a_string_and_nesting_beyond_the_limit_are_refused_not_crashes():
+    with pytest.raises(InvalidFilterError):
+        compile_sql92(["a = 1"])  # type: ignore[arg-type]
+    for deep in ("(" * 500 + "a = 1" + ")" * 500, "NOT " * 500 + "a", "- " * 500 + "a > 1", " = ".join("a" * 300)):
+        with pytest.raises(InvalidFilterError, match="nested"):
+            compile_sql92(deep)
+    assert compile_sql92("(" * (MAX_DEPTH - 2) + "a = 10" + ")" * (MAX_DEPTH - 2)).matches(PROPS)
+    # a long generated chain is one flat node, however long
+    assert compile_sql92(" OR ".join(f"a = {i}" for i in range(20_000))).matches(PROPS)
+    assert not compile_sql92(" AND ".join(f"a > {i}" for i in range(20_000))).matches(PROPS)
+
+
+def test_java_number_texts():
+    """A property read as a number follows Java's parsers, not Python's."""
+    cases = {"1_000": False, " 10 ": False, "+10": True, "0x10": False, "١٠": True}  # Integer.valueOf
+    for text, selected in cases.items():
+        assert compile_sql92("v = 10").matches({"v": text}) is selected, text
+    doubles = {"1e1": True, "10d": True, "10.0F": True, " 10.0 ": True, "0x1.4p3": True, "1_0.0": False,
+               "Infinity": False, "NaN": False, "inf": False}  # Double.valueOf
+    for text, selected in doubles.items():
+        assert compile_sql92("v = 10.0").matches({"v": text}) is selected, text
+    assert compile_sql92("v > 1.5").matches({"v": "Infinity"}) and compile_sql92("v > 1.5").matches({"v": "NaN"})
+
+
+# --- three-valued logic against an independent reference ------------------------------------------------------
+
+def _reference(tree, props):
+    """None/True/False, as SQL's three-valued logic defines AND, OR, NOT over comparisons of integers."""
+    kind = tree[0]
+    if kind == "cmp":
+        _, name, op, number = tree
+        if props.get(name) is None:
+            return None
+        value = int(props[name])
+        return {"=": value == number, "<>": value != number, ">": value > number, "<": value < number}[op]
+    if kind == "not":
+        inner = _reference(tree[1], props)
+        return None if inner is None else not inner
+    left, right = _reference(tree[1], props), _reference(tree[2], props)
+    if kind == "and":
+        return False if False in (left, right) else None if None in (left, right) else True
+    return True if True in (left, right) else None if None in (left, right) else False
+
+
+def _text(tree) -> str:
+    kind = tree[0]
+    if kind == "cmp":
+        return f"{tree[1]} {tree[2]} {tree[3]}"
+    if kind == "not":
+        return f"NOT ({_text(tree[1])})"
+    return f"({_text(tree[1])}) {kind.upper()} ({_text(tree[2])})"
+
+
+_comparisons = st.tuples(st.just("cmp"), st.sampled_from("pqr"), st.sampled_from(["=", "<>", ">", "<"]),
+                         st.integers(-3, 3))
+_trees = st.recursive(_comparisons, lambda inner: st.one_of(
+    st.tuples(st.just("not"), inner), st.tuples(st.sampled_from(["and", "or"]), inner, inner)), max_leaves=12)
+_props = st.dictionaries(st.sampled_from("pqr"), st.integers(-3, 3).map(str))
+
+
+@settings(max_examples=400, deadline=None)
+@given(_trees, _props)
+def test_three_valued_logic_matches_a_reference(tree, props):
+    assert compile_sql92(_text(tree)).matches(props) is (_reference(tree, props) is True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_trees, min_size=2, max_size=8), _props, st.sampled_from(["AND", "OR"]))
+def test_flat_chains_equal_left_deep_trees(trees, props, op):
+    chain = f" {op} ".join(f"({_text(t)})" for t in trees)
+    nested = f"({_text(trees[0])})"
+    for tree in trees[1:]:
+        nested = f"({nested}) {op} ({_text(tree)})"
+    assert compile_sql92(chain).matches(props) is compile_sql92(nested).matches(props)
+
+
+# --- subscriptions ---------------------------------------------------------------------------------------------
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=1 << 20, max_hash_slot_num=97, max_index_num=400)
+
+
+def _store_with_orders(root) -> MessageStore:
+    store = MessageStore.open(root, CONFIG)
+    store.put_messages([Message("Orders", f"order {i}".encode(), tags="Paid" if i % 2 else "New", queue_id=0,
+                                properties={"amount": str(i * 10), "region": "eu" if i < 5 else "us"})
+                        for i in range(10)])
+    store.wait_for_dispatch(10)
+    return store
+
+
+def test_get_message_and_consumers_filter_by_sql92(tmp_path):
+    with _store_with_orders(tmp_path / "s") as store:
+        found = store.get_message("Orders", 0, 0, 32, sql="amount >= 30 AND region = 'eu' AND TAGS = 'Paid'")
+        assert [m.body for m in found.messages] == [b"order 3"]
+        assert found.next_begin_offset == 10  # the filtered-out messages are passed over, as with tags
+        assert store.get_message("Orders", 0, 0, 32, sql="amount > 1000").messages == []
+        consumer = store.consumer("Eu", "Orders", sql="region = 'eu'")
+        assert [m.body for m in consumer.poll(timeout=1)] == [f"order {i}".encode() for i in range(5)]
+        consumer.close()
+        assert store.query_offset("Eu", "Orders", 0) == 10
+
+
+def test_bad_subscriptions_raise_and_write_nothing(tmp_path):
+    with _store_with_orders(tmp_path / "s") as store:
+        with pytest.raises(InvalidFilterError, match="position"):
+            store.get_message("Orders", 0, 0, 32, sql="amount >")
+        with pytest.raises(InvalidQueryError, match="not both"):
+            store.get_message("Orders", 0, 0, 32, "Paid", sql="amount > 1")
+        with pytest.raises(InvalidFilterError):
+            store.consumer("Bad", "Orders", sql="amount = NULL")
+        assert "Bad" not in store.subscription_groups.groups
+        assert store.get_message("Orders", 0, 0, 32, "*", sql="amount > 85").messages[0].body == b"order 9"
