@@ -114,7 +114,9 @@ def _compare(lv: object, rv: object) -> int:
     lc, rc = _kind(lv), _kind(rv)
     if lc is not rc:
         if lc is bool:
-            raise _EvalError("a boolean compared with a non-boolean")  # RocketMQ: a ClassCastException
+            if rc is str:  # RocketMQ casts the Boolean to String here: a ClassCastException
+                raise _EvalError("a boolean compared with a string")
+            return -1
         if lc is Int:
             if rc is Long:
                 lv = Long(lv)
@@ -377,7 +379,7 @@ _KEYWORDS = {"NOT", "AND", "OR", "BETWEEN", "IN", "TRUE", "FALSE", "NULL", "IS",
              "ENDSWITH"}
 _TOKEN = re.compile(r"""
     (?P<space>[ \t\n\r\f]+)
-  | (?P<comment>--[^\n\r]*(\r\n|\n|\r|$)|/\*[^*]*\*+([^*/][^*]*\*+)*/)
+  | (?P<comment>--[^\n\r]*(\r\n|\n|\r)|/\*[^*]*\*+([^*/][^*]*\*+)*/)  # "--" needs a line end, as RocketMQ's
   | (?P<float>(\d+\.\d*|\.\d+)([eE][+-]?\d+)?|\d+[eE][+-]?\d+)
   | (?P<decimal>(0|[1-9]\d*)[lL]?)
   | (?P<string>'([^']|'')*')
