@@ -142,6 +142,24 @@ def test_print_msg_walks_every_queue_with_filters(store):
     assert len(bodies) >= sum(1 for r in results[100:120] if r.store_timestamp >= results[100].store_timestamp) // 2
 
 
+def test_print_msg_filters_by_sql92_over_properties(store):
+    root, _results = store
+
+    def lines(*args: str) -> list[str]:
+        out = cli("print-msg", "--store", str(root), "-t", "Topic1", *args).stdout.splitlines()
+        return [line for line in out if line.startswith("MSGID:")]
+
+    assert lines("--sql", "TAGS = 'Tag0'") == lines("-s", "Tag0") and len(lines("-s", "Tag0")) == 20
+    found = [json.loads(x) for x in cli("print-msg", "--store", str(root), "-t", "Topic1", "--json", "--body",
+                                        "--sql", "KEYS STARTSWITH 'order-3 ' OR TAGS = 'Nope'").stdout.splitlines()]
+    assert [base64.b64decode(row["body"]) for row in found] == [b"message 3"]
+    assert lines("--sql", "TAGS IS NULL") == []
+    bad = cli("print-msg", "--store", str(root), "-t", "Topic1", "--sql", "TAGS = NULL", check=False)
+    assert bad.returncode == 2 and "--sql" in bad.stderr and "Traceback" not in bad.stderr
+    both = cli("print-msg", "--store", str(root), "-t", "Topic1", "-s", "Tag0", "--sql", "TAGS = 'x'", check=False)
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
 def test_print_msg_lines_are_javas_message_ext_to_string(store):
     """Each line is mqadmin printMsg's: the message id, Java's ``MessageExt.toString()``, the body."""
     root, _results = store

@@ -589,6 +589,16 @@ class SqlFilter:
             return False
 
 
+def select_rows(batch, selector: SqlFilter):
+    """The rows of a ``pyarrow.RecordBatch`` of messages (its ``properties`` map column) that ``selector``
+    selects: for tools that read queues in batches (one dict per row, tested as ``get_message`` tests a
+    message)."""
+    import pyarrow as pa
+
+    keep = [selector.matches(dict(pairs or ())) for pairs in batch.column("properties").to_pylist()]
+    return batch.filter(pa.array(keep, pa.bool_()))
+
+
 def subscription_filter(tags: object, sql: str | SqlFilter | None) -> SqlFilter | None:
     """The SQL92 filter of a subscription, compiled; ``tags`` is the parsed tag set (None: every tag). A
     subscription filters by tags or by SQL92, never both (RocketMQ's expression type is one or the other)."""

@@ -382,11 +382,17 @@ Examples:
 @click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
 @click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
 @click.option("-s", "--sub-expression", default="*", show_default=True, help="tags, e.g. 'TagA || TagB'")
+@click.option("--sql", callback=lambda _ctx, _param, value: _sql_option(value),
+              help="an SQL92 filter over the properties instead of tags, e.g. \"region = 'eu' AND amount > 100\"")
 @click.option("--body", is_flag=True, help="print bodies")
 @json_option
 @fails_cleanly
-def print_msg(topic, begin, end, sub_expression, body, as_json, **kwargs) -> None:
+def print_msg(topic, begin, end, sub_expression, sql, body, as_json, **kwargs) -> None:
     """Every message of a topic, queue by queue, optionally in a time window (like mqadmin printMsg)."""
+    from ..sqlfilter import select_rows
+
+    if sql is not None and sub_expression.strip() != "*":
+        raise click.UsageError("filter by tags (-s) or by --sql, not both")
     start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
     with read_only_store(_store_args(kwargs)) as store:
         queue_ids = store.queue_ids(topic)
@@ -402,7 +408,10 @@ def print_msg(topic, begin, end, sub_expression, body, as_json, **kwargs) -> Non
             if not as_json:
                 click.echo(f"minOffset={low}, maxOffset={high}, MessageQueue [topic={topic}, queueId={queue_id}]")
             read_body = body or not as_json  # the text form shows the body's length
-            for batch in store.queue_arrow(topic, queue_id, low, high, sub_expression, include_body=read_body):
+            for read in store.queue_arrow(topic, queue_id, low, high, sub_expression, include_body=read_body):
+                batch = read if sql is None else select_rows(read, sql)
+                if not batch.num_rows:
+                    continue
                 if as_json:
                     rows = arrow_message_rows(batch) if body else arrow_messages(batch)
                     click.echo("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))
@@ -410,6 +419,18 @@ def print_msg(topic, begin, end, sub_expression, body, as_json, **kwargs) -> Non
                     click.echo("\n".join(java_message_lines(batch, body=body)))
             if not as_json:
                 click.echo("-" * 56)
+
+
+def _sql_option(value: str | None):
+    """--sql compiled once; one that does not parse is a usage error naming where."""
+    if value is None:
+        return None
+    from ..sqlfilter import InvalidFilterError, compile_sql92
+
+    try:
+        return compile_sql92(value)
+    except InvalidFilterError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sql") from None
 
 
 # --- files -----------------------------------------------------------------------------------------
