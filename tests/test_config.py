@@ -6,6 +6,7 @@ import pytest
 
 from rocketstore import FlushDiskType, StoreConfig
 from rocketstore.errors import ConfigError
+from test_cli import cli, tree
 
 
 def test_defaults_are_rocketmqs():
@@ -50,3 +51,80 @@ def test_from_broker_conf_reads_camel_case_keys(tmp_path):
 def test_replace_keeps_validation():
     with pytest.raises(ConfigError):
         StoreConfig().replace(mapped_file_size_commit_log=3)
+
+
+def _store(root, segments: int = 2):
+    """A store in RocketMQ's 4-entries-per-slot geometry (detectable from its files), ``segments`` commit-log
+    segments, consume queues of several files and several index files."""
+    from rocketstore import Message, MessageStore
+
+    config = StoreConfig(mapped_file_size_commit_log=1 << 14, mapped_file_size_consume_queue=20 * 20,
+                         max_hash_slot_num=7, max_index_num=28)
+    with MessageStore.open(root, config) as store:
+        i = 0
+        while store.commit_log.max_offset <= (segments - 1) << 14:
+            store.put_message(Message("T" if i % 3 else "U", b"body-%d" % i, keys=[f"k{i}"], queue_id=i % 2))
+            i += 1
+    return config
+
+
+def test_one_damaged_file_never_redefines_the_geometry(tmp_path):
+    """The first consume-queue file os.walk met, and the newest index file, decided the store's geometry: one
+    truncated file made every other queue look damaged (a writer then set them all aside and rebuilt them at
+    the damaged size) or made every command fail."""
+    import os
+
+    from rocketstore.config import detect_config
+
+    root = tmp_path / "s"
+    config = _store(root)
+    first_queue_file = next(os.path.join(d, sorted(f)[0]) for d, _, f in os.walk(root / "consumequeue") if f)
+    os.truncate(first_queue_file, 100)
+    newest_index = sorted((root / "index").iterdir())[-1]
+    assert len(list((root / "index").iterdir())) > 2
+    os.truncate(newest_index, 300)
+    (root / "index" / "29991231235959999").mkdir()  # a directory is no index file
+    found = detect_config(root)
+    assert found.mapped_file_size_consume_queue == config.mapped_file_size_consume_queue
+    assert (found.max_hash_slot_num, found.max_index_num) == (7, 28)
+    assert found.mapped_file_size_commit_log == config.mapped_file_size_commit_log
+
+
+def test_explicit_geometry_wins_over_a_damaged_single_segment(tmp_path):
+    """With one segment, a truncated segment's size overrode even the broker.conf's, and a put then wrote a new
+    segment of the damaged size after it."""
+    import os
+
+    from rocketstore.config import detect_config
+
+    root = tmp_path / "s"
+    config = _store(root, segments=1)
+    segment = root / "commitlog" / f"{0:020d}"
+    os.truncate(segment, 5000)
+    assert detect_config(root, config).mapped_file_size_commit_log == 1 << 14
+    assert detect_config(root, StoreConfig(), explicit=["mapped_file_size_commit_log"]) \
+        .mapped_file_size_commit_log == 1 << 30
+    conf = tmp_path / "broker.conf"
+    conf.write_text("mappedFileSizeCommitLog=16384\n")
+    before = tree(root)
+    done = cli("put", "--store", str(root), "--broker-conf", str(conf), "-t", "T", "-b", "x", check=False)
+    assert done.returncode == 1 and "segment is 5000 bytes but the configured size is 16384" in done.stderr
+    assert tree(root) == before
+
+
+def test_an_oversized_segment_is_the_damaged_one_on_a_tie(tmp_path):
+    """Two segments, one grown: the tie went to the larger size, and the healthy segment was named as wrong."""
+    import os
+
+    from rocketstore.config import detect_segment_size
+
+    root = tmp_path / "s"
+    _store(root, segments=2)
+    segments = sorted((root / "commitlog").iterdir())
+    assert len(segments) == 2
+    for grown in segments:
+        os.truncate(grown, 20000)
+        assert detect_segment_size(root) == 1 << 14
+        os.truncate(grown, 1 << 14)
+    (root / "commitlog" / f"{1 << 15:020d}").mkdir()  # a directory named like a segment is no segment
+    assert detect_segment_size(root) == 1 << 14

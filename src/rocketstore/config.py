@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+import os
 import re
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,75 +130,137 @@ class StoreConfig:
 
         Unknown keys are ignored, as the broker ignores keys of other components.
         """
-        # RocketMQ spells acronyms in capitals (checkCRCOnRecover), so keys match case-insensitively.
-        known = {f.name.replace("_", ""): f for f in dataclasses.fields(cls) if f.init}
-        values: dict[str, object] = {}
-        for raw in Path(path).read_text(encoding="utf-8").splitlines():
-            line = raw.strip()
-            if not line or line.startswith(("#", "!")) or "=" not in line:
-                continue
-            key, value = (part.strip() for part in line.split("=", 1))
-            f = known.get(key.lower())
-            if f is None:
-                continue
-            values[f.name] = _coerce(f, value)
+        values = broker_conf_values(path)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
 
-def detect_config(root: str | Path, base: StoreConfig | None = None) -> StoreConfig:
-    """``base`` with the geometry found on disk: commit-log segment, consume-queue file and index
-    file sizes. Index geometry is inferred when it follows RocketMQ's 4 entries per slot; any other
-    size that the configured slots and entries do not explain is an error."""
-    import os
+GEOMETRY = ("mapped_file_size_commit_log", "mapped_file_size_consume_queue", "max_hash_slot_num", "max_index_num")
 
+
+def broker_conf_values(path: str | Path) -> dict[str, object]:
+    """The settings ``StoreConfig`` knows that a ``broker.conf`` sets, by field name (what it names explicitly)."""
+    # RocketMQ spells acronyms in capitals (checkCRCOnRecover), so keys match case-insensitively.
+    known = {f.name.replace("_", ""): f for f in dataclasses.fields(StoreConfig) if f.init}
+    values: dict[str, object] = {}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", "!")) or "=" not in line:
+            continue
+        key, value = (part.strip() for part in line.split("=", 1))
+        f = known.get(key.lower())
+        if f is None:
+            continue
+        values[f.name] = _coerce(f, value)
+    return values
+
+
+def detect_config(root: str | Path, base: StoreConfig | None = None, *,
+                  explicit: Iterable[str] | None = None) -> StoreConfig:
+    """``base`` with the geometry found on disk: commit-log segment, consume-queue file and index file sizes.
+
+    A setting named in ``explicit`` (default: those in which ``base`` differs from StoreConfig's defaults) is
+    never replaced: a file that disagrees with it is damaged, and the store handles it as such. Otherwise the
+    most common size among the files decides (one damaged file never redefines the others, which then are
+    reported as damaged; ties go to the size the files' names agree with). Index geometry is inferred when
+    it follows RocketMQ's 4 entries per slot; any other size that the configured slots and entries do not
+    explain is an error."""
     from .index.file import index_file_size
 
     root = Path(root)
     config = base or StoreConfig()
+    if explicit is None:
+        default = StoreConfig()
+        explicit = {name for name in GEOMETRY if getattr(config, name) != getattr(default, name)}
+    explicit = set(explicit)
     changes: dict[str, object] = {}
-    segment_size = detect_segment_size(root)
-    if segment_size:
-        changes["mapped_file_size_commit_log"] = segment_size
+    if "mapped_file_size_commit_log" not in explicit:
+        segment_size = detect_segment_size(root)
+        if segment_size:
+            changes["mapped_file_size_commit_log"] = segment_size
     queues = root / "consumequeue"
-    if queues.is_dir():
-        for dirpath, _dirs, files in os.walk(queues):
-            digits = [f for f in files if f.isdigit()]
-            if digits:
-                changes["mapped_file_size_consume_queue"] = os.path.getsize(os.path.join(dirpath, digits[0]))
-                break
+    if "mapped_file_size_consume_queue" not in explicit and queues.is_dir():
+        runs = [_sized_files(Path(dirpath), lambda name: name.isdigit())
+                for dirpath, _dirs, _files in os.walk(queues)]
+        size = _common_size([run for run in runs if run], multiple=CQ_UNIT)
+        if size:
+            changes["mapped_file_size_consume_queue"] = size
     index = root / "index"
+    index_explicit = bool({"max_hash_slot_num", "max_index_num"} & explicit)
     if index.is_dir():
-        names = sorted(e.name for e in os.scandir(index) if e.name.isdigit() and len(e.name) == 17)
-        if names:
-            size = (index / names[-1]).stat().st_size
-            explicit = (config.max_hash_slot_num, config.max_index_num) != (5_000_000, 20_000_000)
-            if size != index_file_size(config.max_hash_slot_num, config.max_index_num) and not explicit \
-                    and size > 40 and (size - 40) % 84 == 0:
-                # RocketMQ sizes the index as maxIndexNum = 4 * maxHashSlotNum: 40 + 4*S + 20*4*S bytes
-                slots = (size - 40) // 84
-                changes.update(max_hash_slot_num=slots, max_index_num=4 * slots)
-            elif size != index_file_size(config.max_hash_slot_num, config.max_index_num):
-                raise ConfigError(f"index files in {index} are {size} bytes, which max_hash_slot_num="
-                                  f"{config.max_hash_slot_num} and max_index_num={config.max_index_num} do not "
-                                  f"give; pass the broker's maxHashSlotNum and maxIndexNum")
+        configured = index_file_size(config.max_hash_slot_num, config.max_index_num)
+        sizes = Counter(size for _name, size in _sized_files(index, lambda name: name.isdigit() and len(name) == 17))
+        # the most common size; on a tie the configured one, then one of RocketMQ's 4-entries-per-slot form
+        size = max(sizes, key=lambda s: (sizes[s], s == configured, _four_per_slot(s)), default=None)
+        if size is not None and size != configured and not index_explicit and _four_per_slot(size):
+            # RocketMQ sizes the index as maxIndexNum = 4 * maxHashSlotNum: 40 + 4*S + 20*4*S bytes
+            slots = (size - 40) // 84
+            changes.update(max_hash_slot_num=slots, max_index_num=4 * slots)
+        elif size is not None and size != configured and not index_explicit:
+            raise ConfigError(f"index files in {index} are {size} bytes, which max_hash_slot_num="
+                              f"{config.max_hash_slot_num} and max_index_num={config.max_index_num} do not "
+                              f"give; pass the broker's maxHashSlotNum and maxIndexNum")
     return config.replace(**changes) if changes else config
+
+
+CQ_UNIT = 20
+
+
+def _four_per_slot(size: int) -> bool:
+    return size > 40 and (size - 40) % 84 == 0
+
+
+def _sized_files(directory: Path, named: Callable[[str], bool]) -> list[tuple[str, int]]:
+    """(name, size) of the regular files in ``directory`` whose names pass ``named``, by name (directories and
+    empty files, a crash during a file's creation, tell nothing)."""
+    out = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            if named(entry.name) and entry.is_file():
+                size = entry.stat().st_size
+                if size > 0:
+                    out.append((entry.name, size))
+        except OSError:
+            continue
+    return sorted(out)
+
+
+def _common_size(runs: list[list[tuple[str, int]]], multiple: int = 1) -> int | None:
+    """The file size of runs of segment files (name = start offset): the most common size, so one damaged
+    file is reported as damaged instead of redefining the size of the others. On a tie, a size the names
+    agree with (every start a multiple of it, neighbours that far apart) wins, then the larger count of
+    neighbours it explains, then the smaller size."""
+    sizes = Counter(size for run in runs for _name, size in run)
+    if not sizes:
+        return None
+
+    def agrees(size: int) -> tuple[bool, int]:
+        if size % multiple:
+            return False, 0
+        starts = [[int(name) for name, _ in run] for run in runs]
+        aligned = all(start % size == 0 for run in starts for start in run)
+        explained = sum(b - a == size for run in starts for a, b in itertools.pairwise(run))
+        gaps = sum(len(run) - 1 for run in starts)
+        return aligned and explained == gaps, explained
+
+    return max(sizes, key=lambda s: (sizes[s], *agrees(s), -s))
 
 
 def detect_segment_size(root: str | Path) -> int | None:
     """The commit-log segment size of a store: the most common size among its segment files (so one
     truncated file is reported as damaged instead of redefining the size); None without segments."""
-    import os
-    from collections import Counter
-
     directory = Path(root) / "commitlog"
     if not directory.is_dir():
         return None
-    sizes = Counter(e.stat().st_size for e in os.scandir(directory)
-                    if len(e.name) == 20 and e.name.isdigit() and e.stat().st_size > 0)
-    if not sizes:
-        return None
-    return max(sizes.items(), key=lambda item: (item[1], item[0]))[0]
+    return _common_size([_sized_files(directory, lambda name: len(name) == 20 and name.isdigit())])
 
 
 def _camel(name: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from .. import Message, MessageStore, StoreConfig
-from ..config import detect_config
+from ..config import broker_conf_values, detect_config
 from ..errors import MessageNotFoundError, RocketStoreError
 from ..reads import GetMessageStatus
 from .render import (
@@ -100,11 +100,12 @@ def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int |
     root = Path(store_dir).expanduser()
     if must_exist and not (root / "commitlog").is_dir():
         raise Failure(f"{root} holds no store (no commitlog directory); pass --store DIR")
-    base = StoreConfig.from_broker_conf(broker_conf) if broker_conf else StoreConfig()
-    changes = {k: v for k, v in (("max_hash_slot_num", max_hash_slot_num), ("max_index_num", max_index_num)) if v}
-    if changes:
-        base = base.replace(**changes)
-    return root, detect_config(root, base) if root.exists() else base
+    values = broker_conf_values(broker_conf) if broker_conf else {}
+    values.update((k, v) for k, v in (("max_hash_slot_num", max_hash_slot_num), ("max_index_num", max_index_num))
+                  if v is not None)
+    base = StoreConfig(**values)  # type: ignore[arg-type]
+    # what the broker.conf and the flags name wins over what the files suggest
+    return root, detect_config(root, base, explicit=values) if root.exists() else base
 
 
 @contextlib.contextmanager

@@ -105,7 +105,7 @@ class IndexService:
         log); a read-only open skips the damaged file."""
         if not self.directory.is_dir():
             return
-        names = sorted(e.name for e in os.scandir(self.directory) if _NAME.fullmatch(e.name))
+        names = sorted(e.name for e in os.scandir(self.directory) if _NAME.fullmatch(e.name) and e.is_file())
         for name in names:
             try:
                 self.files += (IndexFile.open(self.directory / name, self.hash_slot_num, self.index_num,

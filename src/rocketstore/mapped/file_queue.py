@@ -49,8 +49,8 @@ class MappedFileQueue:
             if entry.name.endswith(".tmp") and not self.read_only:
                 os.unlink(entry.path)  # an allocation interrupted by a crash (rocketstore before O_TMPFILE)
                 continue
-            if parse_segment_name(entry.name) is None:
-                continue  # RocketMQ would choke on it; we leave foreign files alone
+            if parse_segment_name(entry.name) is None or entry.is_dir():
+                continue  # RocketMQ would choke on it; we leave foreign files (and directories) alone
             names.append(entry.name)
         names.sort()
         for i, name in enumerate(names):
