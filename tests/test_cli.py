@@ -283,6 +283,26 @@ def test_dump_log_of_a_missing_path_is_a_usage_error(tmp_path):
     assert done.returncode == 2 and "does not exist" in done.stderr
 
 
+def test_query_by_offset_never_serves_another_offsets_message(store, tmp_path):
+    """A unit that cannot be served (pointing at another queue's record, or into the middle of a record) made
+    query-by-offset print the next servable offset's message with exit 0."""
+    copy, results = damaged_copy(store, tmp_path)
+    unit_file = copy / "consumequeue" / "Topic1" / "2" / f"{0:020d}"
+    data = bytearray(unit_file.read_bytes())
+    data[20 * 4 : 20 * 4 + 8] = struct.pack(">q", results[0].commit_log_offset)  # unit 4: a record of Topic0-0
+    data[20 * 5 : 20 * 5 + 8] = struct.pack(">q", results[5 + 6 * 5].commit_log_offset + 4)  # unit 5: mid-record
+    unit_file.write_bytes(bytes(data))
+    before = tree(copy)
+    for offset, why in (("4", "a record of Topic0 queue 0 offset 0"), ("5", "where no readable record starts")):
+        done = cli("query-by-offset", "--store", str(copy), "-t", "Topic1", "-q", "2", "-o", offset, check=False)
+        assert done.returncode == 1 and done.stdout == "", done.stdout
+        assert f"error: Topic1 queue 2 offset {offset}: the unit points at commit-log offset" in done.stderr
+        assert why in done.stderr
+    shown = cli("query-by-offset", "--store", str(copy), "-t", "Topic1", "-q", "2", "-o", "6", "--json").stdout
+    assert json.loads(shown)["queueOffset"] == 6
+    assert tree(copy) == before
+
+
 # --- verify ------------------------------------------------------------------------------------------
 
 def damaged_copy(store, tmp_path) -> tuple[Path, list]:

@@ -367,10 +367,38 @@ def query_by_offset(topic, queue_id, offset, body, as_json, **kwargs) -> None:
     """The message at a queue offset (like mqadmin queryMsgByOffset)."""
     with read_only_store(_store_args(kwargs)) as store:
         result = store.get_message(topic, queue_id, offset, 1)
+        exact = [m for m in result.messages if (m.topic, m.queue_id, m.queue_offset) == (topic, queue_id, offset)]
+        if not exact and result.status in _UNSERVABLE:  # get_message went on past the unit: say why it cannot
+            raise Failure(_unservable_unit(store, topic, queue_id, offset))
     if result.status is not GetMessageStatus.FOUND:
         raise Failure(f"{result.status.value}: {topic} queue {queue_id} holds offsets [{result.min_offset}, "
                       f"{result.max_offset})")
-    _print_messages(result.messages, as_json, body)
+    _print_messages(exact, as_json, body)
+
+
+# statuses of a read that started inside the queue: the unit asked for was there but not served
+_UNSERVABLE = (GetMessageStatus.FOUND, GetMessageStatus.NO_MATCHED_MESSAGE, GetMessageStatus.MESSAGE_WAS_REMOVING,
+               GetMessageStatus.OFFSET_FOUND_NULL)
+
+
+def _unservable_unit(store: MessageStore, topic: str, queue_id: int, offset: int) -> str:
+    """Why the unit at ``offset`` serves no message of its own."""
+    where = f"{topic} queue {queue_id} offset {offset}"
+    queue = store.queues.get(topic, queue_id)
+    unit = queue.get_unit(offset) if queue is not None else None
+    if unit is None:
+        return f"{where}: its consume-queue file is missing"
+    phy, size, _tags = unit
+    if phy < store.commit_log.min_offset:
+        return f"{where}: its message was removed (commit-log offset {phy} is below the log's start " \
+               f"{store.commit_log.min_offset})"
+    try:
+        msg = store.commit_log.get_message(phy)
+    except RocketStoreError as exc:
+        return f"{where}: the unit points at commit-log offset {phy} ({size} bytes), where no readable record " \
+               f"starts: {exc}"
+    return f"{where}: the unit points at commit-log offset {phy}, a record of {msg.topic} queue {msg.queue_id} " \
+           f"offset {msg.queue_offset}: the consume queue is damaged (a writer's open or rebuild repairs it)"
 
 
 @main.command("print-msg", epilog="""\b
