@@ -250,3 +250,31 @@ def test_the_index_entry_check_equals_a_lookup_per_entry(offsets, data):
             expected.append(ik.ENTRY_EXPIRED if phy < log_min else ik.ENTRY_NO_RECORD)
     assert status.tolist() == expected
     assert {int(p) for p in key_pairs[covered]} == want_covered
+
+
+# --- index files verify could not read, index chains ----------------------------------------------------
+
+SMALL_INDEX = CONFIG.replace(max_hash_slot_num=97, max_index_num=388)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "impossible count"])
+def test_a_damaged_oldest_index_file_is_a_problem_and_its_keys_are_checked(tmp_path, damage):
+    """The read-only load skipped a damaged index file without a word, and missing keys were counted only from
+    the first entry of the first file that loaded: a damaged oldest file left verify at 0 problems."""
+    root = tmp_path / "s"
+    results = write(root, 600, SMALL_INDEX)
+    assert verify_store(root, SMALL_INDEX).clean
+    files = sorted((root / "index").iterdir())
+    assert len(files) >= 3
+    oldest = files[0]
+    if damage == "truncated":
+        oldest.write_bytes(oldest.read_bytes()[:3000])
+    else:
+        data = bytearray(oldest.read_bytes())
+        struct.pack_into(">i", data, 36, 10**9)  # indexCount
+        oldest.write_bytes(bytes(data))
+    report = verify_store(root, SMALL_INDEX)
+    assert not report.clean
+    assert any(p.kind == "index" and p.path == str(oldest) for p in report.problems)
+    unindexed = {p.offset for p in report.problems if "have no index entry" in p.detail}
+    assert results[0].commit_log_offset in unindexed

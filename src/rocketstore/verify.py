@@ -437,6 +437,11 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
     except CorruptDataError as exc:
         report.add(Problem("index", exc.path or str(root / "index"), exc.offset or 0, exc.reason))
         return
+    for name, exc in service.load_errors.items():  # skipped by the read-only load: a problem all the same
+        report.add(Problem("index", exc.path or str(service.directory / name), exc.offset or 0, exc.reason))
+    # keys of records an unreadable file older than every readable one covered are checked too
+    damaged_first = bool(service.load_errors) and (
+        not service.files or min(service.load_errors) < service.files[0].path.name)
     covered = np.zeros(len(records.key_pairs), dtype=bool)  # key pairs some entry was found for
     pair_start = np.zeros(len(records.phy) + 1, dtype=np.int64)  # each record's run in key_pairs
     np.cumsum(np.bincount(records.key_pairs >> 32, minlength=len(records.phy)), out=pair_start[1:])
@@ -475,6 +480,8 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
                 progress("index", n + 1, len(service.files))
     finally:
         service.close()
+    if damaged_first:
+        index_min = log_min if index_min is None else min(index_min, log_min)
     if not config.message_index_enable or index_min is None:
         return
     uncovered = records.key_pairs[~covered]

@@ -96,6 +96,7 @@ class IndexService:
         self.dirty = False
         self.set_aside: str | None = None  # where a damaged index was moved
         self.damaged: list[str] = []  # files a read-only open found damaged and skips
+        self.load_errors: dict[str, CorruptDataError] = {}  # of those, the ones ``load`` could not map, by name
 
     # --- load and repair ---------------------------------------------------------------------
 
@@ -115,6 +116,8 @@ class IndexService:
                 if not self.read_only:
                     self._set_aside()
                     return
+                self.damaged.append(name)
+                self.load_errors[name] = exc
 
     def _set_aside(self) -> None:
         for index in self.files:
