@@ -278,3 +278,21 @@ def test_a_damaged_oldest_index_file_is_a_problem_and_its_keys_are_checked(tmp_p
     assert any(p.kind == "index" and p.path == str(oldest) for p in report.problems)
     unindexed = {p.offset for p in report.problems if "have no index entry" in p.detail}
     assert results[0].commit_log_offset in unindexed
+
+
+@pytest.mark.parametrize("link", ["itself", "a later entry", "past the count"])
+def test_a_broken_index_chain_in_any_file_is_a_problem(tmp_path, link):
+    """verify checked each entry but not the chains: a prevIndex pointing at its own entry or a later one, in a
+    file older than the two a writer's open checks, left verify at 0 problems while a key lookup stopped short."""
+    root = tmp_path / "s"
+    write(root, 600, SMALL_INDEX)
+    oldest = sorted((root / "index").iterdir())[0]
+    data = bytearray(oldest.read_bytes())
+    entries_at = 40 + 97 * 4
+    number = 10
+    target = {"itself": number, "a later entry": number + 5, "past the count": 10**6}[link]
+    struct.pack_into(">i", data, entries_at + number * 20 + 16, target)
+    oldest.write_bytes(bytes(data))
+    report = verify_store(root, SMALL_INDEX)
+    assert [(p.path, p.offset) for p in report.problems if "broken chain" in p.detail] == \
+        [(str(oldest), entries_at + number * 20)]

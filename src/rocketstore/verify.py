@@ -8,7 +8,9 @@ reports each problem with the file and the offset where it is:
   not end with a BLANK record, bytes after the end of the log that are not zero;
 * consume queues: units that do not point at a record start of their topic and queue, with the
   record's size and queue offset and the right tags code; records missing from their queue;
-* index: entries pointing at no record or at a record none of whose keys has the entry's hash;
+* index: files it cannot read; chains that do not run strictly backwards (a self-loop, a forward or
+  out-of-range link: a key lookup would stop short); entries pointing at no record or at a record
+  none of whose keys has the entry's hash;
   keys of records that no entry covers (messages that could not be found by key).
 
 The log is read in compiled batches, body CRCs included (the dispatch decoder); queue units and
@@ -48,7 +50,7 @@ from .errors import ConfigError, CorruptDataError
 from .index import _kernels as _ik
 from .index.bulk import index_key_hashes
 from .index.file import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
-from .index.service import IndexService, build_key, index_keys
+from .index.service import IndexService, build_key, chain_problem_at, index_keys
 from .lifecycle import is_locked
 from .mapped.file import MappedFile
 from .message import SysFlag
@@ -476,6 +478,9 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
                 return Problem("index", path, entries_at + number * INDEX_ENTRY_SIZE, detail)
 
             report.add_many(np.flatnonzero((status == _ik.ENTRY_WRONG_KEY) | (status == _ik.ENTRY_NO_RECORD)), make)
+            broken = chain_problem_at(index, live=snapshot is not None)  # a key lookup would stop short or loop
+            if broken is not None:
+                report.add(Problem("index", path, broken[0], f"broken chain: {broken[1]}"))
             if progress:
                 progress("index", n + 1, len(service.files))
     finally:

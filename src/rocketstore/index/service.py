@@ -417,12 +417,19 @@ def chain_problem(index: IndexFile, *, live: bool = False, block: int = 1 << 20)
     ``live`` allows slots that point past the header's count: a writer puts entries and slots before it
     updates the count, so a reader of a live store sees that between two puts (a writer open repairs such
     torn slots before checking)."""
+    found = chain_problem_at(index, live=live, block=block)
+    return found[1] if found else None
+
+
+def chain_problem_at(index: IndexFile, *, live: bool = False, block: int = 1 << 20) -> tuple[int, str] | None:
+    """``chain_problem`` with the byte offset in the file of the slot or entry found wrong."""
     count = index.index_count
     slots = np.frombuffer(index.buffer, dtype=">i4", count=index.hash_slot_num, offset=INDEX_HEADER_SIZE)
     limit = index.index_num if live else max(count, 1)
     bad_slots = np.flatnonzero((slots < 0) | (slots >= limit))
     if len(bad_slots):
-        return f"slot {int(bad_slots[0])} points at entry {int(slots[bad_slots[0]])} of {count}"
+        slot = int(bad_slots[0])
+        return INDEX_HEADER_SIZE + 4 * slot, f"slot {slot} points at entry {int(slots[slot])} of {count}"
     entries_at = INDEX_HEADER_SIZE + index.hash_slot_num * 4
     for first in range(1, count, block):
         n = min(block, count - first)
@@ -431,6 +438,6 @@ def chain_problem(index: IndexFile, *, live: bool = False, block: int = 1 << 20)
         bad = np.flatnonzero((prev < 0) | (prev >= own))
         if len(bad):
             at = int(bad[0])
-            return (f"entry {first + at} links to entry {int(prev[at])}, not to an earlier one "
-                    f"(a cycle or a wild link)")
+            return (entries_at + (first + at) * 20, f"entry {first + at} links to entry {int(prev[at])}, not to an "
+                    f"earlier one (a cycle or a wild link)")
     return None
