@@ -296,3 +296,31 @@ def test_a_broken_index_chain_in_any_file_is_a_problem(tmp_path, link):
     report = verify_store(root, SMALL_INDEX)
     assert [(p.path, p.offset) for p in report.problems if "broken chain" in p.detail] == \
         [(str(oldest), entries_at + number * 20)]
+
+
+def test_queue_units_below_the_log_start_after_retention_are_no_problem(tmp_path):
+    """After retention deleted the oldest segment, the queues' first units point below the log's start, as in
+    RocketMQ (a queue file goes once all its units are below it): verify reported each as pointing where no
+    record starts. A unit below the log's start after the queue's first live unit is still damage."""
+    config = SMALL_INDEX.replace(mapped_file_size_commit_log=16 << 10)
+    root = tmp_path / "s"
+    with MessageStore.open(root, config) as store:
+        i = 0
+        while i < 600 or store.commit_log.max_offset % (16 << 10) < 12 << 10:  # the newest segment well filled
+            store.put_message(Message(f"T{i % 3}", b"x" * (i % 40), keys=[f"k{i}"], queue_id=i % 2))
+            i += 1
+        assert store.wait_for_dispatch(timeout=30)
+        assert store.delete_expired_files(now_ms=2**62, immediately=True).commit_log_files
+        log_min = store.commit_log.min_offset
+    assert log_min > 0
+    report = verify_store(root, config)
+    assert report.clean, report.problems[:3]
+    queue_file = sorted((root / "consumequeue" / "T0" / "0").iterdir())[-1]
+    units = np.frombuffer(queue_file.read_bytes(), dtype=">i8,>i4,>i8")
+    live = int(np.flatnonzero(units["f0"] >= log_min)[0])
+    assert units["f1"][live + 1] > 0
+    data = bytearray(queue_file.read_bytes())
+    struct.pack_into(">q", data, (live + 1) * 20, 0)  # the unit after the first live one: a record long deleted
+    queue_file.write_bytes(bytes(data))
+    assert [(p.path, p.offset) for p in verify_store(root, config).problems if "no record starts" in p.detail] == \
+        [(str(queue_file), (live + 1) * 20)]

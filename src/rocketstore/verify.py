@@ -150,9 +150,10 @@ def verify_store(root: str | Path, config: StoreConfig, *, progress: Progress | 
     commit_log.load()  # every segment, in full: verify looks past the recovered end too
     try:
         records = _check_log(commit_log, config, report, progress, snapshot)
+        log_min = commit_log.min_offset
     finally:
         commit_log.close()
-    _check_queues(root, config, records, report, progress, snapshot)
+    _check_queues(root, config, records, report, progress, snapshot, log_min)
     _check_index(root, config, records, report, progress, snapshot)
     return report
 
@@ -316,15 +317,17 @@ def _queue_frontier(root: Path, config: StoreConfig) -> int:
 
 
 def _check_queues(root: Path, config: StoreConfig, records: _Records, report: VerifyReport,
-                  progress: Progress | None, snapshot: _Snapshot | None) -> None:
+                  progress: Progress | None, snapshot: _Snapshot | None, log_min: int = 0) -> None:
     table = ConsumeQueueTable(root, config, read_only=True)
     table.load()
     seen = np.zeros(len(records.phy), dtype=bool)
     numbers = {key: n for n, key in enumerate(records.queues)}
     try:
         for n, ((topic, queue_id), queue) in enumerate(sorted(table.queues.items())):
+            below = log_min  # units below the log's start, before the queue's first unit at or past it
             for mapped in queue.mapped_files.files:
-                _check_queue_file(mapped, numbers.get((topic, queue_id), -1), records, seen, report, snapshot)
+                below = _check_queue_file(mapped, numbers.get((topic, queue_id), -1), records, seen, report,
+                                          snapshot, below)
             if progress:
                 progress("consume queues", n + 1, len(table.queues))
     finally:
@@ -352,8 +355,11 @@ def _settled(phys: np.ndarray, frontier: int) -> int:
 
 
 def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, seen: np.ndarray, report: VerifyReport,
-                      snapshot: _Snapshot | None) -> None:
-    """Check one consume-queue file's units against the records, all at once."""
+                      snapshot: _Snapshot | None, log_min: int = 0) -> int:
+    """Check one consume-queue file's units against the records, all at once. The queue's first units may
+    point below the log's first offset ``log_min``, at records retention deleted (a queue file goes only once
+    all its units are below it): they are skipped. Returns the ``log_min`` for the queue's next file: 0 once
+    a unit at or past it was seen (a unit below the log's start after that is damage)."""
     path = str(mapped.path)
     units = np.frombuffer(mapped.buffer, dtype=UNIT_DTYPE, count=mapped.file_size // CQ_UNIT_SIZE)
     if snapshot:
@@ -365,6 +371,10 @@ def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, 
     positions = np.arange(end, dtype=np.int64)
     units = units[:end]
     keep = units["size"] != PRE_BLANK_SIZE
+    removed = _first(units["phy"] >= log_min) if log_min else 0
+    keep[:removed] = False
+    if removed < len(units):
+        log_min = 0
     if snapshot:
         keep &= units["phy"] < snapshot.end  # written after the snapshot
     positions, units = positions[keep], units[keep]
@@ -386,6 +396,7 @@ def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, 
                                      int(sizes[i]), int(tags[i]), int(queue_offsets[i])))
 
     report.add_many(np.flatnonzero(bad), make)
+    return log_min
 
 
 _LOAD_FENCE = threading.Lock()
