@@ -208,6 +208,18 @@ def test_dump_log_walks_a_directory_across_segments(store):
     assert sum(1 for x in lines if x.get("end") == "blank") == len(list((root / "commitlog").iterdir())) - 1
 
 
+def test_dump_log_from_inside_a_segments_tail_goes_on_in_the_next_segment(store):
+    """--from past a segment's last record (in its BLANK tail) printed "end of data" and skipped every later
+    segment."""
+    root, results = store
+    second = sorted((root / "commitlog").iterdir())[1]
+    tail = int(second.name) - 10
+    lines = [json.loads(x) for x in cli("dump-log", str(root / "commitlog"), "--from", str(tail), "--json")
+             .stdout.splitlines()]
+    assert [x["commitLogOffset"] for x in lines if "msgId" in x] == \
+        [r.commit_log_offset for r in results if r.commit_log_offset >= tail]
+
+
 def test_inspect_shows_segments_queues_index_and_checkpoint(store):
     root, _results = store
     before = tree(root)

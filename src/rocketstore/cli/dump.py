@@ -23,7 +23,8 @@ def segment_files(path: Path) -> list[Path]:
 def dump_records(path: Path, from_offset: int | None = None, *, check_crc: bool = False,
                  decompress: bool = False) -> Iterator[dict]:
     """Events in log order: ``record`` (with ``message``), ``blank``, then ``error`` or ``end`` where decoding stops."""
-    for segment in segment_files(path):
+    segments = segment_files(path)
+    for n, segment in enumerate(segments):
         start = parse_segment_name(segment.name) or 0
         size = segment.stat().st_size
         if from_offset is not None and from_offset >= start + size:
@@ -35,6 +36,8 @@ def dump_records(path: Path, from_offset: int | None = None, *, check_crc: bool 
         with open(segment, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as buf:
             if pos > 0:  # --from need not be a record start: sync to the first one at or after it
                 found = find_record_start(buf, pos, size, start, size)
+                if found is None and n < len(segments) - 1:
+                    continue  # past the segment's last record (its BLANK tail): the log goes on in the next one
                 if found is None:
                     yield {"kind": "end", "pos": start + pos, "segment": segment.name}
                     return
