@@ -123,6 +123,21 @@ def test_query_by_id_offset_and_unique_key_print_mqadmin_blocks(store):
     assert tree(root) == before
 
 
+def test_query_by_unique_key_matches_a_users_key_as_given(store, tmp_path):
+    """The key was upper-cased before the lookup, so a UNIQ_KEY a producer set with lower-case letters was never
+    found; a hex msgId typed in lower case is still found."""
+    root = tmp_path / "s"
+    with MessageStore.open(root, CONFIG) as s:
+        s.put_message(Message("TopicU", b"users", properties={"UNIQ_KEY": "order-abc"}))
+        s.put_message(Message("TopicU", b"upper", properties={"UNIQ_KEY": "ORDER-ABC"}))
+    found = cli("query-by-unique-key", "--store", str(root), "-i", "order-abc", "--body").stdout
+    assert "users" in found and "upper" not in found
+    assert "upper" in cli("query-by-unique-key", "--store", str(root), "-i", "ORDER-ABC", "--body").stdout
+    fixture_root, results = store
+    hex_id = results[10].uniq_key
+    assert hex_id in cli("query-by-unique-key", "--store", str(fixture_root), "-i", hex_id.lower()).stdout
+
+
 def _library_json(msg) -> dict:
     from rocketstore.cli.render import message_json
 

@@ -346,7 +346,11 @@ def query_by_unique_key(uniq_key, topic, body, as_json, **kwargs) -> None:
     """Messages by UNIQ_KEY (like mqadmin queryMsgByUniqueKey); a producer retry can store one twice."""
     with read_only_store(_store_args(kwargs)) as store:
         topics = [topic] if topic else store.topics()
-        found = [m for t in topics for m in store.query_message_by_uniq_key(t, uniq_key.strip().upper())]
+        # a UNIQ_KEY is any string a producer set, matched as given; a hex msgId typed in lower case is the fallback
+        text = uniq_key.strip()
+        found = [m for t in topics for m in store.query_message_by_uniq_key(t, text)]
+        if not found and text.upper() != text:
+            found = [m for t in topics for m in store.query_message_by_uniq_key(t, text.upper())]
     if not found:
         raise Failure(f"no message with UNIQ_KEY {uniq_key}" + (f" in {topic}" if topic else ""))
     _print_messages(found, as_json, body)
