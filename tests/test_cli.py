@@ -235,6 +235,28 @@ def test_dump_log_from_inside_a_segments_tail_goes_on_in_the_next_segment(store)
         [r.commit_log_offset for r in results if r.commit_log_offset >= tail]
 
 
+def test_a_closed_stdout_under_a_table_exits_0_without_a_traceback(monkeypatch):
+    """`inspect | head` and `stats | head` exited 1: rich catches the broken pipe itself and exits with 1. A
+    closed stdout ends the command as it ends dump-log: status 0, nothing on stderr."""
+    from rocketstore.cli import app
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the table is written
+    out = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+
+    @app.fails_cleanly
+    def command() -> None:
+        app._table("rows", ["n"], [[i] for i in range(100)])
+
+    try:
+        with pytest.raises(SystemExit) as exited:
+            command()
+    finally:
+        out.close()  # its descriptor is /dev/null now
+    assert exited.value.code == 0
+
+
 def test_inspect_shows_segments_queues_index_and_checkpoint(store):
     root, _results = store
     before = tree(root)

@@ -142,8 +142,14 @@ def progress_bar(description: str) -> Iterator:
 def _console(err: bool = False):
     from rich.console import Console
 
+    class QuietConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits with status 1 on its own; `| head` is no failure: fails_cleanly exits 0 instead
+            self.quiet = True
+            raise BrokenPipeError(32, "stdout was closed")
+
     stream = sys.stderr if err else sys.stdout
-    return Console(stderr=err, highlight=False, width=None if stream.isatty() else 200)
+    return QuietConsole(stderr=err, highlight=False, width=None if stream.isatty() else 200)
 
 
 def _table(title: str, columns: list[str], rows: list[list]) -> None:
