@@ -318,6 +318,40 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(store, tmp_path, args, 
     assert tree(root) == before
 
 
+@pytest.mark.parametrize("args, message", [
+    (["query-by-key", "-t", "Topic0", "-k", "k", "-b", "0001-01-01T00:00"], "out of range"),
+    (["query-by-id", "-i", ","], "names no message id"),
+    (["query-by-id", "-i", " "], "names no message id"),
+    (["inspect", "--max-index-num", "0"], "0 is not in the range"),
+    (["inspect", "--max-hash-slot-num", "0"], "0 is not in the range"),
+    (["query-by-unique-key", "-t", "", "-i", "ABCDEF"], "the topic is empty"),
+    (["query-by-unique-key", "-i", " "], "the UNIQ_KEY is empty"),
+    (["query-by-key", "-t", "Topic0", "--keys-file", "KEYS"], "is not UTF-8"),
+])
+def test_bad_arguments_are_usage_errors(store, tmp_path, args, message):
+    """Each of these exited 0 with no output, searched every topic, was silently ignored (0 taken for "not
+    given") or failed with exit 1 and a message naming neither the option nor the file."""
+    root, _ = store
+    keys = tmp_path / "keys.txt"
+    keys.write_bytes(b"k1\n\xff\xfe\n")
+    args = [str(keys) if a == "KEYS" else a for a in args]
+    before = tree(root)
+    done = cli(*args, "--store", str(root), check=False)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert message in done.stderr and "Traceback" not in done.stderr
+    if "--keys-file" in args:
+        assert str(keys) in done.stderr
+    assert tree(root) == before
+
+
+def test_a_broker_conf_that_is_not_utf8_is_named(store, tmp_path):
+    root, _ = store
+    conf = tmp_path / "broker.conf"
+    conf.write_bytes(b"\xff\xfe\n")
+    done = cli("inspect", "--store", str(root), "--broker-conf", str(conf), check=False)
+    assert done.returncode == 1 and done.stderr == f"error: {conf} is not UTF-8 text (byte 0)\n"
+
+
 def test_writer_lock_is_reported(store, tmp_path):
     root = tmp_path / "locked"
     with MessageStore.open(root, CONFIG) as writer:

@@ -71,10 +71,10 @@ def fails_cleanly(command):
 
 def store_options(command):
     """--store plus the settings that describe a store's geometry."""
-    command = click.option("--max-index-num", type=int, default=None, help="the broker's maxIndexNum "
-                           "(default 20000000)")(command)
-    command = click.option("--max-hash-slot-num", type=int, default=None, help="the broker's maxHashSlotNum "
-                           "(default 5000000)")(command)
+    command = click.option("--max-index-num", type=click.IntRange(2, 100_000_000), default=None,
+                           help="the broker's maxIndexNum (default 20000000)")(command)
+    command = click.option("--max-hash-slot-num", type=click.IntRange(1, 100_000_000), default=None,
+                           help="the broker's maxHashSlotNum (default 5000000)")(command)
     command = click.option("--broker-conf", type=click.Path(dir_okay=False, exists=True),
                            help="read settings (maxHashSlotNum, ...) from a broker.conf")(command)
     return click.option("--store", "store_dir", default=DEFAULT_STORE, show_default=True,
@@ -266,7 +266,7 @@ def query_by_key(topic, msg_key, keys_file, begin, end, max_num, as_json, **kwar
         raise Failure("give one of -k/--key and --keys-file")
     start, stop = parse_time(begin, "--begin") or 0, parse_time(end, "--end")
     if keys_file is not None:
-        keys = [line.strip() for line in keys_file if line.strip()]
+        keys = [line.strip() for line in _lines(keys_file) if line.strip()]
         with read_only_store(_store_args(kwargs)) as store:
             found = store.query_messages_arrow([(topic, key) for key in keys], max_num, start, stop)
         _print_found(found, as_json)
@@ -280,6 +280,15 @@ def query_by_key(topic, msg_key, keys_file, begin, end, max_num, as_json, **kwar
     click.echo(f"{'#Message ID':<50} {'#QID':>4} {'#Offset':>40}")
     for msg in found:
         click.echo(f"{msg.uniq_key or msg.msg_id:<50} {msg.queue_id:>4} {msg.queue_offset:>40}")
+
+
+def _lines(file) -> list[str]:
+    """The lines of a --keys-file, or a usage error naming it if it is not UTF-8."""
+    try:
+        return list(file)
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{file.name} is not UTF-8 text ({exc.reason})",
+                                 param_hint="--keys-file") from None
 
 
 def _print_found(found, as_json: bool, *, many_stores: bool = False) -> None:
@@ -325,6 +334,8 @@ Examples:
 def query_by_id(msg_id, body, as_json, **kwargs) -> None:
     """Messages by message id (like mqadmin queryMsgById)."""
     ids = [part.strip() for part in msg_id.split(",") if part.strip()]
+    if not ids:
+        raise click.BadParameter(f"{msg_id!r} names no message id", param_hint="-i/--msg-id")
     missing = []
     with read_only_store(_store_args(kwargs)) as store:
         found = []
@@ -350,6 +361,10 @@ Examples:
 @fails_cleanly
 def query_by_unique_key(uniq_key, topic, body, as_json, **kwargs) -> None:
     """Messages by UNIQ_KEY (like mqadmin queryMsgByUniqueKey); a producer retry can store one twice."""
+    if not uniq_key.strip():
+        raise click.BadParameter("the UNIQ_KEY is empty", param_hint="-i/--msg-id")
+    if topic is not None and not topic.strip():
+        raise click.BadParameter("the topic is empty (leave -t out to search every topic)", param_hint="-t/--topic")
     with read_only_store(_store_args(kwargs)) as store:
         topics = [topic] if topic else store.topics()
         # a UNIQ_KEY is any string a producer set, matched as given; a hex msgId typed in lower case is the fallback
@@ -827,7 +842,7 @@ def find_keys_command(stores, master, ship_env, verbose, pairs, keys_file, begin
     from ..spark.jobs import find_keys
     from ..spark.partitions import resolve_roots
 
-    lines = [*pairs, *(line.strip() for line in keys_file or () if line.strip())]
+    lines = [*pairs, *(line.strip() for line in (_lines(keys_file) if keys_file else ()) if line.strip())]
     if not lines:
         raise Failure("give -k/--key TOPIC:KEY or --keys-file")
     queries = []

@@ -36,9 +36,12 @@ def parse_time(value: str | int | None, name: str = "time") -> int | None:
     except ValueError:
         raise click.BadParameter(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
                                  f"(e.g. 2026-11-21T09:30:00 or 2026-11-21T09:30:00+08:00)", param_hint=name) from None
-    if stamp.tzinfo is None:
-        stamp = stamp.astimezone()  # local time, as mqadmin reads it
-    return int(stamp.timestamp() * 1000)
+    try:
+        if stamp.tzinfo is None:
+            stamp = stamp.astimezone()  # local time, as mqadmin reads it
+        return int(stamp.timestamp() * 1000)
+    except (ValueError, OverflowError, OSError) as exc:  # year 1 in a zone east of UTC, and the like
+        raise click.BadParameter(f"{value!r} is out of range: {exc}", param_hint=name) from None
 
 
 def human_time(ms: int) -> str:
