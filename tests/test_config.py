@@ -128,3 +128,29 @@ def test_an_oversized_segment_is_the_damaged_one_on_a_tie(tmp_path):
         os.truncate(grown, 1 << 14)
     (root / "commitlog" / f"{1 << 15:020d}").mkdir()  # a directory named like a segment is no segment
     assert detect_segment_size(root) == 1 << 14
+
+
+def test_an_explicit_queue_or_index_setting_most_files_disagree_with_is_refused(tmp_path):
+    """An explicit size is never replaced, but when the files mostly have another one the setting is what is
+    wrong: a writer would otherwise set every queue (or index file) aside as damaged and rebuild it at the
+    wrong size."""
+    import os
+
+    from rocketstore.config import detect_config
+    from rocketstore.errors import ConfigError
+
+    root = tmp_path / "s"
+    config = _store(root)
+    before = tree(root)
+    with pytest.raises(ConfigError, match=r"consume-queue files .* are"):
+        detect_config(root, config.replace(mapped_file_size_consume_queue=config.mapped_file_size_consume_queue * 2))
+    with pytest.raises(ConfigError, match="index files"):
+        detect_config(root, config.replace(max_hash_slot_num=11, max_index_num=44))
+    conf = tmp_path / "broker.conf"
+    conf.write_text(f"mappedFileSizeConsumeQueue={config.mapped_file_size_consume_queue * 2}\n")
+    done = cli("put", "--store", str(root), "--broker-conf", str(conf), "-t", "T", "-b", "x", check=False)
+    assert done.returncode == 1 and "consume-queue files" in done.stderr and "Traceback" not in done.stderr
+    assert tree(root) == before
+    first_queue_file = next(os.path.join(d, sorted(f)[0]) for d, _, f in os.walk(root / "consumequeue") if f)
+    os.truncate(first_queue_file, 100)  # one file of many disagreeing: damaged, the setting stands
+    assert detect_config(root, config).mapped_file_size_consume_queue == config.mapped_file_size_consume_queue

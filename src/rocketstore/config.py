@@ -164,7 +164,8 @@ def detect_config(root: str | Path, base: StoreConfig | None = None, *,
     """``base`` with the geometry found on disk: commit-log segment, consume-queue file and index file sizes.
 
     A setting named in ``explicit`` (default: those in which ``base`` differs from StoreConfig's defaults) is
-    never replaced: a file that disagrees with it is damaged, and the store handles it as such. Otherwise the
+    never replaced: a file that disagrees with it is damaged, and the store handles it as such (but a queue or
+    index setting that more files disagree with than agree is refused as wrong). Otherwise the
     most common size among the files decides (one damaged file never redefines the others, which then are
     reported as damaged; ties go to the size the files' names agree with). Index geometry is inferred when
     it follows RocketMQ's 4 entries per slot; any other size that the configured slots and entries do not
@@ -183,17 +184,25 @@ def detect_config(root: str | Path, base: StoreConfig | None = None, *,
         if segment_size:
             changes["mapped_file_size_commit_log"] = segment_size
     queues = root / "consumequeue"
-    if "mapped_file_size_consume_queue" not in explicit and queues.is_dir():
-        runs = [_sized_files(Path(dirpath), lambda name: name.isdigit())
-                for dirpath, _dirs, _files in os.walk(queues)]
-        size = _common_size([run for run in runs if run], multiple=CQ_UNIT)
-        if size:
-            changes["mapped_file_size_consume_queue"] = size
+    if queues.is_dir():
+        runs = [run for dirpath, _dirs, _files in os.walk(queues)
+                if (run := _sized_files(Path(dirpath), lambda name: name.isdigit()))]
+        if "mapped_file_size_consume_queue" not in explicit:
+            size = _common_size(runs, multiple=CQ_UNIT)
+            if size:
+                changes["mapped_file_size_consume_queue"] = size
+        else:  # a writer sets a disagreeing queue aside: not every queue because the setting is wrong
+            _refuse_a_setting_most_files_disagree_with(
+                "consume-queue files", queues, Counter(size for run in runs for _name, size in run),
+                config.mapped_file_size_consume_queue, "mappedFileSizeConsumeQueue")
     index = root / "index"
     index_explicit = bool({"max_hash_slot_num", "max_index_num"} & explicit)
     if index.is_dir():
         configured = index_file_size(config.max_hash_slot_num, config.max_index_num)
         sizes = Counter(size for _name, size in _sized_files(index, lambda name: name.isdigit() and len(name) == 17))
+        if index_explicit:
+            _refuse_a_setting_most_files_disagree_with("index files", index, sizes, configured,
+                                                       "maxHashSlotNum and maxIndexNum")
         # the most common size; on a tie the configured one, then one of RocketMQ's 4-entries-per-slot form
         size = max(sizes, key=lambda s: (sizes[s], s == configured, _four_per_slot(s)), default=None)
         if size is not None and size != configured and not index_explicit and _four_per_slot(size):
@@ -208,6 +217,18 @@ def detect_config(root: str | Path, base: StoreConfig | None = None, *,
 
 
 CQ_UNIT = 20
+
+
+def _refuse_a_setting_most_files_disagree_with(what: str, where: Path, sizes: Counter, configured: int,
+                                               setting: str) -> None:
+    """An explicit size that more files disagree on (in one size) than agree with is a wrong setting, not that
+    many damaged files: refused before anything is opened, so no file is set aside for it."""
+    agreeing = sizes.get(configured, 0)
+    common, count = max(((size, n) for size, n in sizes.items() if size != configured), key=lambda item: item[1],
+                        default=(0, 0))
+    if count > agreeing:
+        raise ConfigError(f"{what} in {where} are {common} bytes ({count} of {sum(sizes.values())}), not the "
+                          f"{configured} that the configured {setting} give: pass the broker's settings")
 
 
 def _four_per_slot(size: int) -> bool:
