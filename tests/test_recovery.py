@@ -65,6 +65,35 @@ def test_torn_append_is_cut_salvaged_and_zeroed(tmp_path, small_config):
         assert store.look_message_by_offset(end).body == b"after the crash"
 
 
+@pytest.mark.parametrize("clean", [False, True], ids=["after-crash", "after-clean-exit"])
+@pytest.mark.parametrize("prop_crc", [False, True], ids=["compiled-walk", "record-by-record"])
+def test_a_stale_copy_of_a_record_past_the_end_is_not_taken_into_the_log(tmp_path, small_config, clean, prop_crc):
+    """A well-formed record whose PHYSICALOFFSET names another place (a stale or copied record after the log's
+    end) is no record of this log: every reader refuses it, so recovery ends the log before it and salvages it,
+    instead of extending the log (and its queues) over bytes nothing can read."""
+    small_config = small_config.replace(mapped_file_size_commit_log=1 << 16, enabled_append_prop_crc=prop_crc,
+                                        force_verify_prop_crc=prop_crc)
+    results, end, _torn, path, pos = store_with_a_last_record(tmp_path, small_config)
+    with MessageStore.open(tmp_path, small_config) as store:
+        stale = bytes(store.commit_log.get_record_bytes(results[3].commit_log_offset))
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        f.write(stale)
+    if not clean:
+        crash(tmp_path)
+    with MessageStore.open(tmp_path, small_config) as store:
+        report = store.recovery
+        assert report.end_offset == end
+        assert f"written at commit-log offset {results[3].commit_log_offset}" in report.stop_reason
+        salvage = [Path(p) for p in report.salvaged if p.endswith(".tail")]
+        assert salvage and salvage[0].read_bytes() == stale
+        assert store.max_phy_offset == end
+        assert sum(1 for _ in store.iter_messages()) == len(results)
+        again = store.put_message(Message("T1", b"next"))
+        assert again.commit_log_offset == end
+        assert store.look_message_by_offset(end).body == b"next"
+
+
 def test_two_recoveries_in_one_second_keep_both_salvaged_tails(tmp_path, small_config, monkeypatch):
     """Salvage files are named by offset and second: a second crash cut at the same offset in the same second
     overwrote the first one's salvage (and a segment moved aside twice replaced the first copy)."""

@@ -164,5 +164,10 @@ class TruncatedRecordError(CorruptDataError):
     """A length field points past the end of the available bytes, or disagrees with the others."""
 
 
+class MisplacedRecordError(CorruptDataError):
+    """A well-formed record whose PHYSICALOFFSET field names another place in the log: a stale or copied
+    record, not one written here (every reader refuses it, so recovery ends the log before it)."""
+
+
 class UnsupportedFormatError(CorruptDataError):
     """Well-formed data this build cannot read (for example an LZ4 body without the lz4 package)."""

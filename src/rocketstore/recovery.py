@@ -90,7 +90,8 @@ def choose_start_index(commit_log: CommitLog, checkpoint: StoreCheckpoint, *, ab
 def _first_record(mapped: MappedFile, commit_log: CommitLog) -> tuple[int, int] | None:
     """(PHYSICALOFFSET, STORETIMESTAMP) of a segment's first record if it validates, else None."""
     try:
-        layout = read_layout(mapped.buffer, 0, mapped.file_size, check_crc=commit_log.config.check_crc_on_recover)
+        layout = read_layout(mapped.buffer, 0, mapped.file_size, check_crc=commit_log.config.check_crc_on_recover,
+                             base=mapped.file_from_offset, check_offset=True)
     except CorruptDataError:
         return None
     if layout is None:
@@ -150,12 +151,13 @@ def _walk_segments(commit_log: CommitLog, index: int, pos: int, report: Recovery
         end_file, end_pos, blank = mapped, pos, False
         while True:
             if visit is None and not verify_prop:  # the fast path: validate runs of records in one loop
-                pos, valid, _last = validate_records(buf, pos, size, check_crc=check_crc)
+                pos, valid, _last = validate_records(buf, pos, size, check_crc=check_crc,
+                                                     base=mapped.file_from_offset)
                 report.records_checked += valid
                 end_pos = pos
             try:
                 layout = read_layout(buf, pos, size, check_crc=check_crc, verify_prop_crc=verify_prop,
-                                     path=str(mapped.path), base=mapped.file_from_offset)
+                                     path=str(mapped.path), base=mapped.file_from_offset, check_offset=True)
             except CorruptDataError as exc:
                 report.stop_reason = None if _is_zero_tail(buf, pos) else str(exc)
                 break

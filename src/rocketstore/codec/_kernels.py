@@ -659,14 +659,15 @@ def parse_at(buf, positions, limit, base, check_crc):
 
 
 @njit(cache=True, nogil=True)
-def validate(buf, pos, end, check_crc):
+def validate(buf, pos, end, check_crc, base):
     """``walk`` without keeping fields, for recovery's pass over whole segments: returns (position of the first
-    record ``read_layout`` would not accept, records accepted, start of the last accepted record or -1)."""
+    record ``read_layout`` would not accept, records accepted, start of the last accepted record or -1).
+    With ``base`` >= 0 (the buffer's offset in the log) a record's PHYSICALOFFSET field must say where it is."""
     n = 0
     last = -1
     while pos < end:
         stop = _parse(buf, pos, end, check_crc)[0]
-        if stop < 0:
+        if stop < 0 or (base >= 0 and _be64(buf, pos + PHY_OFFSET_POS) != base + pos):
             break
         last = pos
         n += 1

@@ -159,15 +159,18 @@ def load_dispatch_kernels() -> None:
 MIN_DISPATCH_PROBE = 8
 
 
-def validate_records(buf, pos: int, end: int, *, check_crc: bool = True) -> tuple[int, int, int]:
+def validate_records(buf, pos: int, end: int, *, check_crc: bool = True,
+                     base: int | None = None) -> tuple[int, int, int]:
     """Validate consecutive records from ``pos`` in compiled code (recovery's pass over whole segments):
     returns (position of the first record ``read_layout`` would not accept, how many it accepted, start of
-    the last accepted one or -1). The caller asks ``read_layout`` at that position why the run ended."""
+    the last accepted one or -1). The caller asks ``read_layout`` at that position why the run ended.
+    With ``base`` (the buffer's offset in the log), as ``read_layout(check_offset=True)``, a record must
+    also sit where its PHYSICALOFFSET field says."""
     if not 0 <= pos <= end:
         raise OffsetOutOfRangeError(f"cannot validate the range [{pos}, {end})")
     arr = as_array(buf)
     try:
-        stop, count, last = k.validate(arr, pos, min(end, len(arr)), check_crc)
+        stop, count, last = k.validate(arr, pos, min(end, len(arr)), check_crc, -1 if base is None else base)
     finally:
         del arr
     return int(stop), int(count), int(last)

@@ -23,6 +23,7 @@ from ..errors import (
     BadMagicError,
     ChecksumError,
     CorruptDataError,
+    MisplacedRecordError,
     TruncatedRecordError,
     UnsupportedFormatError,
 )
@@ -190,12 +191,14 @@ class RecordLayout(NamedTuple):
 
 
 def read_layout(buf, pos: int, limit: int | None = None, *, check_crc: bool = False,
-                verify_prop_crc: bool = False, path: str | None = None, base: int = 0) -> RecordLayout | None:
+                verify_prop_crc: bool = False, path: str | None = None, base: int = 0,
+                check_offset: bool = False) -> RecordLayout | None:
     """Validate the record at ``buf[pos]`` and return its layout, or ``None`` for a BLANK record.
 
     ``limit`` is where the readable bytes end (default: the buffer end). ``path`` and ``base``
-    (the buffer's offset in the commit log) only make error messages point at the right place.
-    Raises ``BadMagicError``, ``TruncatedRecordError`` or ``ChecksumError``.
+    (the buffer's offset in the commit log) make error messages point at the right place, and with
+    ``check_offset`` the record's PHYSICALOFFSET field must say ``base + pos``.
+    Raises ``BadMagicError``, ``TruncatedRecordError``, ``ChecksumError`` or ``MisplacedRecordError``.
     """
     end = len(buf) if limit is None else limit
     where = base + pos
@@ -251,6 +254,11 @@ def read_layout(buf, pos: int, limit: int | None = None, *, check_crc: bool = Fa
             actual = zlib.crc32(buf[body_pos : body_pos + body_len]) & 0x7FFFFFFF
             if actual != stored:
                 raise ChecksumError(f"body CRC {actual} does not match the stored {stored}", path, where)
+    if check_offset:
+        stored_offset = _I64.unpack_from(buf, pos + PHY_OFFSET_POS)[0]
+        if stored_offset != where:
+            raise MisplacedRecordError(f"record says it was written at commit-log offset {stored_offset}",
+                                       path, where)
     return RecordLayout(size, magic, sys_flag, body_pos, body_len, topic_pos, topic_len, props_pos, props_len)
 
 
