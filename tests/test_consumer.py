@@ -15,7 +15,7 @@ import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.brokerconfig import ConsumerOffsetManager, TopicConfigManager, parse_fastjson, to_fastjson
-from rocketstore.errors import InvalidQueueError, TopicNotExistError
+from rocketstore.errors import InvalidQueueError, StoreClosedError, TopicNotExistError
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
                      max_hash_slot_num=97, max_index_num=388, message_delay_level="1s 2s 30s")
@@ -159,6 +159,46 @@ def test_two_groups_consume_independently_and_resume(tmp_path):
         store.reset_offset("A", "Orders", "earliest")
         with store.consumer("A", "Orders") as a:
             assert len(a.poll(timeout=1, max_msgs=100)) == 40
+
+
+def test_only_what_the_caller_finished_is_committed(tmp_path):
+    """Closing used to commit the end of the last poll's whole batch: a handler that raised on the 4th message,
+    or a loop left with ``break`` after the 2nd, lost every message after it for good (at least once broken)."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("One", queues=1)
+        for i in range(10):
+            store.put_message(Message("One", b"m%d" % i, tags="even" if i % 2 == 0 else "odd"))
+        store.wait_for_dispatch()
+        with pytest.raises(RuntimeError, match="m3"), store.consumer("Fails", "One") as consumer:
+            for msg in consumer:
+                if msg.body == b"m3":
+                    raise RuntimeError("handler failed on m3")
+        assert store.query_offset("Fails", "One", 0) == 3, "m0..m2 were handled, m3 was not"
+        with store.consumer("Fails", "One") as consumer:
+            assert [m.body for m in consumer.poll(timeout=1)] == [b"m%d" % i for i in range(3, 10)]
+        assert store.query_offset("Fails", "One", 0) == 10
+        with store.consumer("Stops", "One") as consumer:
+            for n, _msg in enumerate(consumer):
+                if n == 1:
+                    break  # done with the second message: it counts, the rest of the batch does not
+        assert store.query_offset("Stops", "One", 0) == 2
+        with pytest.raises(RuntimeError), store.consumer("Polls", "One") as consumer:
+            first = consumer.poll(timeout=1, max_msgs=4)
+            second = consumer.poll(timeout=1, max_msgs=4)  # coming back: the first four were processed
+            raise RuntimeError("handling the second batch failed")
+        assert [m.body for m in first + second] == [b"m%d" % i for i in range(8)]
+        assert store.query_offset("Polls", "One", 0) == 4
+        with store.consumer("Tags", "One", tags="odd") as consumer:
+            for msg in consumer:
+                if msg.body == b"m9":
+                    break
+        assert store.query_offset("Tags", "One", 0) == 10
+        with store.consumer("Done", "One") as consumer:
+            assert len(consumer.poll(timeout=1)) == 10
+        assert store.query_offset("Done", "One", 0) == 10, "a poll's batch is committed on a clean close"
+        consumer.close()
+        with pytest.raises(StoreClosedError):
+            consumer.poll()
 
 
 def test_a_consumer_closed_after_its_store_writes_nothing(tmp_path):

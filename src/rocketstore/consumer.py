@@ -4,7 +4,10 @@ A consumer reads every queue of the topic in order per queue, starting at the gr
 offset (else at ``start``: "earliest", "latest" or an epoch-ms timestamp), and waits on the
 dispatcher, not in a busy loop, when there is nothing new. With ``auto_commit`` the offsets of
 what one ``poll`` returned are committed at the next ``poll`` (or ``commit``/``close``): a crash in
-between delivers those messages again, never loses them (at least once).
+between delivers those messages again, never loses them (at least once). Iterating hands out one
+message at a time: a message counts as processed once the loop asks for the next one, or when the
+consumer is closed after a ``break``; a ``with`` block left by an exception commits only what was
+processed, so the message whose handler raised, and everything after it, is delivered again.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 from .encoder import validate_topic
-from .errors import InvalidQueryError, ReadOnlyStoreError, RocketStoreError
+from .errors import InvalidQueryError, ReadOnlyStoreError, RocketStoreError, StoreClosedError
 from .message import MessageExt
 from .reads import GetMessageStatus, parse_tags
 from .sqlfilter import subscription_filter
@@ -42,7 +45,8 @@ class Consumer:
         self.auto_commit = auto_commit and not store.read_only
         self.batch_size = batch_size
         self._positions: dict[int, int] = {}
-        self._handed_out: dict[int, int] = {}
+        self._processed: dict[int, int] = {}  # queue id -> offset after what the caller is done with
+        self._in_hand: dict[int, int] = {}  # ... after what the caller holds and may still be handling
         self._next_queue = 0
         self._resets = store.offset_resets(group, topic)
         self.unreadable: list[int] = []  # commit-log offsets of records skipped as unreadable (each logged)
@@ -76,15 +80,26 @@ class Consumer:
         return self._positions[queue_id]
 
     def poll(self, timeout: float = 1.0, max_msgs: int | None = None) -> list[MessageExt]:
-        """The next messages (across queues, in order within each), waiting up to ``timeout`` seconds."""
+        """The next messages (across queues, in order within each), waiting up to ``timeout`` seconds.
+
+        Asking again means the previous batch is processed (committed now with ``auto_commit``)."""
+        out, ends = self._fetch(timeout, max_msgs)
+        self._in_hand = ends
+        return out
+
+    def _fetch(self, timeout: float, max_msgs: int | None) -> tuple[list[MessageExt], dict[int, int]]:
+        """(the next messages, each queue's offset after them); what the caller held before is processed."""
         if self.closed:
-            raise RuntimeError("consumer is closed")
+            raise StoreClosedError("consumer is closed")
         if max_msgs is not None and (type(max_msgs) is not int or max_msgs < 1):
             raise InvalidQueryError(f"max_msgs is a positive int or None, not {max_msgs!r}")
         self._follow_reset()
+        self._processed.update(self._in_hand)
+        self._in_hand = {}
         if self.auto_commit:
             self.commit()
         limit = max_msgs or self.batch_size
+        ends: dict[int, int] = {}
         deadline = time.monotonic() + timeout
         dispatcher = self.store.dispatcher
         while True:
@@ -104,20 +119,26 @@ class Consumer:
                     self.unreadable.extend(result.unreadable)
                 if result.messages:
                     out.extend(result.messages)
-                    self._handed_out[queue_id] = result.next_begin_offset
+                    ends[queue_id] = result.next_begin_offset
                 if len(out) >= limit:
                     break
             self._next_queue += 1
             if out:
-                return out
+                return out, ends
             remaining = deadline - time.monotonic()
             if remaining <= 0 or dispatcher is None:
-                return []
+                return [], ends
             dispatcher.wait_for_round(seen, min(remaining, 1.0))  # woken by the dispatcher
 
     def __iter__(self) -> Iterator[MessageExt]:
+        """Messages one at a time; each is processed once the loop comes back for the next."""
         while not self.closed:
-            yield from self.poll(timeout=1.0)
+            batch, ends = self._fetch(1.0, None)
+            for msg in batch:
+                self._in_hand = {msg.queue_id: msg.queue_offset + 1}
+                yield msg
+                self._processed.update(self._in_hand)
+            self._in_hand = ends  # the whole batch is processed: on past what the filters skipped
 
     def _follow_reset(self) -> None:
         """After ``store.reset_offset`` of this group and topic, forget what was handed out and read on from the
@@ -125,33 +146,44 @@ class Consumer:
         resets = self.store.offset_resets(self.group, self.topic)
         if resets != self._resets:
             self._resets = resets
-            self._handed_out.clear()
+            self._processed.clear()
+            self._in_hand.clear()
             self._positions.clear()
 
     def commit(self) -> None:
-        """Commit the offsets after everything handed out so far (``commitOffset``).
+        """Commit the offsets after everything handed out so far (``commitOffset``): the caller says it is done.
 
         Raises ``StoreClosedError`` once the store is closed (its offsets file may belong to another writer by
         then), ``ReadOnlyStoreError`` on a read-only store."""
+        self._processed.update(self._in_hand)
+        self._in_hand = {}
+        self._commit_processed()
+
+    def _commit_processed(self) -> None:
         if self.store.read_only:
             raise ReadOnlyStoreError("a read-only store cannot commit consumer offsets")
         self._follow_reset()
-        if not self._handed_out:
+        if not self._processed:
             return
         self.store._check_open(write=True)
-        for queue_id, offset in self._handed_out.items():
+        for queue_id, offset in self._processed.items():
             self.store.consumer_offsets.commit(self.group, self.topic, queue_id, offset)
-        self._handed_out.clear()
+        self._processed.clear()
 
     def seek(self, queue_id: int, offset: int) -> None:
         self._positions[queue_id] = offset
 
-    def close(self) -> None:
+    def close(self, *, commit_in_hand: bool = True) -> None:
         """Commit (with ``auto_commit``) and persist the offsets. A consumer closed after its store commits
-        nothing and raises ``StoreClosedError`` if it had offsets left to commit (they are delivered again)."""
+        nothing and raises ``StoreClosedError`` if it had offsets left to commit (they are delivered again).
+
+        ``commit_in_hand=False`` commits only what is known processed: the messages of the last ``poll``, or
+        the last one iterated, are delivered again (a ``with`` block left by an exception closes so)."""
         if self.closed:
             return
         self.closed = True
+        if not commit_in_hand:
+            self._in_hand = {}
         if self.auto_commit:
             self.commit()
             if not self.store.closed:  # the store's close persisted everything committed before it
@@ -164,8 +196,8 @@ class Consumer:
         if exc_type is None:
             self.close()
             return
-        try:  # the block's own exception is the one to see; offsets left uncommitted are delivered again
-            self.close()
+        try:  # the block's own exception is the one to see; what it was handling is delivered again
+            self.close(commit_in_hand=False)
         except RocketStoreError as failure:
             log.warning("consumer %s of %s closed without committing its offsets: %s", self.group, self.topic,
                         failure)
