@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import functools
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -391,14 +392,43 @@ Examples:
 def query_by_offset(topic, queue_id, offset, body, as_json, **kwargs) -> None:
     """The message at a queue offset (like mqadmin queryMsgByOffset)."""
     with read_only_store(_store_args(kwargs)) as store:
-        result = store.get_message(topic, queue_id, offset, 1)
+        with _logs_held() as held:  # what get_message logs about this unit is the error's, not lines before it
+            result = store.get_message(topic, queue_id, offset, 1)
         exact = [m for m in result.messages if (m.topic, m.queue_id, m.queue_offset) == (topic, queue_id, offset)]
         if not exact and result.status in _UNSERVABLE:  # get_message went on past the unit: say why it cannot
             raise Failure(_unservable_unit(store, topic, queue_id, offset))
+        _replay(held)
     if result.status is not GetMessageStatus.FOUND:
         raise Failure(f"{result.status.value}: {topic} queue {queue_id} holds offsets [{result.min_offset}, "
                       f"{result.max_offset})")
     _print_messages(exact, as_json, body)
+
+
+@contextlib.contextmanager
+def _logs_held() -> Iterator[list[logging.LogRecord]]:
+    """The records rocketstore's loggers emit inside the block, held back instead of printed: a command whose
+    error line already says why (a unit that cannot be served) prints that line alone, with no log lines before
+    it. ``_replay`` prints them after all where the command goes on."""
+    package = logging.getLogger("rocketstore")
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    handler, propagate = Hold(), package.propagate
+    package.addHandler(handler)
+    package.propagate = False
+    try:
+        yield held
+    finally:
+        package.removeHandler(handler)
+        package.propagate = propagate
+
+
+def _replay(held: list[logging.LogRecord]) -> None:
+    for record in held:
+        logging.getLogger(record.name).handle(record)
 
 
 # statuses of a read that started inside the queue: the unit asked for was there but not served
@@ -926,7 +956,6 @@ Clients: an official RocketMQ 5 client with endpoints 127.0.0.1:8081 (no TLS).
 def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, access_key, secret_key, accounts_file,
           transaction_check_seconds, stats_interval, **kwargs) -> None:
     """Speak RocketMQ 5's gRPC protocol over the store: official clients send to it and consume from it."""
-    import logging
     import signal
     import threading
     import time
