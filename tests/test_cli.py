@@ -434,6 +434,28 @@ def test_verify_finds_a_damaged_queue_unit(store, tmp_path):
     assert any("missing from its queue" in p["detail"] for p in problems)
 
 
+@pytest.mark.parametrize("damage", ["cut short", "short and not the last"])
+def test_verify_names_a_queue_file_of_the_wrong_size(store, tmp_path, damage):
+    """A consume-queue file of the wrong size (RocketMQ's load refuses the store) was named nowhere: the read-only
+    load skipped its queue with a log line, and verify listed only the queue's records as missing (or nothing, for
+    a queue whose records retention removed). An empty last file is a crash while creating it, deleted on load."""
+    copy, _results = damaged_copy(store, tmp_path)
+    queue = copy / "consumequeue" / "Topic1" / "2"
+    damaged = queue / f"{0:020d}"
+    size = 1990 if damage == "cut short" else 1980
+    os.truncate(damaged, size)
+    if damage == "short and not the last":
+        (queue / f"{2000:020d}").write_bytes(bytes(2000))
+        (queue / f"{4000:020d}").write_bytes(b"")
+    code, problems = verify_json(copy)
+    assert code == 1
+    named = [p for p in problems if Path(p["path"]).parent == queue]  # files; missing records name the queue
+    assert [(p["path"], p["offset"]) for p in named] == [(str(damaged), size)]
+    assert f"file is {size} bytes" in named[0]["detail"] and "expected 2000 (mappedFileSizeConsumeQueue)" in \
+        named[0]["detail"]
+    assert ("not a whole number of 20-byte units" in named[0]["detail"]) == (size % 20 != 0)
+
+
 def test_verify_finds_a_damaged_index_entry(store, tmp_path):
     copy, results = damaged_copy(store, tmp_path)
     index_file = next((copy / "index").iterdir())

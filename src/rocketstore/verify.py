@@ -6,8 +6,9 @@ reports each problem with the file and the offset where it is:
 * commit log: records whose CRC, magic or lengths fail, in every segment (recovery only looks at
   the newest ones), records whose PHYSICALOFFSET disagrees with their position, segments that do
   not end with a BLANK record, bytes after the end of the log that are not zero;
-* consume queues: units that do not point at a record start of their topic and queue, with the
-  record's size and queue offset and the right tags code; records missing from their queue;
+* consume queues: files that are not ``mappedFileSizeConsumeQueue`` bytes (RocketMQ's load refuses them); units
+  that do not point at a record start of their topic and queue, with the record's size and queue offset and the
+  right tags code; records missing from their queue;
 * index: files it cannot read; chains that do not run strictly backwards (a self-loop, a forward or
   out-of-range link: a key lookup would stop short); entries pointing at no record or at a record
   none of whose keys has the entry's hash;
@@ -43,7 +44,7 @@ from .codec.properties import PropertyName
 from .codec.record import message_from_layout, read_layout
 from .commitlog import CommitLog
 from .config import StoreConfig
-from .consumequeue import CQ_UNIT_SIZE, PRE_BLANK_SIZE, UNIT_DTYPE, ConsumeQueueTable
+from .consumequeue import CONSUMEQUEUE_DIR, CQ_UNIT_SIZE, PRE_BLANK_SIZE, UNIT_DTYPE, ConsumeQueueTable
 from .dispatch import DISPATCH_ROWS, index_topic_of, tags_code_of
 from .encoder import PARKED_TOPICS
 from .errors import ConfigError, CorruptDataError
@@ -52,7 +53,7 @@ from .index.bulk import index_key_hashes
 from .index.file import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
 from .index.service import IndexService, build_key, chain_problem_at, index_keys
 from .lifecycle import is_locked
-from .mapped.file import MappedFile
+from .mapped.file import MappedFile, parse_segment_name
 from .message import SysFlag
 from .recovery import recovered_log_end
 
@@ -318,6 +319,7 @@ def _queue_frontier(root: Path, config: StoreConfig) -> int:
 
 def _check_queues(root: Path, config: StoreConfig, records: _Records, report: VerifyReport,
                   progress: Progress | None, snapshot: _Snapshot | None, log_min: int = 0) -> None:
+    _check_queue_file_sizes(root, config.mapped_file_size_consume_queue, report)
     table = ConsumeQueueTable(root, config, read_only=True)
     table.load()
     seen = np.zeros(len(records.phy), dtype=bool)
@@ -344,6 +346,54 @@ def _check_queues(root: Path, config: StoreConfig, records: _Records, report: Ve
                        f"record at commit-log offset {records.phy[i]} is missing from its queue")
 
     report.add_many(np.flatnonzero(missing), make)
+
+
+def _check_queue_file_sizes(root: Path, expected: int, report: VerifyReport) -> None:
+    """Every consume-queue file must be ``mappedFileSizeConsumeQueue`` bytes, the last one of its queue too:
+    RocketMQ's load refuses a store with any other ("length not matched message store config value, please
+    check it manually"; only an empty last file, a crash while creating it, is deleted instead). The load here
+    skips the queue (a writer's sets it aside and rebuilds it from the commit log), which left only its records
+    reported as missing, never the file that was the cause."""
+    base = root / CONSUMEQUEUE_DIR
+    for topic_dir in _subdirectories(base):
+        for queue_dir in _subdirectories(topic_dir):
+            if not queue_dir.name.isdigit():
+                continue  # ConsumeQueueTable.load reads no such directory either
+            files = []
+            for entry in _entries(queue_dir):
+                try:
+                    if parse_segment_name(entry.name) is not None and entry.is_file():
+                        files.append((entry.name, entry.stat().st_size))
+                except OSError:  # gone meanwhile (a live store's retention)
+                    continue
+            files.sort()
+            for n, (name, size) in enumerate(files):
+                if size == expected or (size == 0 and n == len(files) - 1):
+                    continue
+                units = "" if size % CQ_UNIT_SIZE == 0 else f" (not a whole number of {CQ_UNIT_SIZE}-byte units)"
+                report.add(Problem("consumequeue", str(queue_dir / name), min(size, expected),
+                                   f"file is {size} bytes{units}, expected {expected} (mappedFileSizeConsumeQueue): "
+                                   "RocketMQ refuses to load a store with it (length not matched message store config "
+                                   "value); readers skip this queue, a writer's open sets it aside and rebuilds it"))
+
+
+def _subdirectories(directory: Path) -> list[Path]:
+    return sorted(Path(entry.path) for entry in _entries(directory) if _is_dir(entry))
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except OSError:
+        return []
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _settled(phys: np.ndarray, frontier: int) -> int:
