@@ -112,6 +112,48 @@ def test_explicit_geometry_wins_over_a_damaged_single_segment(tmp_path):
     assert tree(root) == before
 
 
+def test_a_lone_segment_is_the_geometry_only_at_a_size_a_broker_is_configured_with(tmp_path):
+    """With no segment size named, a store's only segment defined the geometry whatever its size: one cut short
+    (a bad copy, a full disk) became the segment size, the store opened as whole and a put rolled into a new
+    segment of that size. A size is taken when a broker plausibly has it (1 GiB, a power-of-two number of 4 KiB
+    pages) or the names confirm it; otherwise it is refused until the size is named."""
+    import os
+
+    from rocketstore.config import GIB, detect_config, detect_segment_size
+
+    root = tmp_path / "s"
+    config = _store(root, segments=1)
+    segment = root / "commitlog" / f"{0:020d}"
+    assert detect_config(root).mapped_file_size_commit_log == 1 << 14  # plausible: taken
+    lone = tmp_path / "lone"
+    (lone / "commitlog").mkdir(parents=True)
+    for size, start, taken in ((GIB, 0, True), (1 << 12, 0, True), (3 << 12, 0, False), (3 << 12, 9 << 12, True),
+                               (5000, 0, False), (5000, 5000, True)):
+        for old in (lone / "commitlog").iterdir():
+            old.unlink()
+        path = lone / "commitlog" / f"{start:020d}"
+        path.touch()
+        os.truncate(path, size)  # sparse: 1 GiB costs nothing
+        if taken:
+            assert detect_segment_size(lone) == size, (size, start)
+        else:
+            with pytest.raises(ConfigError, match="looks cut short"):
+                detect_segment_size(lone)
+
+    os.truncate(segment, 5000)
+    before = tree(root)
+    with pytest.raises(ConfigError, match=f"segment {segment} is 5000 bytes.*--mapped-file-size-commit-log"):
+        detect_config(root)
+    assert detect_config(root, config).mapped_file_size_commit_log == 1 << 14  # named: the file is the damaged one
+    for command in (["inspect"], ["put", "-t", "T", "-b", "x"]):
+        done = cli(*command, "--store", str(root), check=False)
+        assert done.returncode == 1 and done.stderr.startswith(f"error: commit-log segment {segment} is 5000 bytes")
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    done = cli("inspect", "--store", str(root), "--mapped-file-size-commit-log", "16384", check=False)
+    assert done.returncode == 1 and "segment is 5000 bytes but the configured size is 16384" in done.stderr
+    assert tree(root) == before
+
+
 def test_an_oversized_segment_is_the_damaged_one_on_a_tie(tmp_path):
     """Two segments, one grown: the tie went to the larger size, and the healthy segment was named as wrong."""
     import os

@@ -167,7 +167,8 @@ def detect_config(root: str | Path, base: StoreConfig | None = None, *,
     never replaced: a file that disagrees with it is damaged, and the store handles it as such (but a queue or
     index setting that more files disagree with than agree is refused as wrong). Otherwise the
     most common size among the files decides (one damaged file never redefines the others, which then are
-    reported as damaged; ties go to the size the files' names agree with). Index geometry is inferred when
+    reported as damaged; ties go to the size the files' names agree with; a commit-log size nothing confirms is
+    refused, see ``detect_segment_size``). Index geometry is inferred when
     it follows RocketMQ's 4 entries per slot; any other size that the configured slots and entries do not
     explain is an error."""
     from .index.file import index_file_size
@@ -275,13 +276,47 @@ def _common_size(runs: list[list[tuple[str, int]]], multiple: int = 1) -> int | 
     return max(sizes, key=lambda s: (sizes[s], *agrees(s), -s))
 
 
+OS_PAGE_SIZE = 4096  # RocketMQ's MappedFile.OS_PAGE_SIZE
+
+
+def plausible_segment_size(size: int) -> bool:
+    """Whether a broker is plausibly configured with segments of ``size`` bytes: the 1 GiB default, or any
+    power-of-two number of 4 KiB pages (what small stores, tests and tools use). A file cut short by a bad copy
+    or a full disk almost never is one."""
+    pages, rest = divmod(size, OS_PAGE_SIZE)
+    return size == GIB or (rest == 0 and pages > 0 and pages & (pages - 1) == 0)
+
+
 def detect_segment_size(root: str | Path) -> int | None:
     """The commit-log segment size of a store: the most common size among its segment files (so one
-    truncated file is reported as damaged instead of redefining the size); None without segments."""
+    truncated file is reported as damaged instead of redefining the size); None without segments.
+
+    A size only one file has (a store of one segment) is taken only when something confirms it: neighbours'
+    names that far apart, a non-zero start it divides, or a plausible configured size (``plausible_segment_size``).
+    Otherwise the file is most likely cut short, and the size is refused (``ConfigError``) rather than taken as the
+    store's geometry: the broker's mappedFileSizeCommitLog must then be named."""
     directory = Path(root) / "commitlog"
     if not directory.is_dir():
         return None
-    return _common_size([_sized_files(directory, lambda name: len(name) == 20 and name.isdigit())])
+    segments = _sized_files(directory, lambda name: len(name) == 20 and name.isdigit())
+    size = _common_size([segments])
+    if size is None or _confirmed(size, segments):
+        return size
+    name = next(name for name, n in segments if n == size)
+    raise ConfigError(
+        f"commit-log segment {directory / name} is {size} bytes, a size no other segment or segment name confirms "
+        f"and not one a broker is configured with (1 GiB, or a power-of-two number of {OS_PAGE_SIZE}-byte pages): "
+        "it looks cut short. Name the broker's mappedFileSizeCommitLog (--mapped-file-size-commit-log or "
+        "--broker-conf); a segment of another size is then reported as damaged")
+
+
+def _confirmed(size: int, segments: list[tuple[str, int]]) -> bool:
+    """Whether more than the one file of ``size`` says the store's segments are that large."""
+    if sum(n == size for _name, n in segments) > 1 or plausible_segment_size(size):
+        return True
+    starts = [int(name) for name, _size in segments]
+    return any(b - a == size for a, b in itertools.pairwise(starts)) or \
+        any(start > 0 and start % size == 0 for start in starts)
 
 
 def _camel(name: str) -> str:
