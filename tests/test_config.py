@@ -154,6 +154,21 @@ def test_a_lone_segment_is_the_geometry_only_at_a_size_a_broker_is_configured_wi
     assert tree(root) == before
 
 
+def test_rebuild_keeps_a_segment_size_the_command_line_named_even_rocketmqs_default(tmp_path):
+    """rebuild detected the geometry again from a config whose named values it could no longer tell apart from
+    RocketMQ's defaults: a named 1 GiB was replaced by a lone segment's size (or, for a size no broker has, refused
+    with an error asking to name the size that was named)."""
+    import os
+
+    root = tmp_path / "s"
+    _store(root, segments=1)
+    os.truncate(root / "commitlog" / f"{0:020d}", 5000)
+    done = cli("rebuild", "--no-spark", "--store", str(root), "--mapped-file-size-commit-log", str(1 << 30),
+               check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "segment is 5000 bytes but the configured size is 1073741824" in done.stderr, done.stderr
+
+
 def test_an_oversized_segment_is_the_damaged_one_on_a_tie(tmp_path):
     """Two segments, one grown: the tie went to the larger size, and the healthy segment was named as wrong."""
     import os

@@ -15,7 +15,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,18 +152,21 @@ def _epoch_ms(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decoder, *, consume_queues: bool = True,
-                     index: bool = True, clock: Callable[[], int] | None = None) -> RebuildReport:
+                     index: bool = True, clock: Callable[[], int] | None = None,
+                     explicit: Iterable[str] | None = None) -> RebuildReport:
     """Rebuild ``consumequeue/`` and ``index/`` from the tables ``decode(root, config, low, end)`` yields for the
     log's ``[low, end)`` (dispatch columns, log order; each with the tasks it took).
 
     The store must not be open for writing (the lock is taken). The old directories are moved to
-    ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now).
+    ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now). ``explicit``: the
+    geometry settings of ``config`` that the files must not replace (``detect_config``'s; default: those that
+    differ from RocketMQ's defaults).
     """
     started = time.monotonic()
     root = Path(os.path.abspath(root))
     if not (root / COMMITLOG_DIR).is_dir():  # before the lock: a wrong path must not become an empty store
         raise StoreNotFoundError(f"{root} holds no store (no {COMMITLOG_DIR} directory)")
-    config = detect_config(root, config)
+    config = detect_config(root, config, explicit=explicit)
     report = RebuildReport()
     lock = StoreLock(root)
     lock.acquire()
@@ -213,10 +216,10 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
 
 def rebuild(root: str | Path, *, config: StoreConfig | None = None, consume_queues: bool = True, index: bool = True,
             max_bytes_per_task: int = DEFAULT_MAX_BYTES_PER_PARTITION, clock: Callable[[], int] | None = None,
-            progress: Progress | None = None) -> RebuildReport:
+            progress: Progress | None = None, explicit: Iterable[str] | None = None) -> RebuildReport:
     """``rebuild_from_log`` decoding in this process (``local_decoder``)."""
     return rebuild_from_log(root, config, local_decoder(max_bytes_per_task, progress), consume_queues=consume_queues,
-                            index=index, clock=clock)
+                            index=index, clock=clock, explicit=explicit)
 
 
 def local_decoder(max_bytes_per_task: int = DEFAULT_MAX_BYTES_PER_PARTITION,

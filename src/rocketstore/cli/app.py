@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from .. import Message, MessageStore, StoreConfig
-from ..config import broker_conf_values, detect_config
+from ..config import GEOMETRY, broker_conf_values, detect_config
 from ..errors import MessageNotFoundError, RocketStoreError
 from ..reads import GetMessageStatus
 from .render import (
@@ -785,14 +785,14 @@ Examples:
 @fails_cleanly
 def rebuild(master, ship_env, verbose, no_spark, **kwargs) -> None:
     """Rebuild consume queues and index files from the commit log (Spark; --no-spark: in this process)."""
-    root, config = config_for(**_store_args(kwargs))
+    root, config = config_for(**_store_args(kwargs))  # final: what is named, else what the files say
     if no_spark:
         if ship_env or master != "local[*]":
             raise click.UsageError("--no-spark runs no Spark job: leave out --master and --ship-env")
         from ..rebuild import rebuild as run_here
 
         with progress_bar("rebuild") as progress:
-            report = run_here(root, config=config, progress=progress)
+            report = run_here(root, config=config, progress=progress, explicit=GEOMETRY)
         where = f"{report.partitions} range{'s' * (report.partitions != 1)} in this process"
     else:
         from ..lifecycle import StoreLock
@@ -803,7 +803,7 @@ def rebuild(master, ship_env, verbose, no_spark, **kwargs) -> None:
         probe.release()
         spark = _spark(master, ship_env, verbose)
         with progress_bar("rebuild") as progress:
-            report = run(root, spark=spark, config=config, progress=progress)
+            report = run(root, spark=spark, config=config, progress=progress, explicit=GEOMETRY)
         where = f"{report.partitions} partitions in {report.windows} window{'s' * (report.windows != 1)}"
     click.echo(f"rebuilt {report.queue_units} queue units in {report.queues} queues and {report.index_keys} index "
                f"keys in {report.index_files} index files from {report.records} records ({where}, "
@@ -854,7 +854,8 @@ def import_command(master, ship_env, verbose, parquet, **kwargs) -> None:
         raise Failure(f"{parquet} does not exist")
     spark = _spark(master, ship_env, verbose)
     with progress_bar("import") as progress:
-        report = import_messages(spark.read.parquet(source), root, config=config, progress=progress)
+        report = import_messages(spark.read.parquet(source), root, config=config, progress=progress,
+                                 explicit=GEOMETRY)
     click.echo(f"imported {report.rows} messages in {report.batches} batches into {root}")
 
 

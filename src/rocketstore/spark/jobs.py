@@ -129,12 +129,14 @@ REBUILD_WINDOW_BYTES = 1 << 30  # of log per rebuild job at least (the driver ho
 
 def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: StoreConfig | None = None,
             consume_queues: bool = True, index: bool = True, max_bytes_per_partition: int | None = None,
-            clock: Callable[[], int] | None = None, progress: Progress | None = None) -> RebuildReport:
+            clock: Callable[[], int] | None = None, progress: Progress | None = None,
+            explicit: Iterable[str] | None = None) -> RebuildReport:
     """Rebuild ``consumequeue/`` and ``index/`` of a store from its commit log, decoded by Spark tasks.
 
     The store must not be open for writing (the lock is taken). The old directories are moved to
     ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now).
-    ``rocketstore.rebuild.rebuild`` does the same in this process (no JVM: faster on one machine).
+    ``rocketstore.rebuild.rebuild`` does the same in this process (no JVM: faster on one machine). ``explicit``:
+    the geometry settings of ``config`` the files must not replace (``detect_config``'s).
     """
 
     def decode(root: Path, config: StoreConfig, low: int, end: int) -> Generator[tuple[pa.Table, int], None, None]:
@@ -143,7 +145,8 @@ def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: 
             windows = _dispatch_windows(running, root, low, end, config, max_bytes_per_partition)
             yield from read_ahead(running, windows, "rocketstore rebuild")
 
-    return rebuild_from_log(root, config, decode, consume_queues=consume_queues, index=index, clock=clock)
+    return rebuild_from_log(root, config, decode, consume_queues=consume_queues, index=index, clock=clock,
+                            explicit=explicit)
 
 
 _DONE = object()
@@ -223,8 +226,8 @@ IMPORT_CHUNK_BYTES = 64 << 20  # one Arrow chunk sent to the driver holds at mos
 _ROW = re.compile(r"row (\d+): ")  # how put_batch names the first bad row of its table
 
 
-def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, progress: Progress | None = None
-                    ) -> ImportReport:
+def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, progress: Progress | None = None,
+                    explicit: Iterable[str] | None = None) -> ImportReport:
     """Append every row of ``df`` to the store through its single writer, each exactly once.
 
     Columns: ``topic`` and ``body`` (binary or string) are required; ``keys`` (array or
@@ -232,7 +235,8 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     not read. Rows reach the driver as Arrow batches (Spark's Arrow batch size, at most
     ``IMPORT_CHUNK_BYTES`` each), one partition ahead, in partition order; each batch is one
     ``put_batch`` (all or nothing). A bad row stops the import with an error naming its place in
-    the DataFrame; the batches before it stay stored (the report says how many rows).
+    the DataFrame; the batches before it stay stored (the report says how many rows). ``explicit``: the geometry
+    settings of ``config`` the files must not replace (``detect_config``'s).
     """
     present = set(df.columns)
     columns = [c for c in IMPORT_COLUMNS if c in present]
@@ -241,7 +245,8 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
         raise ConfigError(f"import needs columns topic and body; missing {sorted(missing)}")
     report = ImportReport()
     root = Path(root)
-    config = detect_config(root, config) if (root / "commitlog").is_dir() else (config or StoreConfig())
+    config = detect_config(root, config, explicit=explicit) if (root / "commitlog").is_dir() \
+        else (config or StoreConfig())
     with MessageStore.open(root, config) as store:
         for chunk in _arrow_chunks(df.select(*columns)):
             if chunk.num_rows:
