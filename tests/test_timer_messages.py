@@ -14,7 +14,7 @@ import pytest
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.brokerconfig import parse_fastjson
 from rocketstore.encoder import TIMER_TOPIC
-from rocketstore.errors import IllegalDeliveryTimeError
+from rocketstore.errors import IllegalDeliveryTimeError, StoreIOError
 from rocketstore.verify import verify_store
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
@@ -107,3 +107,44 @@ def test_timer_message_rules(tmp_path):
         assert (parked.topic, parked.queue_id, parked.properties["REAL_TOPIC"]) == (TIMER_TOPIC, 0, "Pay")
         assert int(parked.properties["TIMER_DELIVER_MS"]) >= now_ms() + 590_000
         assert bodies(store, "Pay") == [b"due", b"now"]
+
+
+def test_a_message_the_store_refuses_holds_up_nothing_and_a_passing_refusal_is_retried(tmp_path, monkeypatch,
+                                                                                     caplog):
+    """A due message whose topic was deleted (auto-create off) or whose queue went away raised out of the
+    delivery loop on every tick: its level, every later level and the timers never delivered again."""
+    base = now_ms()
+    with MessageStore.open(tmp_path, CONFIG.replace(auto_create_topic_enable=False)) as store:
+        for topic, queues in (("Gone", 1), ("Live", 1), ("Shrunk", 8)):
+            store.create_topic(topic, queues=queues)
+        doomed = store.put_message(Message("Gone", b"doomed", properties={"DELAY": "10"}))
+        store.put_message(Message("Live", b"after the doomed one", properties={"DELAY": "10"}))
+        store.put_message(Message("Live", b"flaky", properties={"DELAY": "11"}))
+        store.put_message(Message("Live", b"level 12", properties={"DELAY": "12"}))
+        lost_queue = store.put_message(Message("Shrunk", b"queue 5", queue_id=5,
+                                               properties={"TIMER_DELIVER_MS": str(base + 100_000)}))
+        store.put_message(Message("Live", b"timer", properties={"TIMER_DELIVER_MS": str(base + 200_000)}))
+        store.delete_topic("Gone")
+        store.create_topic("Shrunk", queues=2)
+        store.wait_for_dispatch()
+        put, failures = store.put_message, []
+
+        def disk_full_once(msg):
+            if msg.body == b"flaky" and not failures:
+                failures.append(msg)
+                raise StoreIOError(28, "No space left on device")
+            return put(msg)
+
+        monkeypatch.setattr(store, "put_message", disk_full_once)
+        assert store.schedule.deliver_due(now_ms=base + 3_600_000) == 3
+        store.wait_for_dispatch()
+        assert bodies(store, "Live") == [b"after the doomed one", b"level 12", b"timer"]
+        passed_over = store.schedule.undeliverable
+        assert sorted(passed_over) == sorted([doomed.commit_log_offset, lost_queue.commit_log_offset])
+        assert isinstance(store.schedule.deliveries.last_error, StoreIOError)
+        assert store.schedule.deliver_due(now_ms=base + 3_600_000) == 1, "the level waited, then delivered"
+        store.wait_for_dispatch()
+        assert bodies(store, "Live") == [b"after the doomed one", b"flaky", b"level 12", b"timer"]
+        assert store.schedule.deliver_due(now_ms=base + 3_600_000) == 0
+        assert store.view_message_by_id(doomed.msg_id).body == b"doomed", "passed over, still readable"
+        assert sum("cannot be delivered" in r.message for r in caplog.records) == 2

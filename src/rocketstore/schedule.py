@@ -11,6 +11,11 @@ unit's tags code being its delivery time. Times in one queue are not in order, s
 the waiting units in a heap (read from the queue as they arrive) and delivers each when due; the offset
 in ``timerOffset.json`` is the one below which everything has been delivered, and a restart reads the
 queue again from there (again at least once). The delivered copy carries its due time as TIMER_OUT_MS.
+
+A due message the store refuses for good (its topic deleted with auto-create off, its queue gone after the
+topic shrank) is logged, listed in ``undeliverable`` and passed over: it stays readable where it was parked
+(by id or key), and the messages after it are not held up. A refusal that may pass (a full disk, a failed
+store) stops only its own level, or the timers, until a later tick; the other levels go on.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 from .brokerconfig import DelayOffsetManager, TimerOffsetManager
 from .codec.properties import PropertyName
 from .encoder import SCHEDULE_TOPIC, TIMER_TOPIC
-from .errors import RocketStoreError
+from .errors import MessageIllegalError, RocketStoreError
 from .message import Message, MessageExt, SysFlag
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,36 @@ def delivered_copy(msg: MessageExt) -> Message | None:
                    born_host=msg.born_host, reconsume_times=msg.reconsume_times)
 
 
+class Deliveries:
+    """What one service delivered, passed over and failed on; a failure that repeats is logged once."""
+
+    def __init__(self) -> None:
+        self.delivered = 0
+        self.undeliverable: list[int] = []  # commit-log offsets of parked records the store refused for good
+        self.last_error: RocketStoreError | None = None
+        self._logged: str | None = None
+
+    def put(self, store, copy: Message, phy_offset: int) -> None:
+        """Store the delivered copy; raises a refusal that may pass, records one that will not."""
+        try:
+            store.put_message(copy)
+        except MessageIllegalError as exc:
+            self.undeliverable.append(phy_offset)
+            log.error("delayed message at %d cannot be delivered to %s queue %d, passed over (it stays readable "
+                      "where it was parked): %s", phy_offset, copy.topic, copy.queue_id, exc)
+            return
+        self.delivered += 1
+
+    def failed(self, what: str, exc: RocketStoreError) -> None:
+        self.last_error = exc
+        if str(exc) != self._logged:
+            self._logged = str(exc)
+            log.error("delivering %s stopped until a later tick: %s", what, exc)
+
+    def recovered(self) -> None:
+        self._logged = None
+
+
 def readable_copy(store, phy_offset: int) -> Message | None:
     """The delivered copy of the parked record at ``phy_offset``; None (logged) if it cannot be read."""
     try:
@@ -61,9 +96,10 @@ def readable_copy(store, phy_offset: int) -> Message | None:
 class TimerWheel:
     """Timer messages waiting in rmq_sys_wheel_timer queue 0, delivered when due."""
 
-    def __init__(self, store, offsets: TimerOffsetManager) -> None:
+    def __init__(self, store, offsets: TimerOffsetManager, deliveries: Deliveries | None = None) -> None:
         self.store = store
         self.offsets = offsets
+        self.deliveries = deliveries or Deliveries()
         self._waiting: list[tuple[int, int, int]] = []  # (deliver ms, queue offset, commit-log offset)
         self._read_to: int | None = None  # next queue offset to read into the heap
         self._committed = 0
@@ -73,6 +109,7 @@ class TimerWheel:
         return len(self._waiting)
 
     def deliver_due(self, now: int) -> int:
+        """Deliver the due timer messages; a refusal that may pass puts the entry back and raises."""
         queue = self.store.queues.get(TIMER_TOPIC, 0)
         if queue is None:
             return 0
@@ -84,23 +121,22 @@ class TimerWheel:
                 break
             heapq.heappush(self._waiting, (unit[2], self._read_to, unit[0]))
             self._read_to += 1
-        count = 0
+        count = self.deliveries.delivered
         while self._waiting and self._waiting[0][0] <= now:
             entry = heapq.heappop(self._waiting)
             copy = readable_copy(self.store, entry[2])
             if copy is not None:
                 try:
-                    self.store.put_message(copy)
+                    self.deliveries.put(self.store, copy, entry[2])
                 except BaseException:
                     heapq.heappush(self._waiting, entry)  # delivered on a later tick
                     raise
-                count += 1
             self._done.add(entry[1])
             while self._committed in self._done:
                 self._done.discard(self._committed)
                 self._committed += 1
             self.offsets.set(0, self._committed)
-        return count
+        return self.deliveries.delivered - count
 
 
 class ScheduleMessageService:
@@ -108,12 +144,12 @@ class ScheduleMessageService:
                  timer_offsets: TimerOffsetManager | None = None) -> None:
         self.store = store
         self.offsets = offsets
-        self.timers = TimerWheel(store, timer_offsets) if timer_offsets is not None else None
+        self.deliveries = Deliveries()
+        self.timers = TimerWheel(store, timer_offsets, self.deliveries) if timer_offsets is not None else None
         self.interval = interval
         self._lock = threading.Lock()  # the thread and direct callers (tests, tools) take turns
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.delivered = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="rocketstore-schedule", daemon=True)
@@ -132,8 +168,17 @@ class ScheduleMessageService:
         with self._lock:
             return self._deliver_due(now)
 
+    @property
+    def delivered(self) -> int:
+        return self.deliveries.delivered
+
+    @property
+    def undeliverable(self) -> list[int]:
+        return self.deliveries.undeliverable
+
     def _deliver_due(self, now: int) -> int:
-        count = 0
+        before = self.deliveries.delivered
+        failed = False
         for level in range(1, len(self.store.config.delay_levels_ms) + 1):
             queue = self.store.queues.get(SCHEDULE_TOPIC, level - 1)
             if queue is None:
@@ -145,14 +190,23 @@ class ScheduleMessageService:
                     break  # units of one level are in delivery-time order
                 copy = readable_copy(self.store, unit[0])
                 if copy is not None:
-                    self.store.put_message(copy)
-                    count += 1
+                    try:
+                        self.deliveries.put(self.store, copy, unit[0])
+                    except RocketStoreError as exc:  # this level waits for a later tick, the others go on
+                        self.deliveries.failed(f"delay level {level}", exc)
+                        failed = True
+                        break
                 offset += 1
                 self.offsets.set(level, offset)
         if self.timers is not None:
-            count += self.timers.deliver_due(now)
-        self.delivered += count
-        return count
+            try:
+                self.timers.deliver_due(now)
+            except RocketStoreError as exc:
+                self.deliveries.failed("timer messages", exc)
+                failed = True
+        if not failed:
+            self.deliveries.recovered()
+        return self.deliveries.delivered - before
 
     def shutdown(self) -> None:
         self._stop.set()
