@@ -9,6 +9,7 @@ import pytest
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.codec import java_string_hash
 from rocketstore.consumequeue import CQ_UNIT_SIZE, ConsumeQueue
+from rocketstore.errors import InvalidTopicError
 from rocketstore.reads import GetMessageStatus
 
 
@@ -93,17 +94,18 @@ def test_transaction_and_delay_dispatch(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         prepared = store.put_message(Message("Tx", b"half", keys=["tx"], sys_flag=0x4))
         store.put_message(Message("Tx", b"rolled back", keys=["rb"], sys_flag=0xC))
-        delayed = store.put_message(Message("SCHEDULE_TOPIC_XXXX", b"later", keys=["d"], queue_id=2,
-                                            properties={"DELAY": "3"}))
-        clamped = store.put_message(Message("SCHEDULE_TOPIC_XXXX", b"much later", queue_id=2,
-                                            properties={"DELAY": "99"}))
+        delayed = store.put_message(Message("Later", b"later", keys=["d"], properties={"DELAY": "3"}))
+        clamped = store.put_message(Message("Later", b"much later", properties={"DELAY": "99"}))
+        with pytest.raises(InvalidTopicError, match="system topic"):  # a stray record would stall level 3
+            store.put_message(Message("SCHEDULE_TOPIC_XXXX", b"sent", queue_id=2, properties={"DELAY": "18"}))
         store.wait_for_dispatch()
         assert store.get_max_offset_in_queue("Tx", 0) == 0, "prepared and rollback records stay out of queues"
         assert [m.commit_log_offset for m in store.query_message("Tx", "tx")] == [prepared.commit_log_offset]
         assert store.query_message("Tx", "rb") == [], "rollback records are not indexed"
         queue = store.queues.get("SCHEDULE_TOPIC_XXXX", 2)
-        assert queue.get_unit(0)[2] == delayed.store_timestamp + 10_000
-        assert queue.get_unit(1)[2] == clamped.store_timestamp + 7_200_000
+        assert queue.get_unit(0)[2] == delayed.store_timestamp + 10_000 and queue.max_offset_in_queue == 1
+        last = store.queues.get("SCHEDULE_TOPIC_XXXX", len(small_config.delay_levels_ms) - 1)
+        assert last.get_unit(0)[2] == clamped.store_timestamp + 7_200_000
 
 
 def brute_force(times: list[int], ts: int, upper: bool) -> int:

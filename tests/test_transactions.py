@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.errors import InvalidPropertyError, InvalidTopicError
 from rocketstore.message import SysFlag
 from rocketstore.transaction import CHECK_MAX_TOPIC, HALF_TOPIC, OP_TOPIC, TransactionLog, UnknownTransactionError
 
@@ -78,3 +80,39 @@ def test_an_unanswered_transaction_is_parked_after_max_checks(tmp_path):
         assert visible(store, CHECK_MAX_TOPIC) == [b"lost producer"] and visible(store, "Orders") == []
         with pytest.raises(UnknownTransactionError):
             log.end(tid, half.uniq_key, "Orders", commit=True)
+
+
+def test_a_delayed_or_flagged_half_is_refused_or_cleaned_and_system_topics_take_no_sends(tmp_path):
+    """A half with DELAY was parked in SCHEDULE_TOPIC_XXXX, so its commit landed in the half topic; a half the
+    caller flagged PREPARED got no queue offset, so a restart forgot it (and rolling it back closed another
+    transaction); and a put straight into a system topic was stored where only the store's services write."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("Orders", 1)
+        log = TransactionLog(store, check_after_ms=60_000)
+        for delay in ({"DELAY": "1"}, {"TIMER_DELAY_SEC": "5"}, {"TIMER_DELIVER_MS": "99999999999999"}):
+            with pytest.raises(InvalidPropertyError, match="cannot be delayed"):
+                log.prepare(Message("Orders", b"pay later", properties=delay))
+        assert store.max_phy_offset == 0 and log.open_count() == 0, "refused: nothing written"
+        plain, plain_id = log.prepare(Message("Orders", b"B", keys=["o-B"]))
+        flagged, flagged_id = log.prepare(Message("Orders", b"A", sys_flag=SysFlag.TRANSACTION_PREPARED_TYPE))
+        other, other_id = log.prepare(Message("Orders", b"C", sys_flag=SysFlag.TRANSACTION_ROLLBACK_TYPE))
+        assert [plain.queue_offset, flagged.queue_offset, other.queue_offset] == [0, 1, 2]
+        log.end(flagged_id, flagged.uniq_key, "Orders", commit=False)
+        for topic in (HALF_TOPIC, OP_TOPIC, CHECK_MAX_TOPIC, "SCHEDULE_TOPIC_XXXX", "rmq_sys_wheel_timer",
+                      "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT"):
+            end = store.max_phy_offset
+            with pytest.raises(InvalidTopicError, match="system topic"):
+                store.put_message(Message(topic, b"x"))
+            with pytest.raises(InvalidTopicError, match="system topic"):
+                store.put_messages([Message("Orders", b"ok")] * 5 + [Message(topic, b"x")])
+            with pytest.raises(InvalidTopicError, match=r"row 0: .*system topic"):
+                store.put_batch(pa.table({"topic": [topic], "body": [b"x"]}))
+            assert store.max_phy_offset == end
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        log = TransactionLog(store, check_after_ms=60_000)
+        assert log.open_count() == 2, "B and C are still open after the restart"
+        committed = log.end(other_id, other.uniq_key, "Orders", commit=True)
+        log.end(plain_id, plain.uniq_key, "Orders", commit=True)
+        store.wait_for_dispatch()
+        assert sorted(visible(store, "Orders")) == [b"B", b"C"]
+        assert store.look_message_by_offset(committed.commit_log_offset).topic == "Orders"

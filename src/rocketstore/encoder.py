@@ -77,6 +77,10 @@ SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
 TIMER_TOPIC = "rmq_sys_wheel_timer"
 # where a message waits until it is due, its real topic and queue in REAL_TOPIC/REAL_QID
 PARKED_TOPICS = frozenset({SCHEDULE_TOPIC, TIMER_TOPIC})
+# Topics only the store itself writes, where and as its services expect (RocketMQ's TopicValidator refuses
+# sends to all but the timer's, whose records a stray send would put out of order just the same)
+NOT_SENDABLE_TOPICS = frozenset({SCHEDULE_TOPIC, TIMER_TOPIC, "RMQ_SYS_TRANS_HALF_TOPIC", "RMQ_SYS_TRANS_OP_HALF_TOPIC",
+                                 "TRANS_CHECK_MAX_TIME_TOPIC", "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT"})
 RETRY_TOPIC_MAX_LENGTH = 255
 RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
 _TOPIC_CHARS = re.compile(r"[%|a-zA-Z0-9_-]+")
@@ -133,6 +137,12 @@ def validate_topic(topic: object) -> str:
     if len(topic) > limit:
         raise InvalidTopicError(f"topic is {len(topic)} characters long; the limit is {limit}")
     return topic
+
+
+def check_sendable(topic: str) -> None:
+    """Refuse a message sent straight to a system topic (``TopicValidator.isNotAllowedSendTopic``)."""
+    if topic in NOT_SENDABLE_TOPICS:
+        raise InvalidTopicError(f"{topic} is a system topic: messages cannot be sent to it")
 
 
 def _as_body(body: object) -> bytes:
@@ -238,17 +248,17 @@ class MessageEncoder:
         self.max_record_len = min(config.max_message_size + 65536,
                                   config.mapped_file_size_commit_log - BLANK_RECORD_LEN)
 
-    def encode(self, msg: Message) -> PendingRecord:
+    def encode(self, msg: Message, system: bool = False) -> PendingRecord:
         """Check ``msg`` and encode it; raises a ``MessageIllegalError`` subclass when it is not storable.
 
         Every put goes through here, so the common case (known topic, bytes body, default numbers and
         hosts, no user properties) costs a few dictionary lookups and one struct pack; anything else
-        takes the same checks the long way.
+        takes the same checks the long way. Only the store's own services (``system``) write system topics.
         """
         if type(msg) is not Message and not isinstance(msg, Message):
             raise MessageIllegalError(f"expected a rocketstore.Message, got {type(msg).__name__}")
         topic = msg.topic
-        known = self._topics.get(topic) or self._learn_topic(topic)
+        known = self._topics.get(topic) or self._learn_topic(topic, system)
         body = msg.body
         if type(body) is not bytes:
             body = _as_body(body)
@@ -286,7 +296,7 @@ class MessageEncoder:
             raise PropertiesTooLargeError(f"properties are {len(props)} bytes encoded; the limit is 32767")
 
         if topic != msg.topic:  # parked until due
-            known = self._topics.get(topic) or self._learn_topic(topic)
+            known = self._topics.get(topic) or self._learn_topic(topic, system=True)
         topic_bytes, version = known
         size = record_length(len(body), len(topic_bytes), len(props), sys_flag, version)
         if size > self.max_record_len:
@@ -300,7 +310,7 @@ class MessageEncoder:
         return PendingRecord(data, topic, queue_id, sys_flag, uniq_key, wait_store, store_timestamp_pos(sys_flag),
                              not sys_flag & SysFlag.TRANSACTION_PREPARED_TYPE)  # the bit PREPARED and ROLLBACK share
 
-    def encode_many(self, msgs: list[Message]) -> PendingRecords:
+    def encode_many(self, msgs: list[Message], system: bool = False) -> PendingRecords:
         """Check and encode the messages of one put, back to back; raises as ``encode`` does.
 
         The usual put of ``BATCH_PASS_MIN`` or more messages (known short topics, bytes bodies, tags and
@@ -309,7 +319,7 @@ class MessageEncoder:
         message, which also names what is wrong."""
         pending = self._encode_plain(msgs) if self._plain_layout and len(msgs) >= BATCH_PASS_MIN else None
         if pending is None:
-            pending = PendingRecords.of(msgs, [self.encode(m) for m in msgs])
+            pending = PendingRecords.of(msgs, [self.encode(m, system) for m in msgs])
         return pending
 
     def _encode_plain(self, msgs: list[Message]) -> PendingRecords | None:
@@ -418,16 +428,19 @@ class MessageEncoder:
                               UniqKeyRun(head, first, n), True,
                               list(zip(codes, meta[8 * n + k + 3 :].tolist(), strict=True)), size_array=sizes)
 
-    def _learn_topic(self, topic: str) -> tuple[bytes, int]:
-        """Validate a topic once: its UTF-8 bytes and the record version it needs."""
+    def _learn_topic(self, topic: str, system: bool = False) -> tuple[bytes, int]:
+        """Validate a topic once: its UTF-8 bytes and the record version it needs. System topics are never
+        remembered: the store's services name them each time, and a send to one is refused each time."""
         validate_topic(topic)
+        if not system:
+            check_sendable(topic)
         topic_bytes = topic.encode("utf-8")
         version = MAGIC_V1
         if self.config.auto_message_version_on_topic_len and len(topic) > MAX_TOPIC_LEN_V1:
             version = MAGIC_V2
         elif len(topic_bytes) > MAX_TOPIC_LEN_V1:
             raise InvalidTopicError("topic longer than 127 bytes needs auto_message_version_on_topic_len")
-        if len(self._topics) < 65536:
+        if len(self._topics) < 65536 and topic not in NOT_SENDABLE_TOPICS:
             self._topics[topic] = (topic_bytes, version)
             if version == MAGIC_V1:
                 self._v1_topics[topic] = topic_bytes

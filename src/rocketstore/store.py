@@ -505,6 +505,13 @@ class MessageStore:
         return PutMessageResult(status, create_offset_msg_id(self.encoder.store_host_raw, phy), pending.uniq_keys[0],
                                 phy, queue_offsets[0], store_ts, pending.sizes[0])
 
+    def _put_system(self, msg: Message) -> PutMessageResult:
+        """``put_message`` for the store's own services: the only writers of system topics (half messages,
+        transaction ops, parked checks)."""
+        status, phy, pending, queue_offsets, store_ts = self._put([msg], system=True)
+        return PutMessageResult(status, create_offset_msg_id(self.encoder.store_host_raw, phy), pending.uniq_keys[0],
+                                phy, queue_offsets[0], store_ts, pending.sizes[0])
+
     def put_messages(self, msgs: Iterable[Message]) -> PutResults:
         """Store messages as one contiguous, all-or-nothing append (``putMessages``).
 
@@ -521,10 +528,11 @@ class MessageStore:
         return PutResults(len(msgs), functools.partial(put_results, status, self._store_host_hex, phy,
                                                        pending.uniq_keys, queue_offsets, store_ts, pending.sizes))
 
-    def _put(self, msgs: list[Message]) -> tuple[PutMessageStatus, int, PendingRecords, list[int], int]:
+    def _put(self, msgs: list[Message], system: bool = False
+             ) -> tuple[PutMessageStatus, int, PendingRecords, list[int], int]:
         self._check_open(write=True)
         self.health.check_writable()
-        pending = self.encoder.encode_many(msgs)
+        pending = self.encoder.encode_many(msgs, system)
         for topic, queue_id in pending.queue_checks:
             self._check_topic(topic, queue_id)
         phy, queue_offsets, store_ts = self.commit_log.append(pending)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .codec.msgid import decode_offset_msg_id
 from .codec.properties import PropertyName
-from .errors import InvalidMessageIdError, RocketStoreError
+from .errors import InvalidMessageIdError, InvalidPropertyError, RocketStoreError
 from .message import Message, MessageExt, PutMessageResult, SysFlag
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
 CHECK_MAX_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
 REMOVE_TAG = "d"
 _HALF_ONLY = (PropertyName.REAL_TOPIC, PropertyName.REAL_QUEUE_ID)
+_DELAYS = frozenset({PropertyName.DELAY, PropertyName.TIMER_DELIVER_MS, PropertyName.TIMER_DELAY_SEC,
+                     PropertyName.TIMER_DELAY_MS})
 _KEPT_SYS_FLAGS = SysFlag.COMPRESSED | SysFlag.MULTI_TAGS | SysFlag.COMPRESSION_TYPE_MASK
 _READ = 32
 
@@ -103,13 +105,23 @@ class TransactionLog:
     # --- the producer's side ----------------------------------------------------------------------
 
     def prepare(self, msg: Message) -> tuple[PutMessageResult, str]:
-        """Store ``msg`` as a half message; returns the put result and the transaction id (its offset msgId)."""
+        """Store ``msg`` as a half message; returns the put result and the transaction id (its offset msgId).
+
+        A delivery delay is refused, as RocketMQ's proxy does (its Java producer drops it): parked for later, the
+        half would leave the half topic, and the commit would land in the half topic instead of the real one. The
+        caller's transaction bits are cleared, as RocketMQ's broker does: a half marked PREPARED would get no
+        queue offset, and a restart would forget it."""
         properties = dict(msg.properties or {})
+        delays = sorted(set(properties) & _DELAYS)
+        if delays:
+            raise InvalidPropertyError(f"a transactional message cannot be delayed ({', '.join(delays)})")
         properties[PropertyName.REAL_TOPIC] = msg.topic
         properties[PropertyName.REAL_QUEUE_ID] = str(msg.queue_id)
         properties[PropertyName.TRANSACTION_PREPARED] = "true"
-        half = dataclasses.replace(msg, topic=HALF_TOPIC, queue_id=0, properties=properties)
-        result = self.store.put_message(half)
+        half = dataclasses.replace(msg, topic=HALF_TOPIC, queue_id=0, properties=properties,
+                                   sys_flag=msg.sys_flag & ~SysFlag.TRANSACTION_ROLLBACK_TYPE
+                                   if type(msg.sys_flag) is int else msg.sys_flag)  # the encoder names a bad one
+        result = self.store._put_system(half)
         if result.ok:
             with self._lock:
                 self._open[result.commit_log_offset] = OpenHalf(
@@ -151,7 +163,7 @@ class TransactionLog:
         return entry
 
     def _close(self, entry: OpenHalf) -> None:
-        self.store.put_message(Message(OP_TOPIC, str(entry.queue_offset).encode(), tags=REMOVE_TAG, queue_id=0))
+        self.store._put_system(Message(OP_TOPIC, str(entry.queue_offset).encode(), tags=REMOVE_TAG, queue_id=0))
 
     # --- the checker's side ----------------------------------------------------------------------
 
@@ -188,7 +200,7 @@ class TransactionLog:
             if half is not None:
                 log.warning("transaction %s of topic %s unresolved after %d checks: parked in %s", half.msg_id,
                             entry.topic, self.max_checks, CHECK_MAX_TOPIC)
-                self.store.put_message(Message(CHECK_MAX_TOPIC, half.body, properties=dict(half.properties),
+                self.store._put_system(Message(CHECK_MAX_TOPIC, half.body, properties=dict(half.properties),
                                                queue_id=0, born_timestamp=half.born_timestamp,
                                                born_host=half.born_host))
             self._close(entry)

@@ -214,12 +214,13 @@ class BatchEncoder:
             raise MessageIllegalError(f"row {bad}: topic is null")
         encoded = column.dictionary_encode()
         names = encoded.dictionary.to_pylist()
-        from ..encoder import validate_topic
+        from ..encoder import check_sendable, validate_topic
 
         codes = encoded.indices.to_numpy(zero_copy_only=False)
         for i, name in enumerate(names):
             try:
                 validate_topic(name)
+                check_sendable(name)
             except MessageIllegalError as exc:
                 raise type(exc)(f"row {int(np.argmax(codes == i))}: {exc}") from None
         return names, codes
