@@ -56,6 +56,22 @@ def test_results_are_capped_and_are_the_newest(tmp_path, small_config):
         assert len(store.query_message("T", "same", max_num=1000)) == 64, "capped by max_msgs_num_batch"
 
 
+def test_a_hidden_parked_copy_does_not_count_toward_max_num(tmp_path, small_config):
+    """After delivery a delay message's parked copy is hidden: it must not take one of the max_num places."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        keyed(store, "T", ["K"], b"older plain")
+        keyed(store, "T", ["K"], b"delayed", properties={"DELAY": "1"})
+        deadline = time.monotonic() + 10
+        while store.get_max_offset_in_queue("T", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store.wait_for_dispatch()
+        assert [m.body for m in store.query_message("T", "K")] == [b"older plain", b"delayed"]
+        assert [m.body for m in store.query_message("T", "K", max_num=2)] == [b"older plain", b"delayed"]
+        assert [m.body for m in store.query_message("T", "K", max_num=1)] == [b"delayed"]
+        for max_num, bodies in ((2, [b"older plain", b"delayed"]), (1, [b"delayed"])):
+            assert store.query_messages_arrow([("T", "K")], max_num).column("body").to_pylist() == bodies
+
+
 def test_time_windows_are_exact_at_second_boundaries(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         stamps = []

@@ -297,7 +297,9 @@ class StoreReader:
                 return []
             return [msg] if _answers(msg, topic, key, begin, end, by_uniq_key) else []
         found: dict[int, MessageExt] = {}
-        parked = False
+        # a delivered delay message hides its parked copy, before max_num counts: the hidden copy takes no place
+        delivered: set[str | None] = set()  # UNIQ_KEYs of the answers that are the topic's own
+        parked: dict[str | None, list[int]] = {}  # UNIQ_KEY -> offsets of parked copies kept so far
         for phy in candidates:
             if phy in found:
                 continue
@@ -307,17 +309,19 @@ class StoreReader:
                 continue
             if not _answers(msg, topic, key, begin, end, by_uniq_key):
                 continue
-            parked = parked or msg.topic != topic
+            if msg.topic != topic:  # parked for topic (a delay or timer message before delivery)
+                if msg.uniq_key in delivered:
+                    continue
+                parked.setdefault(msg.uniq_key, []).append(phy)
+            else:
+                delivered.add(msg.uniq_key)
+                if parked and msg.uniq_key in parked:  # the delivered copy met after its parked one
+                    for hidden in parked.pop(msg.uniq_key):
+                        del found[hidden]
             found[phy] = msg
             if len(found) >= max_num:
                 break
-        if len(found) < 2:
-            return list(found.values())
-        messages = [found[phy] for phy in sorted(found)]
-        if parked:  # a delivered delay message hides its parked copy
-            delivered = {m.uniq_key for m in messages if m.topic not in PARKED_TOPICS}
-            messages = [m for m in messages if m.topic not in PARKED_TOPICS or m.uniq_key not in delivered]
-        return messages
+        return [found[phy] for phy in sorted(found)]
 
     def query_many(self, queries: Sequence[tuple[str, str]], max_num: int = 64, begin: int = 0,
                    end: int | None = None, *, include_body: bool = True, broker_name: str | None = None):
@@ -393,15 +397,15 @@ class StoreReader:
 
         good = in_time & topic_ok & key_ok
         q, phy, row, parked = q[good], phy[good], row[good], parked[good]
-        first_of_query = np.searchsorted(q, q)  # q is sorted: where each query's run starts
-        within = np.arange(len(q)) - first_of_query < max_num
-        q, phy, row, parked = q[within], phy[within], row[within], parked[within]
-        if parked.any():  # a delivered delay message hides its parked copy
+        if parked.any():  # a delivered delay message hides its parked copy, before max_num counts
             uniq = records.column("uniqKey").take(pa.array(row)).to_pylist()
             delivered = {(qq, u) for qq, u, p in zip(q.tolist(), uniq, parked.tolist(), strict=True) if not p}
             hidden = np.array([p and (qq, u) in delivered for qq, u, p in zip(q.tolist(), uniq, parked.tolist(),
                                                                             strict=True)], dtype=bool)
             q, phy, row = q[~hidden], phy[~hidden], row[~hidden]
+        first_of_query = np.searchsorted(q, q)  # q is sorted: where each query's run starts
+        within = np.arange(len(q)) - first_of_query < max_num
+        q, phy, row = q[within], phy[within], row[within]
         order = np.lexsort((phy, q))  # oldest first within each query
         q, row = q[order], row[order]
         picked = records.take(pa.array(row))
