@@ -335,6 +335,38 @@ def test_read_only_open_of_crashed_store_writes_nothing(tmp_path, small_config):
     assert not (tmp_path / "lock").exists() or (tmp_path / "lock").read_bytes() == b"lock"
 
 
+def test_read_only_open_forgets_queue_units_past_its_log_end(tmp_path, small_config, monkeypatch):
+    """A reader loads the log, then the queues: units a live writer added in between point past the reader's log
+    end. They are forgotten in memory (not served as unreadable, not counted), and nothing is written."""
+    from rocketstore.consumequeue import ConsumeQueueTable
+
+    writer = MessageStore.open(tmp_path, small_config)
+    early = [writer.put_message(Message("T", b"a%d" % i)) for i in range(10)]
+    writer.wait_for_dispatch()
+    state = {}
+    load = ConsumeQueueTable.load
+
+    def load_after_more_writes(self):
+        for i in range(40):  # past the first segment: into files the reader's log does not have
+            writer.put_message(Message("T", b"b%d" % i))
+        writer.wait_for_dispatch()
+        writer.close()
+        state["before"] = tree_digest(tmp_path)
+        return load(self)
+
+    monkeypatch.setattr(ConsumeQueueTable, "load", load_after_more_writes)
+    with MessageStore.open(tmp_path, small_config, read_only=True) as reader:
+        monkeypatch.setattr(ConsumeQueueTable, "load", load)
+        end = reader.max_phy_offset
+        served = [m for m in reader.iter_messages()]
+        assert len(served) > len(early) and all(m.topic == "T" for m in served)
+        assert reader.get_max_offset_in_queue("T", 0) == len(served)
+        got = reader.get_message("T", 0, 0, 64)
+        assert got.unreadable == [] and [m.body for m in got.messages] == [m.body for m in served]
+        assert got.next_begin_offset == len(served) and all(m.commit_log_offset < end for m in got.messages)
+    assert tree_digest(tmp_path) == state["before"]
+
+
 def test_read_only_open_of_missing_store(tmp_path):
     with pytest.raises(StoreNotFoundError):
         MessageStore.open(tmp_path / "nothing-here", read_only=True)

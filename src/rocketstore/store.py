@@ -156,10 +156,13 @@ class MessageStore:
         self.recovery = recover_commit_log(self.commit_log, self.checkpoint, self.root, abnormal=abnormal,
                                            dispatch_from=dispatch_from)
         end = self.recovery.end_offset
-        if not self.commit_log.mapped_files.files:
-            if not self.read_only:
-                self.queues.destroy_all()
-        elif not self.read_only:
+        if self.read_only:
+            # the queues were loaded after the log: a live writer's units for records past this reader's log end
+            # are forgotten (in memory only: a read-only queue never writes or deletes), not served as unreadable
+            self.queues.truncate_dirty(end)
+        elif not self.commit_log.mapped_files.files:
+            self.queues.destroy_all()
+        else:
             self.queues.truncate_dirty(end)
             self._queue_restart = self._check_queue_tails()
         self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
