@@ -364,6 +364,7 @@ def test_read_only_open_forgets_queue_units_past_its_log_end(tmp_path, small_con
         got = reader.get_message("T", 0, 0, 64)
         assert got.unreadable == [] and [m.body for m in got.messages] == [m.body for m in served]
         assert got.next_begin_offset == len(served) and all(m.commit_log_offset < end for m in got.messages)
+        assert reader.recovery.missing_flushed_until == 0, "what the writer flushed since is not reported lost"
     assert tree_digest(tmp_path) == state["before"]
 
 

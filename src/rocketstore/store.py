@@ -146,9 +146,11 @@ class MessageStore:
         for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.timer_offsets,
                             self.subscription_groups):
             config_file.load(empty_if_bad=self.read_only)  # a reader still serves the messages
+        # the checkpoint before the log: beside a live writer, a checkpoint read after the log could vouch for
+        # flushes past the log this reader loaded, and report them as lost
+        self.checkpoint = StoreCheckpoint.load(self.root / CHECKPOINT_FILE, read_only=self.read_only)
         self.commit_log.load()
         self.queues.load()
-        self.checkpoint = StoreCheckpoint.load(self.root / CHECKPOINT_FILE, read_only=self.read_only)
         self.index = IndexService(self.root, self.config, self.checkpoint, read_only=self.read_only,
                                   clock=self._index_clock)
         self.index.load()
