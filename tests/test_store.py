@@ -282,6 +282,33 @@ def test_record_too_large_for_a_segment_is_rejected(tmp_path):
         assert store.max_phy_offset == 0
 
 
+def test_a_refused_put_creates_no_topic(tmp_path, small_config):
+    """Every row's topic and queue, and the batch's size, are checked before any topic is auto-created."""
+    import pyarrow as pa
+
+    from rocketstore.errors import InvalidQueueError
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.create_topic("Existing", 2)
+        refused = {
+            "queue": (InvalidQueueError, lambda: store.put_messages([Message("NewA", b"x"),
+                                                                    Message("Existing", b"y", queue_id=5)])),
+            "queue, delayed": (InvalidQueueError, lambda: store.put_messages([
+                Message("Existing", b"x", properties={"DELAY": "1"}), Message("Existing", b"y", queue_id=7)])),
+            "size": (MessageTooLargeError, lambda: store.put_messages([Message("NewB", b"x" * 1000)
+                                                                       for _ in range(5)])),
+            "table": (InvalidQueueError, lambda: store.put_batch(pa.table({
+                "topic": ["NewC", "Existing"], "body": [b"x", b"y"], "queue_id": pa.array([0, 5], pa.int32())}))),
+        }
+        for name, (error, put) in refused.items():
+            with pytest.raises(error):
+                put()
+            assert sorted(store.topic_config.topics) == ["Existing"], name
+        assert store.max_phy_offset == 0
+    assert "New" not in (tmp_path / "config" / "topics.json").read_text()
+    assert "SCHEDULE_TOPIC_XXXX" not in (tmp_path / "config" / "topics.json").read_text()
+
+
 def test_second_writer_in_same_process_is_refused(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config), pytest.raises(StoreLockedError):
         MessageStore.open(tmp_path, small_config)

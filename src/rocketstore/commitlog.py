@@ -109,6 +109,13 @@ class CommitLog:
 
     # --- append ------------------------------------------------------------------------------
 
+    def check_fits(self, total: int) -> None:
+        """``MessageTooLargeError`` unless ``total`` bytes of records fit one segment (with its closing blank), as
+        ``append`` needs: a put checks this before it creates any topic."""
+        if total > self._batch_limit:
+            raise MessageTooLargeError(
+                f"batch of {total} bytes does not fit one {self.config.mapped_file_size_commit_log}-byte segment")
+
     def append(self, pending: PendingRecords) -> tuple[int, list[int], int]:
         """Append one put's records contiguously in one segment (``putMessage`` / ``putMessages``).
 
@@ -116,8 +123,7 @@ class CommitLog:
         data = pending.data
         total = len(data)
         if total > self._batch_limit:
-            raise MessageTooLargeError(
-                f"batch of {total} bytes does not fit one {self.config.mapped_file_size_commit_log}-byte segment")
+            self.check_fits(total)
         seal = self.config.enabled_append_prop_crc
         with self.put_lock.held():
             store_ts = max(now_ms(), self.last_store_timestamp)  # never backwards: time lookups bisect

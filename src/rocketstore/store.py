@@ -538,8 +538,10 @@ class MessageStore:
         self._check_open(write=True)
         self.health.check_writable()
         pending = self.encoder.encode_many(msgs, system)
-        for topic, queue_id in pending.queue_checks:
-            self._check_topic(topic, queue_id)
+        missing = self._check_topics(pending.queue_checks)
+        self.commit_log.check_fits(len(pending.data))
+        if missing is not None:  # only once the whole put passed: a refused put creates no topic
+            self._create_topics(missing)
         phy, queue_offsets, store_ts = self.commit_log.append(pending)
         assert self.dispatcher is not None
         self.dispatcher.wake()
@@ -565,8 +567,9 @@ class MessageStore:
         self._check_open(write=True)
         self.health.check_writable()
         batch = self._batch_encoder().encode(table)
-        for topic, queue_id in batch.queue_checks:
-            self._check_topic(topic, queue_id)
+        missing = self._check_topics(batch.queue_checks)
+        if missing is not None:  # only once every row passed: a refused table creates no topic
+            self._create_topics(missing)
         phys, queue_offsets, store_ts = self.commit_log.append_batch(batch)
         assert self.dispatcher is not None and self.flusher is not None
         self.dispatcher.wake()
@@ -590,25 +593,44 @@ class MessageStore:
             self._batch = BatchEncoder(self.encoder)
         return self._batch
 
-    def _check_topic(self, topic: str, queue_id: int) -> None:
-        """RocketMQ's topic rules: an unknown topic is created (``auto_create_topic_enable``, with
-        ``default_topic_queue_nums`` queues, or as many as the queue id needs) or refused; a queue id
-        must be below the topic's write queue count."""
-        config = self.topic_config.get(topic)
-        if config is None:
+    def _check_topics(self, checks: Iterable[tuple[str, int]]) -> list[tuple[str, int]] | None:
+        """RocketMQ's topic rules for every topic of a put: an unknown topic is to be created
+        (``auto_create_topic_enable``, with ``default_topic_queue_nums`` queues, or as many as the queue id needs)
+        or refused; a queue id must be below the topic's write queue count. Creates nothing: returns the topics
+        ``_create_topics`` must create once the whole put has passed every check (None if there are none)."""
+        missing = None
+        get = self.topic_config.get
+        for topic, queue_id in checks:
+            config = get(topic)
+            if config is not None:
+                if queue_id >= config.write_queue_nums or not config.writable:
+                    _refuse_queue(topic, queue_id, config.write_queue_nums, config.perm)
+                continue
             if not self.config.auto_create_topic_enable and topic not in PARKED_TOPICS:
                 raise TopicNotExistError(f"topic {topic} does not exist and auto_create_topic_enable is off")
-            with self._topic_lock:
-                config = self.topic_config.get(topic)
-                if config is None:
-                    queues = len(self.config.delay_levels_ms) if topic == SCHEDULE_TOPIC else 1 \
-                        if topic in PARKED_TOPICS else max(self.config.default_topic_queue_nums, queue_id + 1)
-                    config = self.topic_config.create_or_update(topic, write_queue_nums=queues)
-        if queue_id >= config.write_queue_nums:
-            raise InvalidQueueError(f"queue {queue_id} does not exist: topic {topic} has {config.write_queue_nums} "
-                                    f"write queues")
-        if not config.writable:
-            raise InvalidQueueError(f"topic {topic} is not writable (perm {config.perm})")
+            queues = self._auto_queues(topic, queue_id)
+            if queue_id >= queues:
+                _refuse_queue(topic, queue_id, queues, None)
+            if missing is None:
+                missing = []
+            missing.append((topic, queue_id))
+        return missing
+
+    def _auto_queues(self, topic: str, queue_id: int) -> int:
+        """How many queues an auto-created topic gets."""
+        if topic == SCHEDULE_TOPIC:
+            return len(self.config.delay_levels_ms)
+        if topic in PARKED_TOPICS:
+            return 1
+        return max(self.config.default_topic_queue_nums, queue_id + 1)
+
+    def _create_topics(self, missing: list[tuple[str, int]]) -> None:
+        """Auto-create the topics ``_check_topics`` found missing, after checking them again under the topic lock
+        (another put or ``create_topic`` may have created one since): all checks pass before the first is made."""
+        with self._topic_lock:
+            todo = self._check_topics(missing)
+            for topic, queue_id in todo or ():
+                self.topic_config.create_or_update(topic, write_queue_nums=self._auto_queues(topic, queue_id))
 
     # --- topics and consumers ---------------------------------------------------------------------
 
@@ -825,6 +847,12 @@ class MessageStore:
     def __repr__(self) -> str:
         mode = "read-only" if self.read_only else "read-write"
         return f"MessageStore({str(self.root)!r}, {mode}, log=[{self.min_phy_offset}, {self.max_phy_offset}))"
+
+
+def _refuse_queue(topic: str, queue_id: int, queues: int, perm: int | None) -> None:
+    if queue_id >= queues:
+        raise InvalidQueueError(f"queue {queue_id} does not exist: topic {topic} has {queues} write queues")
+    raise InvalidQueueError(f"topic {topic} is not writable (perm {perm})")
 
 
 def _clear_staging(staging: Path) -> None:
