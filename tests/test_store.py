@@ -309,6 +309,32 @@ def test_a_refused_put_creates_no_topic(tmp_path, small_config):
     assert "SCHEDULE_TOPIC_XXXX" not in (tmp_path / "config" / "topics.json").read_text()
 
 
+def test_auto_creation_never_replaces_a_concurrent_create_topic(tmp_path, small_config, monkeypatch):
+    """A put that found its topic missing (twice: also under the topic lock) must not overwrite the config an
+    operator's create_topic set meanwhile."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        get = store.topic_config.get
+        calls = []
+
+        def slow_get(topic):
+            config = get(topic)
+            if threading.current_thread().name == "producer" and config is None:
+                calls.append(topic)
+                if len(calls) == 2:  # the re-check before creating: the operator's create_topic runs now
+                    time.sleep(0.3)
+            return config
+
+        monkeypatch.setattr(store.topic_config, "get", slow_get)
+        producer = threading.Thread(target=lambda: store.put_message(Message("Orders", b"x")), name="producer")
+        producer.start()
+        time.sleep(0.1)
+        store.create_topic("Orders", 2, read_queues=2)
+        producer.join()
+        assert (store.topic_config.get("Orders").write_queue_nums, store.topic_config.get("Orders").read_queue_nums) \
+            == (2, 2)
+        assert store.topic_config.create_if_absent("Orders", 8).write_queue_nums == 2
+
+
 def test_second_writer_in_same_process_is_refused(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config), pytest.raises(StoreLockedError):
         MessageStore.open(tmp_path, small_config)

@@ -573,6 +573,15 @@ class TopicConfigManager(ConfigFile):
                 raise
         return cfg
 
+    def create_if_absent(self, topic: str, write_queue_nums: int) -> TopicConfig:
+        """The topic's config, created with ``write_queue_nums`` queues only if there is none (auto-creation):
+        checked and created under the lock ``create_or_update`` takes, so it never replaces a config."""
+        with self._lock:  # re-entrant: create_or_update takes it again
+            existing = self.topics.get(topic)
+            if existing is not None:
+                return existing
+            return self.create_or_update(topic, write_queue_nums=write_queue_nums)
+
     def delete(self, topic: str) -> bool:
         """Remove the topic and write the file; a failed write removes nothing."""
         with self._lock:

@@ -629,20 +629,23 @@ class MessageStore:
         (another put or ``create_topic`` may have created one since): all checks pass before the first is made."""
         with self._topic_lock:
             todo = self._check_topics(missing)
-            for topic, queue_id in todo or ():
-                self.topic_config.create_or_update(topic, write_queue_nums=self._auto_queues(topic, queue_id))
+            for topic, queue_id in todo or ():  # never replaces a config (create_topic also holds the topic lock)
+                self.topic_config.create_if_absent(topic, self._auto_queues(topic, queue_id))
 
     # --- topics and consumers ---------------------------------------------------------------------
 
     def create_topic(self, topic: str, queues: int = 8, *, read_queues: int | None = None) -> None:
-        """Create or update a topic in config/topics.json (``updateTopic``)."""
+        """Create or update a topic in config/topics.json (``updateTopic``); atomic against a put auto-creating it
+        (under the topic lock), so a put's defaults never replace what this set."""
         self._check_open(write=True)
-        self.topic_config.create_or_update(topic, write_queue_nums=queues, read_queue_nums=read_queues)
+        with self._topic_lock:
+            self.topic_config.create_or_update(topic, write_queue_nums=queues, read_queue_nums=read_queues)
 
     def delete_topic(self, topic: str) -> bool:
         """Remove a topic from config/topics.json (its messages stay until retention removes them)."""
         self._check_open(write=True)
-        return self.topic_config.delete(topic)
+        with self._topic_lock:
+            return self.topic_config.delete(topic)
 
     def consumer(self, group: str, topic: str, **options) -> Consumer:
         """A consumer of ``topic`` for consumer group ``group``; see ``rocketstore.consumer.Consumer``."""
