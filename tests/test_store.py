@@ -248,7 +248,25 @@ BAD_MESSAGES = {
     "negative_queue": (Message("T", b"x", queue_id=-1), InvalidFlagError),
     "none_body": (Message("T", None), MessageIllegalError),  # type: ignore[arg-type]
     "bad_born_host": (Message("T", b"x", born_host="not-a-host"), InvalidFlagError),
+    "surrogate_body": (Message("T", "a\ud800"), MessageIllegalError),
+    "surrogate_tags": (Message("T", b"x", tags="\ud800"), InvalidPropertyError),
+    "surrogate_key": (Message("T", b"x", keys=["k", "\udc00"]), InvalidPropertyError),
+    "surrogate_value": (Message("T", b"x", properties={"p": "\udfff"}), InvalidPropertyError),
+    "surrogate_name": (Message("T", b"x", properties={"p\ud800": "v"}), InvalidPropertyError),
 }
+
+
+@pytest.mark.parametrize(("message", "field"), [
+    (Message("T", b"x", tags="\ud800"), "tags"), (Message("T", b"x", keys=["\ud800"]), "keys"),
+    (Message("T", "\ud800"), "body"), (Message("T", b"x", properties={"p": "\udfff"}), "'p'")])
+def test_a_lone_surrogate_is_a_typed_error_naming_the_field_on_every_put_path(tmp_path, small_config, message,
+                                                                             field):
+    with MessageStore.open(tmp_path, small_config) as store:
+        for put in (lambda: store.put_message(message), lambda: store.put_messages([message] * 4),
+                    lambda: store.put_messages([Message("T", b"fine")] * 8 + [message])):
+            with pytest.raises(MessageIllegalError, match=field):
+                put()
+        assert store.max_phy_offset == 0
 
 
 @pytest.mark.parametrize("case", sorted(BAD_MESSAGES))

@@ -147,10 +147,28 @@ def check_sendable(topic: str) -> None:
 
 def _as_body(body: object) -> bytes:
     if isinstance(body, str):
-        return body.encode("utf-8")
+        try:
+            return body.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate
+            raise MessageIllegalError(f"body is a str UTF-8 cannot encode: {exc.reason} at character {exc.start}"
+                                      ) from None
     if body is None or not isinstance(body, bytes | bytearray | memoryview):
         raise MessageIllegalError(f"body must be bytes, not {type(body).__name__}")
     return bytes(body)
+
+
+def _unencodable_property(properties: dict[str, str]) -> None:
+    """``InvalidPropertyError`` naming the property (tags, keys or a user property) UTF-8 cannot encode."""
+    fields = {PropertyName.TAGS: "tags", PropertyName.KEYS: "keys"}
+    for name, value in properties.items():
+        for part, text in (("name", name), ("value", value)):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                what = fields.get(name, f"property {name!r} {part}") if part == "value" else f"property name {name!r}"
+                raise InvalidPropertyError(f"{what} is not encodable as UTF-8: {exc.reason} at character "
+                                           f"{exc.start}") from None
+    raise AssertionError("a properties string UTF-8 cannot encode, of properties it can")
 
 
 def _check_numbers(queue_id: object, flag: object, sys_flag: object, reconsume: object, prepared: object) -> None:
@@ -289,7 +307,10 @@ class MessageEncoder:
             properties = self._plain_properties(msg.tags, msg.keys)
             wait_store = True
         uniq_key = properties[PropertyName.UNIQ_KEY]
-        props = encode_properties(properties, checked=True).encode("utf-8")
+        try:
+            props = encode_properties(properties, checked=True).encode("utf-8")
+        except UnicodeEncodeError:
+            _unencodable_property(properties)  # raises, naming it
         if self.config.enabled_append_prop_crc:
             props += _CRC_RESERVE
         if len(props) > MAX_PROPERTIES_LEN:
