@@ -228,6 +228,56 @@ def test_bad_offsets_raise_typed_errors(tmp_path, small_config, offset_kind):
             store.look_message_by_offset(offset)
 
 
+BAD_READS = {
+    "get_message max_msgs str": (lambda s: s.get_message("T", 0, 0, "5"), "max_msgs"),
+    "get_message max_msgs 0": (lambda s: s.get_message("T", 0, 0, 0), "max_msgs"),
+    "get_message max_msgs bool": (lambda s: s.get_message("T", 0, 0, True), "max_msgs"),
+    "get_message offset float": (lambda s: s.get_message("T", 0, 1.5), "offset"),
+    "get_message offset str": (lambda s: s.get_message("T", 0, "1"), "offset"),
+    "get_message offset None": (lambda s: s.get_message("T", 0, None), "offset"),
+    "get_message offset bool": (lambda s: s.get_message("T", 0, False), "offset"),
+    "get_message queue str": (lambda s: s.get_message("T", "0", 0), "queue_id"),
+    "get_message topic None": (lambda s: s.get_message(None, 0, 0), "topic"),
+    "query_message max_num str": (lambda s: s.query_message("T", "k", "5"), "max_num"),
+    "query_message begin str": (lambda s: s.query_message("T", "k", 64, "0"), "begin"),
+    "query_message end float": (lambda s: s.query_message("T", "k", 64, 0, 1.5), "end"),
+    "query_message key None": (lambda s: s.query_message("T", None), "key"),
+    "query_by_uniq_key None": (lambda s: s.query_message_by_uniq_key("T", None), "uniq_key"),
+    "by time timestamp str": (lambda s: s.get_offset_in_queue_by_time("T", 0, "0"), "timestamp"),
+    "by time boundary": (lambda s: s.get_offset_in_queue_by_time("T", 0, 0, "middle"), "boundary"),
+    "queue_arrow begin str": (lambda s: s.queue_arrow("T", 0, begin="0"), "begin"),
+    "queue_arrow end float": (lambda s: s.queue_arrow("T", 0, end=2.0), "end"),
+    "delete_expired_files now_ms": (lambda s: s.delete_expired_files(now_ms="x"), "now_ms"),
+    "query_messages_arrow max_num": (lambda s: s.query_messages_arrow([("T", "k")], max_num="3"), "max_num"),
+    "query_messages_arrow begin": (lambda s: s.query_messages_arrow([("T", "k")], begin=None), "begin"),
+}
+
+
+def test_bad_read_arguments_are_typed_errors_naming_the_argument(tmp_path, small_config):
+    from rocketstore.errors import InvalidQueryError
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        for i in range(5):
+            store.put_message(Message("T", b"x%d" % i, keys=["k"]))
+        store.wait_for_dispatch()
+        for call, argument in BAD_READS.values():
+            with pytest.raises(InvalidQueryError, match=argument):
+                call(store)
+        for bad in ("0", 1.5, True):
+            with pytest.raises(OffsetOutOfRangeError, match="from_offset"):
+                store.iter_messages(bad)
+            with pytest.raises(OffsetOutOfRangeError, match="to_offset"):
+                store.iter_messages(0, bad)
+        # what stays an answer: int subclasses and numpy integers are integers, and RocketMQ's statuses
+        import numpy as np
+
+        assert len(store.get_message("T", np.int32(0), np.int64(1), np.int64(2)).messages) == 2
+        assert store.get_message("T", 0, -1).status.name == "OFFSET_TOO_SMALL"
+        assert [m.body for m in store.query_message("T", "k", 2, 0, None)] == [b"x3", b"x4"]
+        assert store.query_message("T", "k", 0) == []
+        assert store.get_offset_in_queue_by_time("T", 0, 0, "upper") == 0
+
+
 BAD_MESSAGES = {
     "empty_topic": (Message("", b"x"), InvalidTopicError),
     "path_escape_topic": (Message("../../etc/passwd", b"x"), InvalidTopicError),

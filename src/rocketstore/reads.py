@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -98,6 +99,9 @@ class StoreReader:
                     sql: str | SqlFilter | None = None) -> GetMessageResult:
         """``getMessage``: up to ``max_msgs`` messages from ``offset`` in one queue, filtered by tags or by an
         SQL92 expression over their properties (``sqlfilter``); a message filtered out is passed over."""
+        if type(offset) is not int or type(max_msgs) is not int or max_msgs < 1 or type(queue_id) is not int \
+                or type(topic) is not str:
+            topic, queue_id, offset, max_msgs = _get_message_args(topic, queue_id, offset, max_msgs)
         wanted = parse_tags(tags)
         selector = subscription_filter(wanted, sql)
         queue = self.queues.get(topic, queue_id)
@@ -251,8 +255,11 @@ class StoreReader:
         return None
 
     def offset_by_time(self, topic: str, queue_id: int, timestamp: int, boundary: str = "lower") -> int:
-        if boundary not in ("lower", "upper"):
-            raise ValueError(f"boundary must be 'lower' or 'upper', not {boundary!r}")
+        if type(boundary) is not str or boundary not in ("lower", "upper"):
+            raise InvalidQueryError(f"boundary must be 'lower' or 'upper', not {boundary!r}")
+        check_str("topic", topic)
+        queue_id = check_int("queue_id", queue_id)
+        timestamp = check_int("timestamp", timestamp)
         queue = self.queues.get(topic, queue_id)
         if queue is None:
             return 0
@@ -275,11 +282,19 @@ class StoreReader:
                       end: int | None = None) -> list[MessageExt]:
         """Messages of ``topic`` whose KEYS contain ``key``, stored in [begin, end]; newest ``max_num``,
         returned oldest first (``queryMessage``, with the client's exact filter applied)."""
+        if type(max_num) is not int or type(begin) is not int or (end is not None and type(end) is not int) \
+                or type(key) is not str or type(topic) is not str:
+            max_num, begin, end = _window_args(max_num, begin, end)
+            check_str("topic", topic)
+            check_str("key", key)
         max_num = min(max_num, self.config.max_msgs_num_batch)
         return self._verified(topic, key, max_num, begin, LONG_MAX if end is None else end, False)
 
     def query_by_uniq_key(self, topic: str, uniq_key: str, max_num: int | None = None) -> list[MessageExt]:
-        limit = self.config.default_query_max_num if max_num is None else max_num
+        if type(topic) is not str or type(uniq_key) is not str:
+            check_str("topic", topic)
+            check_str("uniq_key", uniq_key)
+        limit = self.config.default_query_max_num if max_num is None else check_int("max_num", max_num)
         return self._verified(topic, uniq_key, limit, 0, LONG_MAX, True)
 
     def _verified(self, topic: str, key: str, max_num: int, begin: int, end: int, by_uniq_key: bool
@@ -341,6 +356,7 @@ class StoreReader:
         from .index.bulk import candidates_batch, index_key_hashes
 
         schema = pa.schema([*MESSAGE_FIELDS, ("queryTopic", pa.string()), ("queryKey", pa.string())])
+        max_num, begin, end = _window_args(max_num, begin, end)
         max_num = min(max_num, self.config.max_msgs_num_batch)
         end = LONG_MAX if end is None else end
         topics, keys = _query_columns(queries)
@@ -447,6 +463,34 @@ class StoreReader:
                                      GetMessageStatus.OFFSET_TOO_SMALL):
                 return
             offset = result.next_begin_offset
+
+
+def check_int(name: str, value: object, low: int | None = None, error: type[Exception] = InvalidQueryError) -> int:
+    """``value`` as an int, or ``error`` naming the argument: an integer (a bool is not one), at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise error(f"{name} must be an integer, not {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise error(f"{name} must be at least {low}, not {value}")
+    return value
+
+
+def check_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidQueryError(f"{name} must be a string, not {value!r}")
+    return value
+
+
+def _get_message_args(topic: object, queue_id: object, offset: object, max_msgs: object) -> tuple[str, int, int, int]:
+    """``get_message``'s arguments checked, the long way (its hot path only looks at their types)."""
+    return (check_str("topic", topic), check_int("queue_id", queue_id), check_int("offset", offset),
+            check_int("max_msgs", max_msgs, 1))
+
+
+def _window_args(max_num: object, begin: object, end: object) -> tuple[int, int, int | None]:
+    """A key query's ``max_num`` and store-time window [begin, end] checked."""
+    return (check_int("max_num", max_num), check_int("begin", begin),
+            None if end is None else check_int("end", end))
 
 
 _PAIR_TYPES = {tuple, list}

@@ -41,6 +41,7 @@ from .errors import (
     InvalidQueryError,
     InvalidQueueError,
     MessageNotFoundError,
+    OffsetOutOfRangeError,
     ReadOnlyStoreError,
     RocketStoreError,
     StoreClosedError,
@@ -53,7 +54,7 @@ from .index.service import IndexService
 from .lifecycle import AbortFile, RedispatchMarker, StoreLock
 from .mapped.file import STAGING_DIR
 from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, PutResults, SysFlag
-from .reads import GetMessageResult, StoreReader
+from .reads import GetMessageResult, StoreReader, check_int, check_str
 from .recovery import RecoveryReport, recover_commit_log
 from .retention import RetentionReport, delete_expired_files
 from .schedule import ScheduleMessageService
@@ -790,6 +791,8 @@ class MessageStore:
     def delete_expired_files(self, *, now_ms: int | None = None, immediately: bool = False) -> RetentionReport:
         """Apply retention now (the maintenance thread also does every 10 s)."""
         self._check_open(write=True)
+        if now_ms is not None:
+            now_ms = check_int("now_ms", now_ms)
         with self.dispatcher.paused() if self.dispatcher is not None else contextlib.nullcontext():
             return delete_expired_files(self.commit_log, self.queues, self.index, self.config, now_ms=now_ms,
                                         immediately=immediately)
@@ -806,6 +809,10 @@ class MessageStore:
     def iter_messages(self, from_offset: int | None = None, to_offset: int | None = None) -> Iterator[MessageExt]:
         """Every message in log order, from a record start (default: the oldest)."""
         self._check_open()
+        if from_offset is not None:
+            from_offset = check_int("from_offset", from_offset, error=OffsetOutOfRangeError)
+        if to_offset is not None:
+            to_offset = check_int("to_offset", to_offset, error=OffsetOutOfRangeError)
         return self.commit_log.iter_messages(from_offset, to_offset)
 
     def scan_arrow(self, topics=None, begin: int | None = None, end: int | None = None, check_crc: bool = True,
@@ -828,6 +835,10 @@ class MessageStore:
         self._check_open()
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
             raise InvalidQueryError(f"max_rows must be a positive integer, not {max_rows!r}")
+        check_str("topic", topic)
+        queue_id = check_int("queue_id", queue_id)
+        begin = None if begin is None else check_int("begin", begin)
+        end = None if end is None else check_int("end", end)
         return self._reader().queue_arrow(topic, queue_id, begin, end, tags, include_body=include_body,
                                           max_rows=max_rows)
 
