@@ -505,6 +505,38 @@ def test_closed_store_refuses_use(tmp_path, small_config):
         store.look_message_by_offset(0)
 
 
+@pytest.mark.parametrize("which", ["iter_messages", "scan_arrow", "queue_arrow"])
+def test_an_iterator_used_after_close_raises_store_closed(tmp_path, small_config, which):
+    store = MessageStore.open(tmp_path, small_config)
+    for i in range(200):
+        store.put_message(Message("T", b"m%d" % i * 10))
+    store.wait_for_dispatch()
+    iterator = {"iter_messages": store.iter_messages,
+                "scan_arrow": lambda: store.scan_arrow(max_rows=5),
+                "queue_arrow": lambda: store.queue_arrow("T", 0, max_rows=5)}[which]()
+    next(iterator)
+    store.close()
+    with pytest.raises(StoreClosedError):
+        for _ in iterator:
+            pass
+
+
+def test_iter_messages_starts_only_at_a_record_start(tmp_path, small_config):
+    with MessageStore.open(tmp_path, small_config) as store:
+        results = put_many(store, 60, size=200)
+        with pytest.raises(MessageNotFoundError, match="not the start of a record"):
+            store.iter_messages(results[1].commit_log_offset + 3)
+        with pytest.raises(MessageNotFoundError, match="not the start of a record"):
+            store.iter_messages(1)
+        starts = [r.commit_log_offset for r in results]
+        assert [m.commit_log_offset for m in store.iter_messages(starts[7])] == starts[7:]
+        blank = max(o for o in starts if o < 4096)
+        blank += next(r.store_size for r in results if r.commit_log_offset == blank)
+        assert [m.commit_log_offset for m in store.iter_messages(blank)] == [o for o in starts if o >= 4096]
+        assert list(store.iter_messages(store.max_phy_offset)) == []
+        assert len(list(store.iter_messages(0, starts[3]))) == 3
+
+
 def test_abort_file_lives_while_open_and_checkpoint_is_4096_bytes(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         assert (tmp_path / "abort").read_text() == str(os.getpid())

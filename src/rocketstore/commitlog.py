@@ -369,6 +369,27 @@ class CommitLog:
         with reading(mapped):
             return mapped.read(pos, layout.size)
 
+    def check_record_start(self, phy_offset: int) -> None:
+        """``MessageNotFoundError`` unless a record (sound or damaged) or a segment's closing blank starts at
+        ``phy_offset``, an offset inside the log: where a walk such as ``iter_messages`` may begin."""
+        mapped = self.mapped_files.find(phy_offset)
+        if mapped is None:
+            raise OffsetOutOfRangeError(f"no segment holds commit-log offset {phy_offset}")
+        pos = phy_offset - mapped.file_from_offset
+        try:
+            with reading(mapped):
+                try:
+                    if read_layout(mapped.buffer, pos, mapped.wrote_position) is None:
+                        return  # the blank that closes a segment: a walk steps over it
+                except CorruptDataError:
+                    pass  # a damaged record starts here (the walk names the damage), or none does
+                if self._stored_phy_offset(mapped, pos) == phy_offset:
+                    return
+        except ValueError as exc:
+            raise deleted_under(mapped, exc) from None
+        raise MessageNotFoundError(f"commit-log offset {phy_offset} is not the start of a record (it lies inside "
+                                   f"one): a walk of the log begins at a record start")
+
     def iter_messages(self, from_offset: int | None = None, to_offset: int | None = None, *,
                       check_crc: bool | None = None, read_body: bool = True) -> Iterator[MessageExt]:
         """Decode records in log order from ``from_offset`` (a record start) to ``to_offset``.

@@ -813,7 +813,18 @@ class MessageStore:
             from_offset = check_int("from_offset", from_offset, error=OffsetOutOfRangeError)
         if to_offset is not None:
             to_offset = check_int("to_offset", to_offset, error=OffsetOutOfRangeError)
-        return self.commit_log.iter_messages(from_offset, to_offset)
+        if from_offset is not None and self.commit_log.min_offset <= from_offset < self.commit_log.max_offset:
+            self.commit_log.check_record_start(from_offset)  # else the walk decodes the middle of a record
+        return self._while_open(self.commit_log.iter_messages(from_offset, to_offset))
+
+    def _while_open(self, iterator: Iterator):
+        """``iterator``'s items; used after ``close()`` (its mappings unmapped), ``StoreClosedError``."""
+        try:
+            yield from iterator
+        except (ValueError, StoreIOError):  # "mmap closed or invalid", "segment ... is closed"
+            if self._closed:
+                raise StoreClosedError(f"store {self.root} was closed while this iterator was in use") from None
+            raise
 
     def scan_arrow(self, topics=None, begin: int | None = None, end: int | None = None, check_crc: bool = True,
                    include_body: bool = True, *, max_rows: int = 8192, columns: Iterable[str] | None = None):
@@ -825,8 +836,8 @@ class MessageStore:
         from .codec.batch import message_columns, scan_arrow
 
         names = message_columns(columns)  # an unknown column fails here, not at the first batch
-        return scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body, max_rows=max_rows,
-                          columns=names)
+        return self._while_open(scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body,
+                                           max_rows=max_rows, columns=names))
 
     def queue_arrow(self, topic: str, queue_id: int, begin: int | None = None, end: int | None = None,
                     tags: str | Iterable[str] | None = None, *, include_body: bool = True, max_rows: int = 8192):
@@ -839,8 +850,8 @@ class MessageStore:
         queue_id = check_int("queue_id", queue_id)
         begin = None if begin is None else check_int("begin", begin)
         end = None if end is None else check_int("end", end)
-        return self._reader().queue_arrow(topic, queue_id, begin, end, tags, include_body=include_body,
-                                          max_rows=max_rows)
+        return self._while_open(self._reader().queue_arrow(topic, queue_id, begin, end, tags,
+                                                           include_body=include_body, max_rows=max_rows))
 
     @property
     def min_phy_offset(self) -> int:
