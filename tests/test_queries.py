@@ -130,6 +130,20 @@ def test_uniq_key_and_message_id_lookups(tmp_path, small_config):
             store.view_message_by_id("7F00000100002A9F00000000FFFFFFFF")
 
 
+def test_view_message_by_id_finds_a_lower_case_uniq_key_as_given(tmp_path, small_config):
+    """A producer-given UNIQ_KEY in lower case: found as given first, upper case being only the fallback."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        lower = "0a0b0c0d00002a9f0000000000abcdef"
+        store.put_message(Message("T", b"lower", properties={"UNIQ_KEY": lower}))
+        upper = store.put_message(Message("T", b"upper"))
+        store.wait_for_dispatch()
+        assert store.view_message_by_id(lower).body == b"lower"
+        assert store.view_message_by_id(f"  {lower} ").body == b"lower"
+        assert store.view_message_by_id(upper.uniq_key.lower()).body == b"upper", "upper case as the fallback"
+        with pytest.raises(MessageNotFoundError):
+            store.view_message_by_id(lower.upper())
+
+
 def test_index_survives_a_crash_where_rocketmq_would_delete_it(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         results = [keyed(store, "T", [f"k{i}"]) for i in range(30)]

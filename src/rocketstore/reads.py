@@ -436,8 +436,10 @@ class StoreReader:
             return None
 
     def view_message_by_id(self, msg_id: str) -> MessageExt:
-        """The message with this offset msgId; a UNIQ_KEY is accepted too (as mqadmin falls back)."""
-        text = msg_id.strip().upper() if isinstance(msg_id, str) else ""
+        """The message with this offset msgId; a UNIQ_KEY is accepted too (as mqadmin falls back): as given
+        first (a producer may set a lower-case one), then in upper case (how RocketMQ's clients write them)."""
+        given = msg_id.strip() if isinstance(msg_id, str) else ""
+        text = given.upper()
         if len(text) not in (32, 56) or any(c not in "0123456789ABCDEF" for c in text):
             raise InvalidMessageIdError(f"a message id is 32 or 56 hexadecimal characters, not {msg_id!r}")
         try:
@@ -447,10 +449,11 @@ class StoreReader:
                 return msg
         except (InvalidMessageIdError, MessageNotFoundError, CorruptDataError):
             pass  # not an offset id of this store: try it as a UNIQ_KEY
-        for topic in self.queues.topics():
-            hits = self.query_by_uniq_key(topic, text, 1)
-            if hits:
-                return hits[0]
+        for uniq_key in dict.fromkeys((given, text)):
+            for topic in self.queues.topics():
+                hits = self.query_by_uniq_key(topic, uniq_key, 1)
+                if hits:
+                    return hits[0]
         raise MessageNotFoundError(f"no message with id {msg_id}")
 
     def iter_queue(self, topic: str, queue_id: int, start: int = 0) -> Iterator[MessageExt]:
