@@ -253,6 +253,28 @@ BAD_READS = {
 }
 
 
+def test_bad_store_arguments_are_typed_errors_that_change_nothing(tmp_path, small_config):
+    from rocketstore.errors import ConfigError, InvalidQueryError, InvalidTopicError
+
+    with pytest.raises(ConfigError, match="root"):
+        MessageStore.open(5)
+    with pytest.raises(ConfigError, match="config"):
+        MessageStore.open(tmp_path, {"mapped_file_size_commit_log": 4096})
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.put_message(Message("T", b"x"))
+        store.wait_for_dispatch()
+        for call in (lambda: store.get_min_offset_in_queue("T", "0"), lambda: store.get_max_offset_in_queue("T", "0"),
+                     lambda: store.get_earliest_message_time("T", "0"), lambda: store.get_min_offset_in_queue(None, 0)):
+            with pytest.raises(InvalidQueryError):
+                call()
+        with pytest.raises(InvalidTopicError):
+            store.reset_offset("g", "a/b", "earliest")
+        with pytest.raises(ConfigError, match="group"):
+            store.reset_offset("a b", "Empty", "earliest")
+        assert store.offset_resets("a b", "Empty") == 0 and store.consumer_offsets.table == {}
+        assert store.reset_offset("g", "T", "latest")[0] == 1
+
+
 def test_bad_read_arguments_are_typed_errors_naming_the_argument(tmp_path, small_config):
     from rocketstore.errors import InvalidQueryError
 
@@ -503,6 +525,9 @@ def test_closed_store_refuses_use(tmp_path, small_config):
         store.put_message(Message("T", b"x"))
     with pytest.raises(StoreClosedError):
         store.look_message_by_offset(0)
+    for use in (store.topics, lambda: store.queue_ids("T"), lambda: store.next_queue_offset("T", 0)):
+        with pytest.raises(StoreClosedError):  # not the answers of an empty store
+            use()
 
 
 @pytest.mark.parametrize("which", ["iter_messages", "scan_arrow", "queue_arrow"])

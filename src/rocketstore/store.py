@@ -25,6 +25,8 @@ from .brokerconfig import (
     SubscriptionGroupManager,
     TimerOffsetManager,
     TopicConfigManager,
+    checked,
+    group_name,
 )
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
@@ -35,8 +37,9 @@ from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
 from .consumer import Consumer
 from .dispatch import Dispatcher, dispatch_request
-from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder, PendingRecords
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder, PendingRecords, validate_topic
 from .errors import (
+    ConfigError,
     CorruptDataError,
     InvalidQueryError,
     InvalidQueueError,
@@ -122,6 +125,10 @@ class MessageStore:
         ``index_clock`` (ms) names new index files; it exists so that tests and rebuilds can
         produce reproducible names.
         """
+        if not isinstance(root, str | os.PathLike):
+            raise ConfigError(f"root must be a path (str or os.PathLike), not {root!r}")
+        if config is not None and not isinstance(config, StoreConfig):
+            raise ConfigError(f"config must be a StoreConfig, not {type(config).__name__}")
         root = Path(root).expanduser()
         store = cls(root, config or StoreConfig(), read_only, index_clock)
         try:
@@ -673,6 +680,8 @@ class MessageStore:
         self._check_open(write=True)
         if to not in ("earliest", "latest") and (type(to) is not int or to < 0):
             raise InvalidQueryError(f"reset to 'earliest', 'latest' or an epoch-ms timestamp, not {to!r}")
+        checked(group_name, group, "group")  # before anything moves, even for a topic with no queue
+        validate_topic(topic)
         queue_ids = set(self.queue_ids(topic))
         config = self.topic_config.get(topic)
         if config is not None:
@@ -731,18 +740,28 @@ class MessageStore:
 
     def get_min_offset_in_queue(self, topic: str, queue_id: int) -> int:
         self._check_open()
+        if type(queue_id) is not int or type(topic) is not str:
+            check_str("topic", topic)
+            queue_id = check_int("queue_id", queue_id)
         queue = self.queues.get(topic, queue_id)
         return queue.min_offset_in_queue if queue else 0
 
     def get_max_offset_in_queue(self, topic: str, queue_id: int) -> int:
         """The next queue offset to be dispatched (0 for an unknown queue)."""
         self._check_open()
+        if type(queue_id) is not int or type(topic) is not str:
+            check_str("topic", topic)
+            queue_id = check_int("queue_id", queue_id)
         queue = self.queues.get(topic, queue_id)
         return queue.max_offset_in_queue if queue else 0
 
     def get_earliest_message_time(self, topic: str | None = None, queue_id: int | None = None) -> int:
         """Store time of the oldest message of a queue, or of the whole store; -1 if there is none."""
         self._check_open()
+        if topic is not None:
+            check_str("topic", topic)
+        if queue_id is not None:
+            queue_id = check_int("queue_id", queue_id)
         return self._reader().earliest_message_time(topic, queue_id)
 
     def query_message(self, topic: str, key: str, max_num: int = 64, begin: int = 0,
@@ -779,9 +798,11 @@ class MessageStore:
 
     def topics(self) -> list[str]:
         """Topics that have consume queues."""
+        self._check_open()
         return self.queues.topics()
 
     def queue_ids(self, topic: str) -> list[int]:
+        self._check_open()
         return sorted(q for t, q in self.queues.queues if t == topic)
 
     def _reader(self) -> StoreReader:
@@ -867,6 +888,7 @@ class MessageStore:
 
     def next_queue_offset(self, topic: str, queue_id: int) -> int:
         """The queue offset the next message to (topic, queue_id) will get."""
+        self._check_open()
         return self.commit_log.queue_offsets.get((topic, queue_id), 0)
 
     def __repr__(self) -> str:
