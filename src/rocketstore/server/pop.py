@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import threading
 import time
@@ -36,6 +37,9 @@ from ..store import MessageStore
 DLQ_PREFIX = "%DLQ%"
 SCAN_MAX = 32  # messages read per queue per look (the store's get_message batch)
 HELD_MAX = 4096  # a FIFO queue stops reading ahead once this many messages wait behind their groups
+# what _sign makes, and nothing else: ASCII digits only (int() would take "٣", " 3" or "1_0"), a hex MAC (a
+# non-ASCII one made hmac.compare_digest raise TypeError: an internal error instead of INVALID_RECEIPT_HANDLE)
+_HANDLE = re.compile(r"([0-9]{1,10})\.([0-9]{1,19})\.([0-9]{1,19})\.([0-9a-f]{24})", re.ASCII)
 
 
 class InvalidReceiptHandleError(RocketStoreError):
@@ -103,11 +107,11 @@ class PopGroups:
         return f"{body}.{mac}"
 
     def _parse(self, group: str, topic: str, handle: str) -> tuple[int, int, int]:
-        try:
-            queue_text, offset_text, delivery_text, mac = handle.split(".")
-            queue_id, offset, delivery = int(queue_text), int(offset_text), int(delivery_text)
-        except ValueError:
-            raise InvalidReceiptHandleError(f"malformed receipt handle {handle[:64]!r}") from None
+        parts = _HANDLE.fullmatch(handle)
+        if parts is None:
+            raise InvalidReceiptHandleError(f"malformed receipt handle {handle[:64]!r}")
+        queue_id, offset, delivery = int(parts[1]), int(parts[2]), int(parts[3])
+        mac = parts[4]
         expected = self._sign(group, topic, queue_id, offset, delivery).rsplit(".", 1)[1]
         if not hmac.compare_digest(mac, expected):
             raise InvalidReceiptHandleError("receipt handle was not issued by this server for this group and topic")

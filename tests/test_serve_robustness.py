@@ -1,0 +1,154 @@
+"""``rocketstore serve`` under requests a review found it mishandled: malformed handles, illegal groups and topics,
+pull calls on queues that do not exist, refused dead-letter puts, many open calls, SIGTERM mid-traffic.
+
+Most tests share one server (a module fixture over a store seeded with topics of every permission) and speak raw
+gRPC with rocketstore's own protocol classes, so each bad request reaches the server as it is. A test that needs
+other options or a stop of its own starts its own server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rocketstore import MessageStore, StoreConfig
+from rocketstore.server.protocol import SERVICE, pb
+
+pytestmark = pytest.mark.xdist_group("serve_robustness")  # one worker: the module's server is started once
+
+SMALL = ["--max-hash-slot-num", "97", "--max-index-num", "400"]
+CONFIG = StoreConfig(max_hash_slot_num=97, max_index_num=400)
+
+
+class Served:
+    """A running ``rocketstore serve`` subprocess, stopped by its pid."""
+
+    def __init__(self, root: Path, *args: str, listen: str = "127.0.0.1:0") -> None:
+        self.root = root
+        self.proc = subprocess.Popen([sys.executable, "-m", "rocketstore.cli.app", "serve", "--store", str(root),
+                                      "--listen", listen, *SMALL, *args], stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            found = re.search(r"serve: listening on (\S+:\d+)", line)
+            if found:
+                self.address = found.group(1)
+                self.port = int(self.address.rpartition(":")[2])
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+        self.proc.kill()
+        raise AssertionError("serve did not start: " + "".join(self.lines))
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def call(self, method: str, request, response_type, *, stream: bool = False, address: str | None = None,
+             timeout: float = 10):
+        with grpc.insecure_channel(address or self.address) as channel:
+            path = f"/{SERVICE}/{method}"
+            if stream:
+                rpc = channel.unary_stream(path, request_serializer=type(request).SerializeToString,
+                                           response_deserializer=response_type.FromString)
+                return list(rpc(request, timeout=timeout))
+            rpc = channel.unary_unary(path, request_serializer=type(request).SerializeToString,
+                                      response_deserializer=response_type.FromString)
+            return rpc(request, timeout=timeout)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("robust") / "store"
+    with MessageStore.open(root, CONFIG) as store:
+        store.create_topic("Shared", 4)
+    served = Served(root, "--max-attempts", "1")
+    yield served
+    if served.proc.poll() is None:
+        served.proc.kill()
+        served.proc.wait(30)
+
+
+def send(server: Served, topic: str, *bodies: bytes, group: str | None = None, **user: str):
+    request = pb.SendMessageRequest()
+    for i, body in enumerate(bodies):
+        msg = request.messages.add()
+        msg.topic.name = topic
+        msg.body = body
+        msg.user_properties.update(user)
+        msg.system_properties.message_id = f"01{time.monotonic_ns():020X}{i:04X}"
+        if group is not None:
+            msg.system_properties.message_group = group
+    return server.call("SendMessage", request, pb.SendMessageResponse)
+
+
+def receive(server: Served, group: str, topic: str, *, batch: int = 32, invisible_s: int = 30, poll_s: int = 1,
+            queue_id: int = -1) -> tuple[int, list]:
+    """(status code, messages) of one ReceiveMessage."""
+    request = pb.ReceiveMessageRequest(group=pb.Resource(name=group),
+                                       message_queue=pb.MessageQueue(topic=pb.Resource(name=topic), id=queue_id),
+                                       batch_size=batch)
+    request.invisible_duration.FromSeconds(invisible_s)
+    request.long_polling_timeout.FromSeconds(poll_s)
+    replies = server.call("ReceiveMessage", request, pb.ReceiveMessageResponse, stream=True)
+    return replies[0].status.code, [r.message for r in replies if r.HasField("message")]
+
+
+def receive_until(server: Served, group: str, topic: str, count: int, *, timeout: float = 10, **options) -> list:
+    """Messages of as many receives as it takes to get ``count`` (dispatch is asynchronous), or a timeout."""
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        got += receive(server, group, topic, **options)[1]
+    return got
+
+
+def ack(server: Served, group: str, topic: str, *handles: str):
+    request = pb.AckMessageRequest(group=pb.Resource(name=group), topic=pb.Resource(name=topic),
+                                   entries=[pb.AckMessageEntry(message_id="01AB", receipt_handle=h) for h in handles])
+    return server.call("AckMessage", request, pb.AckMessageResponse)
+
+
+def change_invisible(server: Served, group: str, topic: str, handle: str, seconds: int = 5):
+    request = pb.ChangeInvisibleDurationRequest(group=pb.Resource(name=group), topic=pb.Resource(name=topic),
+                                                receipt_handle=handle, message_id="01AB")
+    request.invisible_duration.FromSeconds(seconds)
+    return server.call("ChangeInvisibleDuration", request, pb.ChangeInvisibleDurationResponse)
+
+
+# --- 1. receipt handles ------------------------------------------------------------------------------------------
+
+def test_undecodable_receipt_handles_are_invalid_not_internal_errors(server):
+    assert send(server, "Shared", b"handle me").status.code == pb.Code.OK
+    got = receive_until(server, "Handles", "Shared", 1, batch=1)
+    assert len(got) == 1
+    good = got[0].system_properties.receipt_handle
+    queue_id, offset, delivery, mac = good.split(".")
+    for bad in (f"{queue_id}.{offset}.{delivery}.dé{mac[2:]}",  # non-ASCII MAC: hmac.compare_digest raised
+                "0.0.1.\u00e9\u00e9", "\u0663.0.1." + mac,  # an Arabic-Indic digit, which int() accepts
+                f" {queue_id}.{offset}.{delivery}.{mac}", f"{queue_id}.{offset}.{delivery}.{mac.upper()}",
+                "\U0001F680" * 40, ""):
+        reply = ack(server, "Handles", "Shared", bad)
+        assert reply.status.code == pb.Code.INVALID_RECEIPT_HANDLE, (bad, reply.status)
+        assert [e.status.code for e in reply.entries] == [pb.Code.INVALID_RECEIPT_HANDLE]
+        assert change_invisible(server, "Handles", "Shared", bad).status.code == pb.Code.INVALID_RECEIPT_HANDLE
+    mixed = ack(server, "Handles", "Shared", "0.0.1.d\u00e9", good)  # one bad entry does not spoil the others
+    assert mixed.status.code == pb.Code.MULTIPLE_RESULTS
+    assert [e.status.code for e in mixed.entries] == [pb.Code.INVALID_RECEIPT_HANDLE, pb.Code.OK]
