@@ -152,3 +152,81 @@ def test_undecodable_receipt_handles_are_invalid_not_internal_errors(server):
     mixed = ack(server, "Handles", "Shared", "0.0.1.d\u00e9", good)  # one bad entry does not spoil the others
     assert mixed.status.code == pb.Code.MULTIPLE_RESULTS
     assert [e.status.code for e in mixed.entries] == [pb.Code.INVALID_RECEIPT_HANDLE, pb.Code.OK]
+
+
+# --- 2. consumer groups -------------------------------------------------------------------------------------
+
+ILLEGAL_GROUPS = ("", "   ", "g" * 121, "bad/group", "bad group", "gr\u00fcppe", "CID_RMQ_SYS_TRANS", "CID_RMQ_SYS_x")
+
+
+def group_calls(group: str) -> dict[str, tuple]:
+    """Every call that names a consumer group: (method, request, response class, streaming)."""
+    res = pb.Resource(name=group)
+    topic = pb.Resource(name="Shared")
+    queue = pb.MessageQueue(topic=topic, id=0)
+    receive = pb.ReceiveMessageRequest(group=res, message_queue=queue, batch_size=1)
+    receive.long_polling_timeout.FromSeconds(1)
+    change = pb.ChangeInvisibleDurationRequest(group=res, topic=topic, receipt_handle="0.0.1.x", message_id="01AB")
+    change.invisible_duration.FromSeconds(5)
+    return {
+        "ReceiveMessage": (receive, pb.ReceiveMessageResponse, True),
+        "AckMessage": (pb.AckMessageRequest(group=res, topic=topic, entries=[
+            pb.AckMessageEntry(message_id="01AB", receipt_handle="0.0.1.x")]), pb.AckMessageResponse, False),
+        "ChangeInvisibleDuration": (change, pb.ChangeInvisibleDurationResponse, False),
+        "ForwardMessageToDeadLetterQueue": (pb.ForwardMessageToDeadLetterQueueRequest(
+            group=res, topic=topic, receipt_handle="0.0.1.x", message_id="01AB"),
+            pb.ForwardMessageToDeadLetterQueueResponse, False),
+        "PullMessage": (pb.PullMessageRequest(group=res, message_queue=queue, offset=0, batch_size=1),
+                        pb.PullMessageResponse, True),
+        "UpdateOffset": (pb.UpdateOffsetRequest(group=res, message_queue=queue, offset=0), pb.UpdateOffsetResponse,
+                         False),
+        "GetOffset": (pb.GetOffsetRequest(group=res, message_queue=queue), pb.GetOffsetResponse, False),
+        "QueryAssignment": (pb.QueryAssignmentRequest(group=res, topic=topic), pb.QueryAssignmentResponse, False),
+        "Heartbeat": (pb.HeartbeatRequest(group=res, client_type=pb.ClientType.SIMPLE_CONSUMER),
+                      pb.HeartbeatResponse, False),
+        "NotifyClientTermination": (pb.NotifyClientTerminationRequest(group=res), pb.NotifyClientTerminationResponse,
+                                    False),
+    }
+
+
+def telemetry(server: Served, *commands, timeout: float = 5) -> list:
+    with grpc.insecure_channel(server.address) as channel:
+        rpc = channel.stream_stream(f"/{SERVICE}/Telemetry", request_serializer=pb.TelemetryCommand.SerializeToString,
+                                    response_deserializer=pb.TelemetryCommand.FromString)
+        replies = rpc(iter(commands), timeout=timeout, metadata=[("x-mq-client-id", "robust-test")])
+        out = []
+        try:
+            for reply in replies:
+                out.append(reply)
+                if len(out) == len(commands):
+                    break
+        finally:
+            replies.cancel()
+        return out
+
+
+def test_every_call_that_takes_a_consumer_group_checks_it(server):
+    for group in ILLEGAL_GROUPS:
+        for method, (request, response, stream) in group_calls(group).items():
+            reply = server.call(method, request, response, stream=stream)
+            code = (reply[0] if stream else reply).status.code
+            assert code == pb.Code.ILLEGAL_CONSUMER_GROUP, (method, group, code)
+        settings = pb.Settings(client_type=pb.ClientType.SIMPLE_CONSUMER,
+                               subscription=pb.Subscription(group=pb.Resource(name=group)))
+        replies = telemetry(server, pb.TelemetryCommand(settings=settings))
+        assert [r.status.code for r in replies] == [pb.Code.ILLEGAL_CONSUMER_GROUP], group
+    longest = "g" * 120  # RocketMQ's limit: "%DLQ%" + it is still a topic name
+    for method, (request, response, stream) in group_calls(longest).items():
+        reply = server.call(method, request, response, stream=stream)
+        code = (reply[0] if stream else reply).status.code
+        assert code != pb.Code.ILLEGAL_CONSUMER_GROUP, (method, code)
+    producer = server.call("Heartbeat", pb.HeartbeatRequest(client_type=pb.ClientType.PRODUCER), pb.HeartbeatResponse)
+    assert producer.status.code == pb.Code.OK  # a producer names no group
+    assert server.call("NotifyClientTermination", pb.NotifyClientTerminationRequest(),
+                       pb.NotifyClientTerminationResponse).status.code == pb.Code.OK
+    settings = pb.Settings(client_type=pb.ClientType.SIMPLE_CONSUMER,
+                           subscription=pb.Subscription(group=pb.Resource(name=longest)))
+    assert [r.status.code for r in telemetry(server, pb.TelemetryCommand(settings=settings))] == [pb.Code.OK]
+    with MessageStore.open(server.root, CONFIG, read_only=True) as store:  # no offset was kept for an illegal group
+        for group in ILLEGAL_GROUPS:
+            assert store.query_offset(group, "Shared", 0) == -1, group

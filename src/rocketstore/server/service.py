@@ -24,7 +24,7 @@ import grpc
 
 from ..codec.hosts import Host
 from ..codec.properties import PropertyName
-from ..encoder import validate_topic
+from ..encoder import _TOPIC_CHARS, validate_topic
 from ..errors import (
     IllegalDeliveryTimeError,
     InvalidPropertyError,
@@ -53,6 +53,10 @@ RESERVED_PROPERTIES = frozenset(v for k, v in vars(PropertyName).items() if k.is
 DEFAULT_INVISIBLE_MS = 30_000
 MAX_LONG_POLL_S = 30.0
 ACCEPTED_TYPES = (pb.MessageType.NORMAL, pb.MessageType.FIFO, pb.MessageType.DELAY, pb.MessageType.TRANSACTION)
+# TopicValidator.GROUP_MAX_LENGTH: "%RETRY%"/"%DLQ%" + a group must still be a legal topic name
+GROUP_MAX_LENGTH = 120
+SYSTEM_GROUP_PREFIX = "CID_RMQ_SYS_"  # MixAll.CID_RMQ_SYS_PREFIX: the broker's own consumer groups
+CONSUMER_TYPES = (pb.ClientType.PUSH_CONSUMER, pb.ClientType.SIMPLE_CONSUMER, pb.ClientType.PULL_CONSUMER)
 
 
 class Status(Exception):
@@ -93,6 +97,25 @@ def status_of(exc: BaseException) -> Status:
     if isinstance(exc, StoreFailedError | StoreIOError):
         return Status(pb.Code.INTERNAL_SERVER_ERROR, f"the store cannot write: {text}")
     return Status(pb.Code.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {text}")
+
+
+def consumer_group(resource) -> str:
+    """The consumer group a request names, checked as the proxy's ``GrpcValidator.validateConsumerGroup``: not
+    blank, at most 120 of the topic characters, not a system group; else ILLEGAL_CONSUMER_GROUP. Every call that
+    takes a group checks it first, so a group no RocketMQ accepts never reaches offsets, pop state or a DLQ."""
+    name = resource.name
+    if not name.strip():
+        raise Status(pb.Code.ILLEGAL_CONSUMER_GROUP, "the consumer group is blank")
+    if len(name) > GROUP_MAX_LENGTH:
+        raise Status(pb.Code.ILLEGAL_CONSUMER_GROUP, f"consumer group {name[:64]!r}... is {len(name)} characters "
+                                                     f"long; the limit is {GROUP_MAX_LENGTH}")
+    if not _TOPIC_CHARS.fullmatch(name):
+        raise Status(pb.Code.ILLEGAL_CONSUMER_GROUP, f"consumer group {name!r} may contain only letters, digits and "
+                                                     f"the characters %|_-")
+    if name.startswith(SYSTEM_GROUP_PREFIX):
+        raise Status(pb.Code.ILLEGAL_CONSUMER_GROUP, f"consumer group {name!r} is a system group "
+                                                     f"({SYSTEM_GROUP_PREFIX}*)")
+    return name
 
 
 def subscription(expression) -> tuple[str | None, SqlFilter | None]:
@@ -249,9 +272,19 @@ class MessagingService:
         return pb.Endpoints(scheme=pb.AddressScheme.IPv4, addresses=[pb.Address(host=host, port=int(port or 0))])
 
     def Heartbeat(self, request, context):
+        if request.HasField("group") or request.client_type in CONSUMER_TYPES:  # producers name no group
+            try:
+                consumer_group(request.group)
+            except Status as exc:
+                return pb.HeartbeatResponse(status=status(exc.code, str(exc)))
         return pb.HeartbeatResponse(status=status())
 
     def NotifyClientTermination(self, request, context):
+        if request.HasField("group"):  # absent for a producer
+            try:
+                consumer_group(request.group)
+            except Status as exc:
+                return pb.NotifyClientTerminationResponse(status=status(exc.code, str(exc)))
         log.info("client %s terminated", _client_id(context))
         return pb.NotifyClientTerminationResponse(status=status())
 
@@ -266,6 +299,12 @@ class MessagingService:
             try:
                 for command in requests:
                     if command.HasField("settings"):
+                        if command.settings.HasField("subscription"):
+                            try:
+                                consumer_group(command.settings.subscription.group)
+                            except Status as exc:  # answered, then the stream ends (the proxy ends it too)
+                                client.outbox.put(pb.TelemetryCommand(status=status(exc.code, str(exc))))
+                                return
                         if command.settings.HasField("publishing"):
                             client.topics = {t.name for t in command.settings.publishing.topics}
                         client.outbox.put(pb.TelemetryCommand(status=status(),
@@ -435,6 +474,7 @@ class MessagingService:
 
     def QueryAssignment(self, request, context):
         try:
+            consumer_group(request.group)
             self._topic_queues(request.topic.name, create=False)
         except Status as exc:
             return pb.QueryAssignmentResponse(status=status(exc.code, str(exc)))
@@ -448,9 +488,8 @@ class MessagingService:
     def ReceiveMessage(self, request, context) -> Iterator:
         group, topic = request.group.name, request.message_queue.topic.name
         try:
+            consumer_group(request.group)
             read, _write = self._topic_queues(topic, create=False)
-            if not group:
-                raise Status(pb.Code.ILLEGAL_CONSUMER_GROUP, "consumer group is empty")
             tags, sql = subscription(request.filter_expression)
             invisible_ms = _duration_ms(request.invisible_duration) if request.HasField("invisible_duration") \
                 else DEFAULT_INVISIBLE_MS
@@ -516,6 +555,10 @@ class MessagingService:
 
     def AckMessage(self, request, context):
         group, topic = request.group.name, request.topic.name
+        try:
+            consumer_group(request.group)
+        except Status as exc:
+            return pb.AckMessageResponse(status=status(exc.code, str(exc)))
         entries, failures = [], 0
         for entry in request.entries:
             try:
@@ -539,6 +582,7 @@ class MessagingService:
 
     def ChangeInvisibleDuration(self, request, context):
         try:
+            consumer_group(request.group)
             invisible_ms = _duration_ms(request.invisible_duration)
             if invisible_ms <= 0:
                 raise Status(pb.Code.ILLEGAL_INVISIBLE_TIME, "invisible duration must be positive")
@@ -551,8 +595,9 @@ class MessagingService:
 
     def ForwardMessageToDeadLetterQueue(self, request, context):
         try:
+            consumer_group(request.group)
             self.pop.forward_to_dlq(request.group.name, request.topic.name, request.receipt_handle)
-        except RocketStoreError as exc:
+        except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             return pb.ForwardMessageToDeadLetterQueueResponse(status=status(failure.code, str(failure)))
         return pb.ForwardMessageToDeadLetterQueueResponse(status=status())
@@ -572,6 +617,10 @@ class MessagingService:
         return pb.QueryOffsetResponse(status=status(), offset=offset)
 
     def GetOffset(self, request, context):
+        try:
+            consumer_group(request.group)
+        except Status as exc:
+            return pb.GetOffsetResponse(status=status(exc.code, str(exc)))
         offset = self.store.query_offset(request.group.name, request.message_queue.topic.name,
                                          request.message_queue.id)
         if offset < 0:
@@ -580,8 +629,11 @@ class MessagingService:
 
     def UpdateOffset(self, request, context):
         try:
+            consumer_group(request.group)
             self.store.commit_offset(request.group.name, request.message_queue.topic.name, request.message_queue.id,
                                      request.offset)
+        except Status as exc:
+            return pb.UpdateOffsetResponse(status=status(exc.code, str(exc)))
         except (RocketStoreError, ValueError) as exc:
             return pb.UpdateOffsetResponse(status=status(pb.Code.BAD_REQUEST, str(exc)))
         return pb.UpdateOffsetResponse(status=status())
@@ -589,6 +641,7 @@ class MessagingService:
     def PullMessage(self, request, context) -> Iterator:
         queue = request.message_queue
         try:
+            consumer_group(request.group)
             tags, sql = subscription(request.filter_expression)
             found = self.store.get_message(queue.topic.name, queue.id, request.offset, max(1, request.batch_size or 32),
                                            tags, sql=sql)
