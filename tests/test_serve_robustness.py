@@ -21,6 +21,10 @@ import grpc
 import pytest
 
 from rocketstore import MessageStore, StoreConfig
+from rocketstore.brokerconfig import PERM_READ
+from rocketstore.encoder import validate_topic
+from rocketstore.errors import InvalidTopicError
+from rocketstore.message import Message
 from rocketstore.server.protocol import SERVICE, pb
 
 pytestmark = pytest.mark.xdist_group("serve_robustness")  # one worker: the module's server is started once
@@ -79,6 +83,8 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("robust") / "store"
     with MessageStore.open(root, CONFIG) as store:
         store.create_topic("Shared", 4)
+        store.create_topic("DlqSource", 1)
+        store.topic_config.create_or_update("%DLQ%Stuck", write_queue_nums=1, perm=PERM_READ)  # refuses puts
     served = Served(root, "--max-attempts", "1")
     yield served
     if served.proc.poll() is None:
@@ -230,3 +236,52 @@ def test_every_call_that_takes_a_consumer_group_checks_it(server):
     with MessageStore.open(server.root, CONFIG, read_only=True) as store:  # no offset was kept for an illegal group
         for group in ILLEGAL_GROUPS:
             assert store.query_offset(group, "Shared", 0) == -1, group
+
+
+# --- 3. dead-letter queue -----------------------------------------------------------------------------------
+
+def test_dead_letter_topics_of_long_groups_are_storable(tmp_path):
+    """RocketMQ allows 255 characters for a %DLQ% topic as for a %RETRY% one (RETRY_OR_DLQ_TOPIC_MAX_LENGTH)."""
+    long_dlq = "%DLQ%" + "g" * 250
+    assert validate_topic(long_dlq) == long_dlq
+    with pytest.raises(InvalidTopicError):
+        validate_topic(long_dlq + "g")
+    with MessageStore.open(tmp_path / "store", CONFIG) as store:
+        store.put_message(Message(long_dlq, b"dead", queue_id=0))
+        store.wait_for_dispatch()
+        assert [m.body for m in store.get_message(long_dlq, 0, 0).messages] == [b"dead"]
+
+
+def test_a_refused_dead_letter_put_does_not_wedge_the_group(server):
+    """%DLQ%Stuck is read-only: the store refuses every dead-letter copy of group Stuck (--max-attempts 1)."""
+    group, topic = "Stuck", "DlqSource"
+    assert send(server, topic, b"m0", b"m1", b"m2").status.code == pb.Code.OK
+    first = receive_until(server, group, topic, 1, batch=1, invisible_s=1)
+    assert [m.body for m in first] == [b"m0"]
+    time.sleep(1.1)  # m0 is due again, its attempts used up: its DLQ put fails
+    got = receive_until(server, group, topic, 3, invisible_s=1)
+    assert sorted((m.body, m.system_properties.delivery_attempt) for m in got) == [(b"m0", 2), (b"m1", 1), (b"m2", 1)]
+    assert any("could not go to %DLQ%Stuck" in line for line in server.lines), "the failure is logged"
+    by_body = {m.body: m.system_properties.receipt_handle for m in got}
+    assert ack(server, group, topic, by_body[b"m0"], by_body[b"m2"]).status.code == pb.Code.OK
+    forward = pb.ForwardMessageToDeadLetterQueueRequest(group=pb.Resource(name=group), topic=pb.Resource(name=topic),
+                                                        receipt_handle=by_body[b"m1"], message_id="01AB")
+    reply = server.call("ForwardMessageToDeadLetterQueue", forward, pb.ForwardMessageToDeadLetterQueueResponse)
+    assert reply.status.code == pb.Code.INTERNAL_SERVER_ERROR and "%DLQ%Stuck" in reply.status.message
+    time.sleep(1.1)  # m1 stayed in flight: back after its invisible time
+    again = receive_until(server, group, topic, 1, invisible_s=30)
+    assert [m.body for m in again] == [b"m1"]
+    assert ack(server, group, topic, again[0].system_properties.receipt_handle).status.code == pb.Code.OK
+
+
+def test_a_group_of_the_longest_legal_name_dead_letters(server):
+    group = "L" * 120
+    assert send(server, "DlqSource", b"poison").status.code == pb.Code.OK
+    got = receive_until(server, group, "DlqSource", 1, invisible_s=1)
+    poison = [m for m in got if m.body == b"poison"]
+    assert poison, got
+    forward = pb.ForwardMessageToDeadLetterQueueRequest(
+        group=pb.Resource(name=group), topic=pb.Resource(name="DlqSource"),
+        receipt_handle=poison[0].system_properties.receipt_handle, message_id="01AB")
+    reply = server.call("ForwardMessageToDeadLetterQueue", forward, pb.ForwardMessageToDeadLetterQueueResponse)
+    assert reply.status.code == pb.Code.OK, reply.status

@@ -81,8 +81,9 @@ PARKED_TOPICS = frozenset({SCHEDULE_TOPIC, TIMER_TOPIC})
 # sends to all but the timer's, whose records a stray send would put out of order just the same)
 NOT_SENDABLE_TOPICS = frozenset({SCHEDULE_TOPIC, TIMER_TOPIC, "RMQ_SYS_TRANS_HALF_TOPIC", "RMQ_SYS_TRANS_OP_HALF_TOPIC",
                                  "TRANS_CHECK_MAX_TIME_TOPIC", "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT"})
-RETRY_TOPIC_MAX_LENGTH = 255
+RETRY_TOPIC_MAX_LENGTH = 255  # TopicValidator.RETRY_OR_DLQ_TOPIC_MAX_LENGTH
 RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
+DLQ_GROUP_TOPIC_PREFIX = "%DLQ%"
 _TOPIC_CHARS = re.compile(r"[%|a-zA-Z0-9_-]+")
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -124,7 +125,8 @@ def _has_separator(text: str) -> bool:
 
 
 def validate_topic(topic: object) -> str:
-    """RocketMQ's ``TopicValidator``: letters, digits, ``%|_-``; at most 127 chars (255 for %RETRY%).
+    """RocketMQ's ``TopicValidator``: letters, digits, ``%|_-``; at most 127 chars (255 for a %RETRY% or %DLQ%
+    topic, ``RETRY_OR_DLQ_TOPIC_MAX_LENGTH``: they are a prefix plus a group name, which may be long).
 
     The allowed characters also guarantee that a topic used as a directory name can never leave
     the store root (no ``/``, no ``.``).
@@ -133,7 +135,8 @@ def validate_topic(topic: object) -> str:
         raise InvalidTopicError(f"topic must be a non-empty string, not {topic!r}")
     if not _TOPIC_CHARS.fullmatch(topic):
         raise InvalidTopicError(f"topic {topic!r} may contain only letters, digits and the characters %|_-")
-    limit = RETRY_TOPIC_MAX_LENGTH if topic.startswith(RETRY_GROUP_TOPIC_PREFIX) else TOPIC_MAX_LENGTH
+    limit = RETRY_TOPIC_MAX_LENGTH if topic.startswith((RETRY_GROUP_TOPIC_PREFIX, DLQ_GROUP_TOPIC_PREFIX)) \
+        else TOPIC_MAX_LENGTH
     if len(topic) > limit:
         raise InvalidTopicError(f"topic is {len(topic)} characters long; the limit is {limit}")
     return topic

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 import threading
@@ -34,6 +35,8 @@ from ..reads import GetMessageStatus
 from ..sqlfilter import SqlFilter
 from ..store import MessageStore
 
+log = logging.getLogger("rocketstore.server")
+
 DLQ_PREFIX = "%DLQ%"
 SCAN_MAX = 32  # messages read per queue per look (the store's get_message batch)
 HELD_MAX = 4096  # a FIFO queue stops reading ahead once this many messages wait behind their groups
@@ -44,6 +47,10 @@ _HANDLE = re.compile(r"([0-9]{1,10})\.([0-9]{1,19})\.([0-9]{1,19})\.([0-9a-f]{24
 
 class InvalidReceiptHandleError(RocketStoreError):
     """A receipt handle that this server did not issue for a message still in flight."""
+
+
+class DeadLetterError(RocketStoreError):
+    """The store refused a message's copy in ``%DLQ%<group>``: the message stays the group's to consume."""
 
 
 @dataclass(slots=True)
@@ -98,6 +105,7 @@ class PopGroups:
         self._queues: dict[tuple[str, str, int], QueueState] = {}
         self._deliveries = 0
         self.dead_lettered = 0
+        self.dead_letter_failures = 0
 
     # --- receipt handles -------------------------------------------------------------------------
 
@@ -131,25 +139,33 @@ class PopGroups:
 
     def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
                 tags: str | None, sql: SqlFilter | None = None) -> list[Delivery]:
-        """Up to ``batch`` messages: those whose invisible time has passed first, then new ones."""
+        """Up to ``batch`` messages: those whose invisible time has passed first, then new ones.
+
+        A store error raises only when nothing was taken yet: messages already marked in flight are handed out
+        (else they would be invisible, undelivered, until their deadline) and the error is logged."""
         now = _now_ms()
         out: list[Delivery] = []
         with self._lock:
-            for queue_id in queue_ids:
-                state = self._state(group, topic, queue_id)
-                for offset in sorted(o for o, f in state.inflight.items() if f.deadline_ms <= now):
+            try:
+                for queue_id in queue_ids:
+                    state = self._state(group, topic, queue_id)
+                    for offset in sorted(o for o, f in state.inflight.items() if f.deadline_ms <= now):
+                        if len(out) >= batch:
+                            break
+                        self._redeliver(group, topic, queue_id, state, offset, now, invisible_ms, out)
+                fifo = self.is_fifo(group)
+                for queue_id in queue_ids:
                     if len(out) >= batch:
                         break
-                    self._redeliver(group, topic, queue_id, state, offset, now, invisible_ms, out)
-            fifo = self.is_fifo(group)
-            for queue_id in queue_ids:
-                if len(out) >= batch:
-                    break
-                state = self._state(group, topic, queue_id)
-                if fifo:
-                    self._take_held(group, topic, queue_id, state, batch - len(out), now, invisible_ms, out)
-                self._take_new(group, topic, queue_id, state, batch - len(out), now, invisible_ms, tags, sql, out,
-                               fifo)
+                    state = self._state(group, topic, queue_id)
+                    if fifo:
+                        self._take_held(group, topic, queue_id, state, batch - len(out), now, invisible_ms, out)
+                    self._take_new(group, topic, queue_id, state, batch - len(out), now, invisible_ms, tags, sql,
+                                   out, fifo)
+            except RocketStoreError as exc:
+                if not out:
+                    raise
+                log.error("receive of %s from %s stopped after %d messages: %s", group, topic, len(out), exc)
         return out
 
     def _deliver(self, group: str, topic: str, queue_id: int, state: QueueState, msg: MessageExt, attempt: int,
@@ -170,9 +186,13 @@ class PopGroups:
             self._finish(group, topic, queue_id, state, offset)
             return
         if flight.attempt >= self.max_attempts:
-            self._dead_letter(group, msgs[0])
-            self._finish(group, topic, queue_id, state, offset)
-            return
+            try:
+                self._dead_letter(group, msgs[0])
+            except DeadLetterError as exc:  # delivered again instead: a refused DLQ must not wedge the group
+                log.error("%s; delivering it again", exc)
+            else:
+                self._finish(group, topic, queue_id, state, offset)
+                return
         self._deliver(group, topic, queue_id, state, msgs[0], flight.attempt + 1, now, invisible_ms, out, flight.group)
 
     def _take_held(self, group: str, topic: str, queue_id: int, state: QueueState, room: int, now: int,
@@ -243,7 +263,8 @@ class PopGroups:
             return self._sign(group, topic, queue_id, offset, flight.delivery)
 
     def forward_to_dlq(self, group: str, topic: str, handle: str) -> None:
-        """ForwardMessageToDeadLetterQueue: the push consumer gave up on the message."""
+        """ForwardMessageToDeadLetterQueue: the push consumer gave up on the message. If the store refuses the
+        DLQ copy (DeadLetterError) the message stays in flight and comes back after its invisible time."""
         with self._lock:
             queue_id, offset, state, _flight = self._in_flight(group, topic, handle)
             found = [m for m in self.store.get_message(topic, queue_id, offset, 1).messages if m.queue_offset == offset]
@@ -269,14 +290,21 @@ class PopGroups:
             self.store.commit_offset(group, topic, queue_id, state.committed)
 
     def _dead_letter(self, group: str, msg: MessageExt) -> None:
+        """Copy ``msg`` to ``%DLQ%<group>``; a store that refuses it (topic not writable, disk full, ...) raises
+        DeadLetterError and the caller keeps the message in the group, so one bad DLQ cannot stop a queue."""
         from ..message import Message
 
         props = dict(msg.properties)
         props.setdefault("REAL_TOPIC", msg.topic)
         props["ORIGIN_MESSAGE_ID"] = msg.msg_id
         props["RETRY_TOPIC"] = msg.topic
-        self.store.put_message(Message(DLQ_PREFIX + group, msg.body, properties=props, queue_id=0,
-                                       flag=msg.flag, born_timestamp=msg.born_timestamp, born_host=msg.born_host))
+        try:
+            self.store.put_message(Message(DLQ_PREFIX + group, msg.body, properties=props, queue_id=0, flag=msg.flag,
+                                           born_timestamp=msg.born_timestamp, born_host=msg.born_host))
+        except RocketStoreError as exc:
+            self.dead_letter_failures += 1
+            raise DeadLetterError(f"{msg.topic} queue {msg.queue_id} offset {msg.queue_offset} could not go to "
+                                  f"{DLQ_PREFIX}{group}: {exc}") from exc
         self.dead_lettered += 1
 
     def in_flight(self) -> int:

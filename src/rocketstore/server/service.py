@@ -43,7 +43,7 @@ from ..sqlfilter import InvalidFilterError, SqlFilter, compile_sql92
 from ..store import MessageStore
 from ..transaction import TransactionLog, UnknownTransactionError
 from .auth import Accounts
-from .pop import InvalidReceiptHandleError, PopGroups
+from .pop import DeadLetterError, InvalidReceiptHandleError, PopGroups
 from .protocol import SERVICE, pb, service_methods
 
 log = logging.getLogger("rocketstore.server")
@@ -82,6 +82,7 @@ _CODES: tuple[tuple[type | tuple[type, ...], int], ...] = (
     (InvalidPropertyError, pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY),
     (InvalidReceiptHandleError, pb.Code.INVALID_RECEIPT_HANDLE),
     (InvalidFilterError, pb.Code.ILLEGAL_FILTER_EXPRESSION),
+    (DeadLetterError, pb.Code.INTERNAL_SERVER_ERROR),
     ((MessageIllegalError, InvalidQueueError), pb.Code.BAD_REQUEST),
 )
 
