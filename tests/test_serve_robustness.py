@@ -285,3 +285,30 @@ def test_a_group_of_the_longest_legal_name_dead_letters(server):
         receipt_handle=poison[0].system_properties.receipt_handle, message_id="01AB")
     reply = server.call("ForwardMessageToDeadLetterQueue", forward, pb.ForwardMessageToDeadLetterQueueResponse)
     assert reply.status.code == pb.Code.OK, reply.status
+
+
+# --- 4. system topics ---------------------------------------------------------------------------------------
+
+SYSTEM_TOPICS = ("SCHEDULE_TOPIC_XXXX", "rmq_sys_wheel_timer", "rmq_sys_anything", "RMQ_SYS_TRANS_HALF_TOPIC",
+                 "RMQ_SYS_TRANS_OP_HALF_TOPIC", "RMQ_SYS_TRACE_TOPIC", "RMQ_SYS_OTHER", "TRANS_CHECK_MAX_TIME_TOPIC",
+                 "TBW102", "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT", "BenchmarkTest", "CHECKPOINT_TOPIC")
+
+
+def test_sending_to_a_system_topic_is_illegal_topic(server):
+    for topic in (*SYSTEM_TOPICS, "%RETRY%Shared", "%DLQ%Stuck", "%DLQ%Nobody"):
+        reply = send(server, topic, b"sneaky")
+        assert reply.status.code == pb.Code.ILLEGAL_TOPIC, (topic, reply.status)
+    for topic in SYSTEM_TOPICS:  # as the proxy: no route to one either, and no publishing settings naming one
+        route = server.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name=topic)), pb.QueryRouteResponse)
+        assert route.status.code == pb.Code.ILLEGAL_TOPIC, topic
+        code, _ = receive(server, "Sys", topic)
+        assert code == pb.Code.ILLEGAL_TOPIC, topic
+        settings = pb.Settings(client_type=pb.ClientType.PRODUCER,
+                               publishing=pb.Publishing(topics=[pb.Resource(name="Shared"), pb.Resource(name=topic)]))
+        assert [r.status.code for r in telemetry(server, pb.TelemetryCommand(settings=settings))] == \
+               [pb.Code.ILLEGAL_TOPIC], topic
+    dlq = server.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="%DLQ%Stuck")), pb.QueryRouteResponse)
+    assert dlq.status.code == pb.Code.OK  # a group's dead letters can be consumed, only not sent to
+    with MessageStore.open(server.root, CONFIG, read_only=True) as store:
+        assert not any(m.body == b"sneaky" for m in store.iter_messages())
+        assert not {"%RETRY%Shared", "%DLQ%Nobody", "rmq_sys_anything", "TBW102"} & set(store.topic_config.topics)

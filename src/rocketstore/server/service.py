@@ -24,7 +24,7 @@ import grpc
 
 from ..codec.hosts import Host
 from ..codec.properties import PropertyName
-from ..encoder import _TOPIC_CHARS, validate_topic
+from ..encoder import _TOPIC_CHARS, DLQ_GROUP_TOPIC_PREFIX, RETRY_GROUP_TOPIC_PREFIX, SCHEDULE_TOPIC, validate_topic
 from ..errors import (
     IllegalDeliveryTimeError,
     InvalidPropertyError,
@@ -41,7 +41,7 @@ from ..errors import (
 from ..message import Message, MessageExt, PutMessageStatus
 from ..sqlfilter import InvalidFilterError, SqlFilter, compile_sql92
 from ..store import MessageStore
-from ..transaction import TransactionLog, UnknownTransactionError
+from ..transaction import CHECK_MAX_TOPIC, HALF_TOPIC, OP_TOPIC, TransactionLog, UnknownTransactionError
 from .auth import Accounts
 from .pop import DeadLetterError, InvalidReceiptHandleError, PopGroups
 from .protocol import SERVICE, pb, service_methods
@@ -57,6 +57,14 @@ ACCEPTED_TYPES = (pb.MessageType.NORMAL, pb.MessageType.FIFO, pb.MessageType.DEL
 GROUP_MAX_LENGTH = 120
 SYSTEM_GROUP_PREFIX = "CID_RMQ_SYS_"  # MixAll.CID_RMQ_SYS_PREFIX: the broker's own consumer groups
 CONSUMER_TYPES = (pb.ClientType.PUSH_CONSUMER, pb.ClientType.SIMPLE_CONSUMER, pb.ClientType.PULL_CONSUMER)
+# TopicValidator's system topics (and its rmq_sys_ prefix; RMQ_SYS_ too: every RocketMQ topic so named is one).
+# The proxy answers ILLEGAL_TOPIC to any call that names one: a client's message there would be taken for the
+# broker's own (a delay, a half message, a timer), and a route would auto-create it with a client's queue count.
+SYSTEM_TOPICS = frozenset({"TBW102", SCHEDULE_TOPIC, "BenchmarkTest", HALF_TOPIC, "RMQ_SYS_TRACE_TOPIC", OP_TOPIC,
+                           CHECK_MAX_TOPIC, "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT", "CHECKPOINT_TOPIC"})
+SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_")
+# topics the server writes for a group: readable (a group's dead letters), not sendable
+GROUP_TOPIC_PREFIXES = (RETRY_GROUP_TOPIC_PREFIX, DLQ_GROUP_TOPIC_PREFIX)
 
 
 class Status(Exception):
@@ -98,6 +106,21 @@ def status_of(exc: BaseException) -> Status:
     if isinstance(exc, StoreFailedError | StoreIOError):
         return Status(pb.Code.INTERNAL_SERVER_ERROR, f"the store cannot write: {text}")
     return Status(pb.Code.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {text}")
+
+
+def topic_name(topic: str, *, send: bool = False) -> str:
+    """``topic`` checked as the proxy's ``GrpcValidator.validateTopic`` (the name's rules, not a system topic) and,
+    for a send, not a retry or dead-letter topic either; else ILLEGAL_TOPIC."""
+    try:
+        validate_topic(topic)
+    except InvalidTopicError as exc:
+        raise Status(pb.Code.ILLEGAL_TOPIC, str(exc)) from None
+    if topic in SYSTEM_TOPICS or topic.startswith(SYSTEM_TOPIC_PREFIXES):
+        raise Status(pb.Code.ILLEGAL_TOPIC, f"topic {topic} is a system topic")
+    if send and topic.startswith(GROUP_TOPIC_PREFIXES):
+        raise Status(pb.Code.ILLEGAL_TOPIC, f"topic {topic} is written by the server for its consumer group; "
+                                            f"clients cannot send to it")
+    return topic
 
 
 def consumer_group(resource) -> str:
@@ -236,12 +259,9 @@ class MessagingService:
 
     # --- routes -----------------------------------------------------------------------------------------
 
-    def _topic_queues(self, topic: str, create: bool) -> tuple[int, int]:
+    def _topic_queues(self, topic: str, create: bool, send: bool = False) -> tuple[int, int]:
         """(read, write) queue counts of a topic, created on first use when auto-creation is on."""
-        try:
-            validate_topic(topic)
-        except InvalidTopicError as exc:
-            raise Status(pb.Code.ILLEGAL_TOPIC, str(exc)) from None
+        topic_name(topic, send=send)
         config = self.store.topic_config.get(topic)
         if config is None:
             if not (create and self.auto_create_topics):
@@ -307,6 +327,12 @@ class MessagingService:
                                 client.outbox.put(pb.TelemetryCommand(status=status(exc.code, str(exc))))
                                 return
                         if command.settings.HasField("publishing"):
+                            try:
+                                for topic in command.settings.publishing.topics:
+                                    topic_name(topic.name)
+                            except Status as exc:
+                                client.outbox.put(pb.TelemetryCommand(status=status(exc.code, str(exc))))
+                                return
                             client.topics = {t.name for t in command.settings.publishing.topics}
                         client.outbox.put(pb.TelemetryCommand(status=status(),
                                                               settings=self._settings(command.settings)))
@@ -411,7 +437,7 @@ class MessagingService:
 
     def _to_store(self, m) -> Message:
         topic = m.topic.name
-        _read, write = self._topic_queues(topic, create=True)
+        _read, write = self._topic_queues(topic, create=True, send=True)
         props = m.system_properties
         if not m.body:
             raise Status(pb.Code.MESSAGE_BODY_EMPTY, "message body is empty")
@@ -557,6 +583,7 @@ class MessagingService:
     def AckMessage(self, request, context):
         group, topic = request.group.name, request.topic.name
         try:
+            topic_name(topic)
             consumer_group(request.group)
         except Status as exc:
             return pb.AckMessageResponse(status=status(exc.code, str(exc)))
@@ -583,6 +610,7 @@ class MessagingService:
 
     def ChangeInvisibleDuration(self, request, context):
         try:
+            topic_name(request.topic.name)
             consumer_group(request.group)
             invisible_ms = _duration_ms(request.invisible_duration)
             if invisible_ms <= 0:
@@ -596,6 +624,7 @@ class MessagingService:
 
     def ForwardMessageToDeadLetterQueue(self, request, context):
         try:
+            topic_name(request.topic.name)
             consumer_group(request.group)
             self.pop.forward_to_dlq(request.group.name, request.topic.name, request.receipt_handle)
         except (RocketStoreError, Status) as exc:
