@@ -312,3 +312,30 @@ def test_sending_to_a_system_topic_is_illegal_topic(server):
     with MessageStore.open(server.root, CONFIG, read_only=True) as store:
         assert not any(m.body == b"sneaky" for m in store.iter_messages())
         assert not {"%RETRY%Shared", "%DLQ%Nobody", "rmq_sys_anything", "TBW102"} & set(store.topic_config.topics)
+
+
+# --- 6. a refused send creates no topic ----------------------------------------------------------------------
+
+def test_a_refused_send_does_not_create_its_topic(server):
+    refused = {
+        "NewTooBig": (send(server, "NewTooBig", b"x" * (4 * 1024 * 1024 + 1)), pb.Code.MESSAGE_BODY_TOO_LARGE),
+        "NewReserved": (send(server, "NewReserved", b"x", UNIQ_KEY="mine"), pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY),
+        "NewEmpty": (send(server, "NewEmpty", b""), pb.Code.MESSAGE_BODY_EMPTY),
+        # refused by the store's encoder, after the service's own checks passed
+        "NewHugeProps": (send(server, "NewHugeProps", b"x", big="v" * 40_000), pb.Code.MESSAGE_PROPERTIES_TOO_LARGE),
+        "NewBadProp": (send(server, "NewBadProp", b"x", **{"bad\u0001name": "v"}),
+                       pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY),
+    }
+    for topic, (reply, expected) in refused.items():
+        assert reply.status.code == expected, (topic, reply.status)
+    batch = pb.SendMessageRequest()  # a good message and a bad one: all or nothing, no topic either
+    for topic, body in (("NewBatchA", b"fine"), ("NewBatchB", b"")):
+        msg = batch.messages.add()
+        msg.topic.name, msg.body, msg.system_properties.message_id = topic, body, "01AB"
+    assert server.call("SendMessage", batch, pb.SendMessageResponse).status.code == pb.Code.MESSAGE_BODY_EMPTY
+    assert send(server, "NewGood", b"fine").status.code == pb.Code.OK
+    with MessageStore.open(server.root, CONFIG, read_only=True) as store:
+        topics = set(store.topic_config.topics)
+        good = store.topic_config.get("NewGood")
+    assert good is not None and good.write_queue_nums == 8  # an accepted send still creates its topic
+    assert not topics & {*refused, "NewBatchA", "NewBatchB"}, topics & {*refused, "NewBatchA", "NewBatchB"}

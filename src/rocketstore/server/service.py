@@ -198,6 +198,7 @@ class MessagingService:
         self.transactions = TransactionLog(store, check_after_ms=transaction_check_ms)
         self.metrics = Metrics()
         self._round_robin: dict[str, int] = {}
+        self._create_lock = threading.Lock()
         self._new_messages = threading.Condition()
         self._closing = threading.Event()
         self._clients: dict[str, TelemetryClient] = {}  # client id -> its open telemetry stream
@@ -259,14 +260,16 @@ class MessagingService:
 
     # --- routes -----------------------------------------------------------------------------------------
 
-    def _topic_queues(self, topic: str, create: bool, send: bool = False) -> tuple[int, int]:
-        """(read, write) queue counts of a topic, created on first use when auto-creation is on."""
-        topic_name(topic, send=send)
+    def _topic_queues(self, topic: str, create: bool) -> tuple[int, int]:
+        """(read, write) queue counts of a topic, created on first use (a route query) when auto-creation is on."""
+        topic_name(topic)
         config = self.store.topic_config.get(topic)
         if config is None:
             if not (create and self.auto_create_topics):
                 raise Status(pb.Code.TOPIC_NOT_FOUND, f"topic {topic} does not exist")
-            self.store.create_topic(topic, self.store.config.default_topic_queue_nums)
+            with self._create_lock:
+                if self.store.topic_config.get(topic) is None:
+                    self.store.create_topic(topic, self.store.config.default_topic_queue_nums)
             config = self.store.topic_config.get(topic)
             assert config is not None
         return config.read_queue_nums, config.write_queue_nums
@@ -414,8 +417,11 @@ class MessagingService:
                 if len(messages) > 1:
                     raise Status(pb.Code.BAD_REQUEST, "a transactional message is sent on its own")
                 result, transaction_ids[0] = self.transactions.prepare(messages[0])
+                if result.ok:  # the half message was stored: its topic must exist by the commit
+                    self._create_missing(messages)
                 results = [result]
             else:
+                self._create_missing(messages)
                 results = self.store.put_messages(messages)
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
@@ -435,9 +441,32 @@ class MessagingService:
         return pb.SendMessageResponse(status=status(code, "OK" if code == pb.Code.OK else "flush timed out"),
                                       entries=entries)
 
+    def _send_queues(self, topic: str) -> int:
+        """The write queue count of a topic a send names. One that does not exist yet (auto-creation on) counts the
+        queues it will have: it is created only once its messages passed every check (``_create_missing``)."""
+        topic_name(topic, send=True)
+        config = self.store.topic_config.get(topic)
+        if config is not None:
+            return config.write_queue_nums
+        if not self.auto_create_topics:
+            raise Status(pb.Code.TOPIC_NOT_FOUND, f"topic {topic} does not exist")
+        return self.store.config.default_topic_queue_nums
+
+    def _create_missing(self, messages: list[Message]) -> None:
+        """Create the topics of a send that do not exist yet, after the store's encoder accepted every message: a
+        refused send writes nothing, no topic either. (Rare: a producer's route query creates its topics first.)"""
+        missing = {m.topic for m in messages if self.store.topic_config.get(m.topic) is None}
+        if not missing:
+            return
+        self.store.encoder.encode_many(messages)  # the put's own checks; raises what the put would
+        with self._create_lock:
+            for topic in sorted(missing):
+                if self.store.topic_config.get(topic) is None:
+                    self.store.create_topic(topic, self.store.config.default_topic_queue_nums)
+
     def _to_store(self, m) -> Message:
         topic = m.topic.name
-        _read, write = self._topic_queues(topic, create=True, send=True)
+        write = self._send_queues(topic)
         props = m.system_properties
         if not m.body:
             raise Status(pb.Code.MESSAGE_BODY_EMPTY, "message body is empty")
