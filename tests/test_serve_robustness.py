@@ -339,3 +339,51 @@ def test_a_refused_send_does_not_create_its_topic(server):
         good = store.topic_config.get("NewGood")
     assert good is not None and good.write_queue_nums == 8  # an accepted send still creates its topic
     assert not topics & {*refused, "NewBatchA", "NewBatchB"}, topics & {*refused, "NewBatchA", "NewBatchB"}
+
+
+# --- 5. pull-style calls -------------------------------------------------------------------------------------
+
+def pull_calls(topic: str, queue_id: int, offset: int = 0) -> dict[str, tuple]:
+    queue = pb.MessageQueue(topic=pb.Resource(name=topic), id=queue_id)
+    group = pb.Resource(name="Puller")
+    return {
+        "QueryOffset": (pb.QueryOffsetRequest(message_queue=queue, query_offset_policy=pb.QueryOffsetPolicy.END),
+                        pb.QueryOffsetResponse, False),
+        "GetOffset": (pb.GetOffsetRequest(group=group, message_queue=queue), pb.GetOffsetResponse, False),
+        "UpdateOffset": (pb.UpdateOffsetRequest(group=group, message_queue=queue, offset=offset),
+                         pb.UpdateOffsetResponse, False),
+        "PullMessage": (pb.PullMessageRequest(group=group, message_queue=queue, offset=offset, batch_size=4),
+                        pb.PullMessageResponse, True),
+    }
+
+
+def code_of(server: Served, method: str, request, response, stream: bool) -> int:
+    reply = server.call(method, request, response, stream=stream)
+    return (reply[0] if stream else reply).status.code
+
+
+def test_pull_calls_check_the_topic_the_queue_and_the_offset(server):
+    for method, call in pull_calls("NoSuchTopic", 0).items():
+        assert code_of(server, method, *call) == pb.Code.TOPIC_NOT_FOUND, method
+    for queue_id in (-1, 4, 99, 2**31 - 1):  # Shared has 4 queues
+        for method, call in pull_calls("Shared", queue_id).items():
+            assert code_of(server, method, *call) == pb.Code.BAD_REQUEST, (method, queue_id)
+    assert send(server, "Shared", b"p0", b"p1", group="pull").status.code == pb.Code.OK  # one queue, by group
+    ends = {}
+    deadline = time.monotonic() + 10
+    while sum(ends.values()) < 2 and time.monotonic() < deadline:  # dispatch is asynchronous
+        ends = {q: server.call("QueryOffset", *pull_calls("Shared", q)["QueryOffset"][:2]).offset for q in range(4)}
+    queue_id, end = max(ends.items(), key=lambda item: item[1])
+    assert end >= 2
+    for offset in (-1, end + 1, 2**62):
+        assert code_of(server, "UpdateOffset", *pull_calls("Shared", queue_id, offset)["UpdateOffset"]) == \
+               pb.Code.ILLEGAL_OFFSET, offset
+    assert code_of(server, "PullMessage", *pull_calls("Shared", queue_id, -1)["PullMessage"]) == pb.Code.ILLEGAL_OFFSET
+    assert code_of(server, "UpdateOffset", *pull_calls("Shared", queue_id, end)["UpdateOffset"]) == pb.Code.OK
+    got = server.call("GetOffset", *pull_calls("Shared", queue_id)["GetOffset"][:2])
+    assert got.status.code == pb.Code.OK and got.offset == end
+    pulled = server.call("PullMessage", *pull_calls("Shared", queue_id, end - 2)["PullMessage"][:2], stream=True)
+    assert [r.message.body for r in pulled if r.HasField("message")] == [b"p0", b"p1"]
+    with MessageStore.open(server.root, CONFIG, read_only=True) as store:
+        assert store.topic_config.get("NoSuchTopic") is None
+        assert store.query_offset("Puller", "NoSuchTopic", 0) == -1 and store.query_offset("Puller", "Shared", 99) == -1

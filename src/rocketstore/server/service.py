@@ -663,9 +663,20 @@ class MessagingService:
 
     # --- pull-style offsets -----------------------------------------------------------------------------
 
+    def _pull_queue(self, queue) -> tuple[str, int]:
+        """(topic, queue id) of a pull-style call: a topic that exists (TOPIC_NOT_FOUND; pulls never create one)
+        and one of its read queues (BAD_REQUEST), as the broker's PullMessageProcessor checks them."""
+        topic = queue.topic.name
+        read, _write = self._topic_queues(topic, create=False)
+        if not 0 <= queue.id < read:
+            raise Status(pb.Code.BAD_REQUEST, f"queue {queue.id} does not exist: topic {topic} has {read} read queues")
+        return topic, queue.id
+
     def QueryOffset(self, request, context):
-        queue = request.message_queue
-        topic, queue_id = queue.topic.name, queue.id
+        try:
+            topic, queue_id = self._pull_queue(request.message_queue)
+        except Status as exc:
+            return pb.QueryOffsetResponse(status=status(exc.code, str(exc)))
         policy = request.query_offset_policy
         if policy == pb.QueryOffsetPolicy.BEGINNING:
             offset = self.store.get_min_offset_in_queue(topic, queue_id)
@@ -677,20 +688,25 @@ class MessagingService:
 
     def GetOffset(self, request, context):
         try:
-            consumer_group(request.group)
+            group = consumer_group(request.group)
+            topic, queue_id = self._pull_queue(request.message_queue)
         except Status as exc:
             return pb.GetOffsetResponse(status=status(exc.code, str(exc)))
-        offset = self.store.query_offset(request.group.name, request.message_queue.topic.name,
-                                         request.message_queue.id)
+        offset = self.store.query_offset(group, topic, queue_id)
         if offset < 0:
             return pb.GetOffsetResponse(status=status(pb.Code.OFFSET_NOT_FOUND, "the group has no offset here"))
         return pb.GetOffsetResponse(status=status(), offset=offset)
 
     def UpdateOffset(self, request, context):
+        """Commit a group's offset: at most the queue's max offset (the next one to be written), never negative."""
         try:
-            consumer_group(request.group)
-            self.store.commit_offset(request.group.name, request.message_queue.topic.name, request.message_queue.id,
-                                     request.offset)
+            group = consumer_group(request.group)
+            topic, queue_id = self._pull_queue(request.message_queue)
+            end = self.store.get_max_offset_in_queue(topic, queue_id)
+            if not 0 <= request.offset <= end:
+                raise Status(pb.Code.ILLEGAL_OFFSET, f"offset {request.offset} is outside {topic} queue {queue_id}: "
+                                                     f"0..{end}")
+            self.store.commit_offset(group, topic, queue_id, request.offset)
         except Status as exc:
             return pb.UpdateOffsetResponse(status=status(exc.code, str(exc)))
         except (RocketStoreError, ValueError) as exc:
@@ -698,11 +714,13 @@ class MessagingService:
         return pb.UpdateOffsetResponse(status=status())
 
     def PullMessage(self, request, context) -> Iterator:
-        queue = request.message_queue
         try:
             consumer_group(request.group)
+            topic, queue_id = self._pull_queue(request.message_queue)
+            if request.offset < 0:
+                raise Status(pb.Code.ILLEGAL_OFFSET, f"offset {request.offset} is negative")
             tags, sql = subscription(request.filter_expression)
-            found = self.store.get_message(queue.topic.name, queue.id, request.offset, max(1, request.batch_size or 32),
+            found = self.store.get_message(topic, queue_id, request.offset, max(1, min(request.batch_size or 32, 1024)),
                                            tags, sql=sql)
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
