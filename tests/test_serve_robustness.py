@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from rocketstore import MessageStore, StoreConfig
-from rocketstore.brokerconfig import PERM_READ
+from rocketstore.brokerconfig import PERM_READ, PERM_WRITE
 from rocketstore.encoder import validate_topic
 from rocketstore.errors import InvalidTopicError
 from rocketstore.message import Message
@@ -85,6 +85,10 @@ def server(tmp_path_factory):
         store.create_topic("Shared", 4)
         store.create_topic("DlqSource", 1)
         store.topic_config.create_or_update("%DLQ%Stuck", write_queue_nums=1, perm=PERM_READ)  # refuses puts
+        for topic, write, read, perm in (("ReadOnly", 4, 4, PERM_READ), ("WriteOnly", 4, 4, PERM_WRITE),
+                                         ("MoreRead", 2, 4, PERM_READ | PERM_WRITE),
+                                         ("MoreWrite", 4, 2, PERM_READ | PERM_WRITE), ("Sealed", 2, 2, 0)):
+            store.topic_config.create_or_update(topic, write_queue_nums=write, read_queue_nums=read, perm=perm)
     served = Served(root, "--max-attempts", "1")
     yield served
     if served.proc.poll() is None:
@@ -387,3 +391,34 @@ def test_pull_calls_check_the_topic_the_queue_and_the_offset(server):
     with MessageStore.open(server.root, CONFIG, read_only=True) as store:
         assert store.topic_config.get("NoSuchTopic") is None
         assert store.query_offset("Puller", "NoSuchTopic", 0) == -1 and store.query_offset("Puller", "Shared", 99) == -1
+
+
+# --- 7. queue permissions in routes ----------------------------------------------------------------------------
+
+def route(server: Served, topic: str, **request):
+    return server.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name=topic), **request),
+                       pb.QueryRouteResponse)
+
+
+def test_routes_advertise_each_queues_real_permission(server):
+    P = pb.Permission
+    expected = {"Shared": [P.READ_WRITE] * 4, "ReadOnly": [P.READ] * 4, "WriteOnly": [P.WRITE] * 4,
+                "MoreRead": [P.READ_WRITE] * 2 + [P.READ] * 2, "MoreWrite": [P.READ_WRITE] * 2 + [P.WRITE] * 2,
+                "Sealed": [P.NONE] * 2}
+    for topic, permissions in expected.items():
+        reply = route(server, topic)
+        assert reply.status.code == pb.Code.OK
+        assert [(q.id, q.permission) for q in reply.message_queues] == list(enumerate(permissions)), topic
+    # and the calls follow the perm: no send to a topic that is not writable, no consuming one that is not readable
+    assert send(server, "ReadOnly", b"x").status.code == pb.Code.FORBIDDEN
+    assert receive(server, "Perm", "WriteOnly")[0] == pb.Code.FORBIDDEN
+    pull = pb.PullMessageRequest(group=pb.Resource(name="Perm"), offset=0,
+                                 message_queue=pb.MessageQueue(topic=pb.Resource(name="Sealed"), id=0))
+    assert server.call("PullMessage", pull, pb.PullMessageResponse, stream=True)[0].status.code == pb.Code.FORBIDDEN
+    for topic, code, permission in (("WriteOnly", pb.Code.FORBIDDEN, None), ("ReadOnly", pb.Code.OK, P.READ),
+                                    ("Shared", pb.Code.OK, P.READ_WRITE)):
+        assignment = server.call("QueryAssignment", pb.QueryAssignmentRequest(
+            topic=pb.Resource(name=topic), group=pb.Resource(name="Perm")), pb.QueryAssignmentResponse)
+        assert assignment.status.code == code, topic
+        if permission is not None:
+            assert [a.message_queue.permission for a in assignment.assignments] == [permission], topic

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from ..brokerconfig import PERM_READ, PERM_WRITE, TopicConfig
 from ..codec.hosts import Host
 from ..codec.properties import PropertyName
 from ..encoder import _TOPIC_CHARS, DLQ_GROUP_TOPIC_PREFIX, RETRY_GROUP_TOPIC_PREFIX, SCHEDULE_TOPIC, validate_topic
@@ -53,6 +54,9 @@ RESERVED_PROPERTIES = frozenset(v for k, v in vars(PropertyName).items() if k.is
 DEFAULT_INVISIBLE_MS = 30_000
 MAX_LONG_POLL_S = 30.0
 ACCEPTED_TYPES = (pb.MessageType.NORMAL, pb.MessageType.FIFO, pb.MessageType.DELAY, pb.MessageType.TRANSACTION)
+# (readable, writable) -> what a route says of a queue (the proxy's RouteActivity.convertToPermission)
+_PERMISSIONS = {(True, True): pb.Permission.READ_WRITE, (True, False): pb.Permission.READ,
+                (False, True): pb.Permission.WRITE, (False, False): pb.Permission.NONE}
 # TopicValidator.GROUP_MAX_LENGTH: "%RETRY%"/"%DLQ%" + a group must still be a legal topic name
 GROUP_MAX_LENGTH = 120
 SYSTEM_GROUP_PREFIX = "CID_RMQ_SYS_"  # MixAll.CID_RMQ_SYS_PREFIX: the broker's own consumer groups
@@ -260,8 +264,9 @@ class MessagingService:
 
     # --- routes -----------------------------------------------------------------------------------------
 
-    def _topic_queues(self, topic: str, create: bool) -> tuple[int, int]:
-        """(read, write) queue counts of a topic, created on first use (a route query) when auto-creation is on."""
+    def _topic_config(self, topic: str, create: bool) -> TopicConfig:
+        """A topic's config (queue counts, perm), the topic created on first use (a route query) when auto-creation
+        is on."""
         topic_name(topic)
         config = self.store.topic_config.get(topic)
         if config is None:
@@ -272,20 +277,28 @@ class MessagingService:
                     self.store.create_topic(topic, self.store.config.default_topic_queue_nums)
             config = self.store.topic_config.get(topic)
             assert config is not None
-        return config.read_queue_nums, config.write_queue_nums
+        return config
+
+    def _readable(self, topic: str) -> int:
+        """The read queue count of a topic a consumer names; one whose perm forbids reading is FORBIDDEN."""
+        config = self._topic_config(topic, create=False)
+        if not config.perm & PERM_READ:
+            raise Status(pb.Code.FORBIDDEN, f"topic {topic} is not readable (perm {config.perm})")
+        return config.read_queue_nums
 
     def QueryRoute(self, request, context):
         try:
-            read, write = self._topic_queues(request.topic.name, create=True)
+            config = self._topic_config(request.topic.name, create=True)
         except Status as exc:
             return pb.QueryRouteResponse(status=status(exc.code, str(exc)))
         endpoints = request.endpoints if request.endpoints.addresses else self._endpoints(context)
         broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=endpoints)
         types = list(ACCEPTED_TYPES)
+        read, write = config.read_queue_nums, config.write_queue_nums
+        readable, writable = bool(config.perm & PERM_READ), bool(config.perm & PERM_WRITE)
         queues = []
-        for queue_id in range(max(read, write)):
-            perm = (pb.Permission.READ if queue_id < read else 0) | (pb.Permission.WRITE if queue_id < write else 0)
-            permission = {1: pb.Permission.READ, 2: pb.Permission.WRITE, 3: pb.Permission.READ_WRITE}[perm]
+        for queue_id in range(max(read, write)):  # each queue as the topic's perm and queue counts allow
+            permission = _PERMISSIONS[(readable and queue_id < read, writable and queue_id < write)]
             queues.append(pb.MessageQueue(topic=request.topic, id=queue_id, permission=permission, broker=broker,
                                           accept_message_types=types))
         return pb.QueryRouteResponse(status=status(), message_queues=queues)
@@ -447,6 +460,8 @@ class MessagingService:
         topic_name(topic, send=True)
         config = self.store.topic_config.get(topic)
         if config is not None:
+            if not config.perm & PERM_WRITE:
+                raise Status(pb.Code.FORBIDDEN, f"topic {topic} is not writable (perm {config.perm})")
             return config.write_queue_nums
         if not self.auto_create_topics:
             raise Status(pb.Code.TOPIC_NOT_FOUND, f"topic {topic} does not exist")
@@ -531,13 +546,16 @@ class MessagingService:
     def QueryAssignment(self, request, context):
         try:
             consumer_group(request.group)
-            self._topic_queues(request.topic.name, create=False)
+            config = self._topic_config(request.topic.name, create=False)
+            if not (config.perm & PERM_READ and config.read_queue_nums):
+                raise Status(pb.Code.FORBIDDEN, "no readable queue")  # the proxy's answer
         except Status as exc:
             return pb.QueryAssignmentResponse(status=status(exc.code, str(exc)))
         endpoints = request.endpoints
         broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=endpoints)
         # One assignment for the whole topic: receives pop from every queue (the proxy's pop mode does the same).
-        queue = pb.MessageQueue(topic=request.topic, id=-1, permission=pb.Permission.READ_WRITE, broker=broker,
+        permission = _PERMISSIONS[(True, bool(config.perm & PERM_WRITE))]
+        queue = pb.MessageQueue(topic=request.topic, id=-1, permission=permission, broker=broker,
                                 accept_message_types=ACCEPTED_TYPES)
         return pb.QueryAssignmentResponse(status=status(), assignments=[pb.Assignment(message_queue=queue)])
 
@@ -545,7 +563,7 @@ class MessagingService:
         group, topic = request.group.name, request.message_queue.topic.name
         try:
             consumer_group(request.group)
-            read, _write = self._topic_queues(topic, create=False)
+            read = self._readable(topic)
             tags, sql = subscription(request.filter_expression)
             invisible_ms = _duration_ms(request.invisible_duration) if request.HasField("invisible_duration") \
                 else DEFAULT_INVISIBLE_MS
@@ -667,7 +685,7 @@ class MessagingService:
         """(topic, queue id) of a pull-style call: a topic that exists (TOPIC_NOT_FOUND; pulls never create one)
         and one of its read queues (BAD_REQUEST), as the broker's PullMessageProcessor checks them."""
         topic = queue.topic.name
-        read, _write = self._topic_queues(topic, create=False)
+        read = self._readable(topic)
         if not 0 <= queue.id < read:
             raise Status(pb.Code.BAD_REQUEST, f"queue {queue.id} does not exist: topic {topic} has {read} read queues")
         return topic, queue.id
