@@ -422,3 +422,50 @@ def test_routes_advertise_each_queues_real_permission(server):
         assert assignment.status.code == code, topic
         if permission is not None:
             assert [a.message_queue.permission for a in assignment.assignments] == [permission], topic
+
+
+# --- 8. the address routes advertise ----------------------------------------------------------------------------
+
+def addresses(endpoints) -> list[tuple[int, str, int]]:
+    return [(endpoints.scheme, a.host, a.port) for a in endpoints.addresses]
+
+
+def assignment_endpoints(server: Served, address: str | None = None, **request):
+    reply = server.call("QueryAssignment", pb.QueryAssignmentRequest(
+        topic=pb.Resource(name="Shared"), group=pb.Resource(name="Where"), **request), pb.QueryAssignmentResponse,
+        address=address)
+    assert reply.status.code == pb.Code.OK
+    return [a.message_queue.broker.endpoints for a in reply.assignments]
+
+
+def test_routes_advertise_the_address_the_server_listens_on(server):
+    listening = [(pb.AddressScheme.IPv4, "127.0.0.1", server.port)]
+    elsewhere = pb.Endpoints(scheme=pb.AddressScheme.IPv4, addresses=[pb.Address(host="10.9.9.9", port=1)])
+    for request in ({}, {"endpoints": elsewhere}):
+        reply = route(server, "Shared", **request)
+        assert {tuple(addresses(q.broker.endpoints)) for q in reply.message_queues} == {tuple(listening)}, request
+        assert [addresses(e) for e in assignment_endpoints(server, **request)] == [listening], request
+
+
+def test_a_wildcard_server_advertises_the_address_each_client_connected_to(tmp_path):
+    served = Served(tmp_path / "store", listen="0.0.0.0:0")
+    try:
+        assert served.address == f"0.0.0.0:{served.port}"
+        for host, scheme in (("127.0.0.3", pb.AddressScheme.IPv4), ("localhost", pb.AddressScheme.DOMAIN_NAME)):
+            address = f"{host}:{served.port}"
+            reply = served.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Shared")),
+                                pb.QueryRouteResponse, address=address)
+            assert reply.status.code == pb.Code.OK
+            assert {tuple(addresses(q.broker.endpoints)) for q in reply.message_queues} == \
+                   {((scheme, host, served.port),)}, host
+            assert [addresses(e) for e in assignment_endpoints(served, address)] == [[(scheme, host, served.port)]]
+        named = pb.Endpoints(scheme=pb.AddressScheme.DOMAIN_NAME, addresses=[pb.Address(host="broker.example",
+                                                                                           port=18081)])
+        reply = served.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Shared"), endpoints=named),
+                            pb.QueryRouteResponse, address=f"127.0.0.1:{served.port}")
+        assert addresses(reply.message_queues[0].broker.endpoints) == addresses(named)  # the name the client used
+        assert served.stop() == 0
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+            served.proc.wait(30)

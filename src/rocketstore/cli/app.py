@@ -942,7 +942,8 @@ Examples:
 Clients: an official RocketMQ 5 client with endpoints 127.0.0.1:8081 (no TLS).
 """)
 @store_options
-@click.option("--listen", default="127.0.0.1:8081", show_default=True, help="HOST:PORT (port 0: any free port)")
+@click.option("--listen", default="127.0.0.1:8081", show_default=True,
+              help="HOST:PORT (port 0: any free port); routes advertise it (0.0.0.0: the address a client used)")
 @click.option("--auto-create-topics/--no-auto-create-topics", default=True, show_default=True,
               help="create a topic on its first route query or send (else TOPIC_NOT_FOUND)")
 @click.option("--max-attempts", type=click.IntRange(1, 1000), default=16, show_default=True,

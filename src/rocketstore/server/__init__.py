@@ -47,6 +47,7 @@ class Server:
         if self.port == 0:
             raise ConfigError(f"cannot listen on {listen} (in use, or not an address of this host)")
         self.address = f"{host}:{self.port}"
+        self.service.listening_on(host, self.port)
         self._stopped = threading.Event()
 
     def start(self) -> Server:

@@ -15,6 +15,7 @@ import functools
 import ipaddress
 import logging
 import queue
+import socket
 import threading
 import time
 import zlib
@@ -54,6 +55,7 @@ RESERVED_PROPERTIES = frozenset(v for k, v in vars(PropertyName).items() if k.is
 DEFAULT_INVISIBLE_MS = 30_000
 MAX_LONG_POLL_S = 30.0
 ACCEPTED_TYPES = (pb.MessageType.NORMAL, pb.MessageType.FIFO, pb.MessageType.DELAY, pb.MessageType.TRANSACTION)
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 # (readable, writable) -> what a route says of a queue (the proxy's RouteActivity.convertToPermission)
 _PERMISSIONS = {(True, True): pb.Permission.READ_WRITE, (True, False): pb.Permission.READ,
                 (False, True): pb.Permission.WRITE, (False, False): pb.Permission.NONE}
@@ -202,6 +204,7 @@ class MessagingService:
         self.transactions = TransactionLog(store, check_after_ms=transaction_check_ms)
         self.metrics = Metrics()
         self._round_robin: dict[str, int] = {}
+        self._listen = ("127.0.0.1", 8081)  # what Server binds, set by listening_on
         self._create_lock = threading.Lock()
         self._new_messages = threading.Condition()
         self._closing = threading.Event()
@@ -291,8 +294,7 @@ class MessagingService:
             config = self._topic_config(request.topic.name, create=True)
         except Status as exc:
             return pb.QueryRouteResponse(status=status(exc.code, str(exc)))
-        endpoints = request.endpoints if request.endpoints.addresses else self._endpoints(context)
-        broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=endpoints)
+        broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=self._endpoints(request.endpoints, context))
         types = list(ACCEPTED_TYPES)
         read, write = config.read_queue_nums, config.write_queue_nums
         readable, writable = bool(config.perm & PERM_READ), bool(config.perm & PERM_WRITE)
@@ -303,10 +305,23 @@ class MessagingService:
                                           accept_message_types=types))
         return pb.QueryRouteResponse(status=status(), message_queues=queues)
 
-    @staticmethod
-    def _endpoints(context):
-        host, _, port = context.peer().partition(":")[2].rpartition(":")  # only when the client sent none
-        return pb.Endpoints(scheme=pb.AddressScheme.IPv4, addresses=[pb.Address(host=host, port=int(port or 0))])
+    def listening_on(self, host: str, port: int) -> None:
+        """The address the server bound (``Server`` tells it once the port is known): what routes advertise."""
+        self._listen = (host.strip("[]"), port)
+
+    def _endpoints(self, requested, context):
+        """Where routes (QueryRoute, QueryAssignment) say this server is: the address it listens on; when that is a
+        wildcard (0.0.0.0, ::), the address the client connected to: the endpoints its request names (the clients
+        send the ones they were configured with), else the call's :authority."""
+        host, port = self._listen
+        if host not in WILDCARD_HOSTS:
+            return _endpoints_of(host, port)
+        if requested.addresses:
+            return requested
+        authority = _authority(context)
+        if authority:
+            return _endpoints_of(*_host_port(authority, port))
+        return _endpoints_of(socket.gethostname(), port)
 
     def Heartbeat(self, request, context):
         if request.HasField("group") or request.client_type in CONSUMER_TYPES:  # producers name no group
@@ -551,8 +566,7 @@ class MessagingService:
                 raise Status(pb.Code.FORBIDDEN, "no readable queue")  # the proxy's answer
         except Status as exc:
             return pb.QueryAssignmentResponse(status=status(exc.code, str(exc)))
-        endpoints = request.endpoints
-        broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=endpoints)
+        broker = pb.Broker(name=BROKER_NAME, id=0, endpoints=self._endpoints(request.endpoints, context))
         # One assignment for the whole topic: receives pop from every queue (the proxy's pop mode does the same).
         permission = _PERMISSIONS[(True, bool(config.perm & PERM_WRITE))]
         queue = pb.MessageQueue(topic=request.topic, id=-1, permission=permission, broker=broker,
@@ -781,6 +795,37 @@ def _host(text: str | None) -> Host | None:
         return Host(str(ipaddress.ip_address(text.strip("[]"))), 0)
     except ValueError:
         return None
+
+
+def _endpoints_of(host: str, port: int):
+    """``pb.Endpoints`` of one address, its scheme by the form of ``host``."""
+    try:
+        scheme = pb.AddressScheme.IPv6 if ipaddress.ip_address(host).version == 6 else pb.AddressScheme.IPv4
+    except ValueError:
+        scheme = pb.AddressScheme.DOMAIN_NAME
+    return pb.Endpoints(scheme=scheme, addresses=[pb.Address(host=host, port=port)])
+
+
+def _host_port(text: str, default_port: int) -> tuple[str, int]:
+    """(host, port) of "host:port", "[v6]:port", "host", "[v6]" or a bare IPv6 address."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:
+        host, port = text, ""
+    return host, int(port) if port.isdigit() else default_port
+
+
+def _authority(context) -> str | None:
+    """The :authority (host[:port]) the client called, which grpc's Python API does not expose: read from the
+    call details of grpc's server context when they are there (grpcio 1.4x-1.8x), else None."""
+    details = getattr(getattr(context, "_rpc_event", None), "call_details", None)
+    host = getattr(details, "host", None)
+    if isinstance(host, bytes):
+        host = host.decode("ascii", "replace")
+    return host or None
 
 
 def _client_id(context) -> str:
