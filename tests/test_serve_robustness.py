@@ -22,6 +22,7 @@ import pytest
 
 from rocketstore import MessageStore, StoreConfig
 from rocketstore.brokerconfig import PERM_READ, PERM_WRITE
+from rocketstore.codec.hashing import java_string_hash
 from rocketstore.encoder import validate_topic
 from rocketstore.errors import InvalidTopicError
 from rocketstore.message import Message
@@ -84,6 +85,7 @@ def server(tmp_path_factory):
     with MessageStore.open(root, CONFIG) as store:
         store.create_topic("Shared", 4)
         store.create_topic("DlqSource", 1)
+        store.create_topic("Busy", 4)
         store.topic_config.create_or_update("%DLQ%Stuck", write_queue_nums=1, perm=PERM_READ)  # refuses puts
         for topic, write, read, perm in (("ReadOnly", 4, 4, PERM_READ), ("WriteOnly", 4, 4, PERM_WRITE),
                                          ("MoreRead", 2, 4, PERM_READ | PERM_WRITE),
@@ -469,3 +471,28 @@ def test_a_wildcard_server_advertises_the_address_each_client_connected_to(tmp_p
         if served.proc.poll() is None:
             served.proc.kill()
             served.proc.wait(30)
+
+
+# --- 9. receives rotate over the queues --------------------------------------------------------------------------
+
+def test_one_busy_queue_does_not_starve_the_others(server):
+    """64 messages in queue 0 of Busy (a receive that starts there fills its batch of 8 from it), one in each other
+    queue: four receives must reach all four queues."""
+    groups: dict[int, str] = {}
+    n = 0
+    while len(groups) < 4:  # a message group per queue (SendMessage picks the queue by its hash, as RocketMQ)
+        groups.setdefault((java_string_hash(f"mg{n}") & 0x7FFFFFFF) % 4, f"mg{n}")
+        n += 1
+    for queue_id in range(4):
+        assert send(server, "Busy", *[f"q{queue_id}-{i}".encode() for i in range(64 if queue_id == 0 else 1)],
+                    group=groups[queue_id]).status.code == pb.Code.OK
+    deadline = time.monotonic() + 10
+    while sum(server.call("QueryOffset", *pull_calls("Busy", q)["QueryOffset"][:2]).offset for q in range(4)) < 67:
+        assert time.monotonic() < deadline, "not dispatched"
+        time.sleep(0.02)
+    seen: set[int] = set()
+    for _ in range(4):
+        code, got = receive(server, "Rotor", "Busy", batch=8)
+        assert code == pb.Code.OK and len(got) == 8
+        seen |= {m.system_properties.queue_id for m in got}
+    assert seen == {0, 1, 2, 3}

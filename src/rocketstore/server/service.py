@@ -206,6 +206,8 @@ class MessagingService:
         self._round_robin: dict[str, int] = {}
         self._listen = ("127.0.0.1", 8081)  # what Server binds, set by listening_on
         self._create_lock = threading.Lock()
+        self._rotation: dict[tuple[str, str], int] = {}  # (group, topic) -> receives so far
+        self._rotation_lock = threading.Lock()
         self._new_messages = threading.Condition()
         self._closing = threading.Event()
         self._clients: dict[str, TelemetryClient] = {}  # client id -> its open telemetry stream
@@ -532,6 +534,15 @@ class MessagingService:
         except ValueError as exc:
             raise Status(pb.Code.BAD_REQUEST, str(exc)) from None
 
+    def _next_start(self, group: str, topic: str) -> int:
+        """The queue a receive of the whole topic starts from, one further each call: a batch fills from its first
+        queues, so a fixed start let one busy queue take every batch and starve the others."""
+        key = (group, topic)
+        with self._rotation_lock:
+            n = self._rotation.get(key, 0)
+            self._rotation[key] = n + 1
+        return n
+
     def _next_queue(self, topic: str, queues: int) -> int:
         n = self._round_robin.get(topic, 0)
         self._round_robin[topic] = n + 1
@@ -593,8 +604,8 @@ class MessagingService:
         if remaining is not None:
             poll_s = min(poll_s, max(0.0, remaining - 1.0))  # answer before the client's deadline
         deadline = time.monotonic() + poll_s
-        start = request.message_queue.id if request.message_queue.id >= 0 else 0
-        queue_ids = [(start + i) % read for i in range(read)]
+        start = request.message_queue.id if request.message_queue.id >= 0 else self._next_start(group, topic)
+        queue_ids = [(start + i) % read for i in range(read)] if read else []
         while True:
             try:
                 deliveries = self.pop.receive(group, topic, queue_ids, batch, invisible_ms, tags, sql)
