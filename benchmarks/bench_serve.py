@@ -36,11 +36,8 @@ CANNED_CRC = f"{zlib.crc32(CANNED_BODY):08X}"  # a wrong digest costs the client
 
 def noop_main(root: str) -> None:
     """Serve the no-op MessagingService until SIGTERM (run as ``bench_serve.py --noop ROOT``)."""
-    from concurrent import futures
-
-    import grpc
-
     from rocketstore import MessageStore, StoreConfig
+    from rocketstore.server import Server
     from rocketstore.server import service as real
     from rocketstore.server.protocol import pb
 
@@ -71,18 +68,12 @@ def noop_main(root: str) -> None:
 
     sys.setswitchinterval(0.0005)  # as `rocketstore serve` sets it
     with MessageStore.open(root, StoreConfig(max_hash_slot_num=50021, max_index_num=200000)) as store:
-        service = NoopService(store)
-        server = grpc.server(futures.ThreadPoolExecutor(64))
-        server.add_generic_rpc_handlers([service.handler()])
-        port = server.add_insecure_port("127.0.0.1:0")
-        service.start()
-        server.start()
-        print(f"listening on 127.0.0.1:{port}", file=sys.stderr, flush=True)
+        server = Server(store, "127.0.0.1:0", service=NoopService(store)).start()  # the same grpc server as serve's
+        print(f"listening on {server.address}", file=sys.stderr, flush=True)
         stopped = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stopped.set())
         stopped.wait()
-        service.close()
-        server.stop(1).wait()
+        server.stop(1)
 
 
 class Running:

@@ -8,6 +8,7 @@ other options or a stop of its own starts its own server.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -86,6 +87,7 @@ def server(tmp_path_factory):
         store.create_topic("Shared", 4)
         store.create_topic("DlqSource", 1)
         store.create_topic("Busy", 4)
+        store.create_topic("Idle", 4)
         store.topic_config.create_or_update("%DLQ%Stuck", write_queue_nums=1, perm=PERM_READ)  # refuses puts
         for topic, write, read, perm in (("ReadOnly", 4, 4, PERM_READ), ("WriteOnly", 4, 4, PERM_WRITE),
                                          ("MoreRead", 2, 4, PERM_READ | PERM_WRITE),
@@ -453,19 +455,21 @@ def test_a_wildcard_server_advertises_the_address_each_client_connected_to(tmp_p
     served = Served(tmp_path / "store", listen="0.0.0.0:0")
     try:
         assert served.address == f"0.0.0.0:{served.port}"
-        for host, scheme in (("127.0.0.3", pb.AddressScheme.IPv4), ("localhost", pb.AddressScheme.DOMAIN_NAME)):
+        for host in ("127.0.0.1", "127.0.0.3", "localhost"):
             address = f"{host}:{served.port}"
-            reply = served.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Shared")),
-                                pb.QueryRouteResponse, address=address)
+            used = pb.Endpoints(scheme=pb.AddressScheme.DOMAIN_NAME if host == "localhost" else pb.AddressScheme.IPv4,
+                                addresses=[pb.Address(host=host, port=served.port)])
+            reply = served.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Shared"), endpoints=used),
+                                pb.QueryRouteResponse, address=address)  # the clients send what they connected to
             assert reply.status.code == pb.Code.OK
-            assert {tuple(addresses(q.broker.endpoints)) for q in reply.message_queues} == \
-                   {((scheme, host, served.port),)}, host
-            assert [addresses(e) for e in assignment_endpoints(served, address)] == [[(scheme, host, served.port)]]
-        named = pb.Endpoints(scheme=pb.AddressScheme.DOMAIN_NAME, addresses=[pb.Address(host="broker.example",
-                                                                                           port=18081)])
-        reply = served.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Shared"), endpoints=named),
-                            pb.QueryRouteResponse, address=f"127.0.0.1:{served.port}")
-        assert addresses(reply.message_queues[0].broker.endpoints) == addresses(named)  # the name the client used
+            assert {tuple(addresses(q.broker.endpoints)) for q in reply.message_queues} == {tuple(addresses(used))}
+            assert [addresses(e) for e in assignment_endpoints(served, address, endpoints=used)] == [addresses(used)]
+        # no endpoints: this host's address on the way to the client (grpc's asyncio server does not tell the
+        # :authority), with the server's port, not the client's
+        reply = served.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Shared")), pb.QueryRouteResponse,
+                            address=f"127.0.0.1:{served.port}")
+        assert addresses(reply.message_queues[0].broker.endpoints) == [(pb.AddressScheme.IPv4, "127.0.0.1",
+                                                                         served.port)]
         assert served.stop() == 0
     finally:
         if served.proc.poll() is None:
@@ -496,3 +500,69 @@ def test_one_busy_queue_does_not_starve_the_others(server):
         assert code == pb.Code.OK and len(got) == 8
         seen |= {m.system_properties.queue_id for m in got}
     assert seen == {0, 1, 2, 3}
+
+
+# --- 10. a thousand open calls ----------------------------------------------------------------------------------
+
+def process_threads_and_cpu(pid: int) -> tuple[int, float]:
+    """(threads, CPU seconds so far) of a process, from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return threads, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="counts the server's threads in /proc")
+def test_a_thousand_long_polls_stay_open_and_more_are_refused_at_once(server):
+    """1,000 receives long-polling an empty topic at once: sends and acks still answer at once, the server runs a
+    few dozen threads, not a thousand, and sits idle; calls past its limit (1,024 open calls) are refused at once
+    with RESOURCE_EXHAUSTED, not queued. Every one of the thousand ends with its poll: MESSAGE_NOT_FOUND."""
+    poll_s = 4
+
+    def poll(channel, group: str):
+        request = pb.ReceiveMessageRequest(group=pb.Resource(name=group), batch_size=1,
+                                           message_queue=pb.MessageQueue(topic=pb.Resource(name="Idle"), id=-1))
+        request.invisible_duration.FromSeconds(30)
+        request.long_polling_timeout.FromSeconds(poll_s)
+        rpc = channel.unary_stream(f"/{SERVICE}/ReceiveMessage", request_serializer=pb.ReceiveMessageRequest.
+                                   SerializeToString, response_deserializer=pb.ReceiveMessageResponse.FromString)
+        return rpc(request, timeout=poll_s + 10)
+
+    async def outcome(call) -> tuple[str, float]:
+        began = time.monotonic()
+        try:
+            replies = [r async for r in call]
+            return pb.Code.Name(replies[0].status.code), time.monotonic() - began
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, time.monotonic() - began
+
+    async def main() -> dict:
+        report: dict = {}
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            held = [asyncio.ensure_future(outcome(poll(channel, f"Idle{i % 20}"))) for i in range(1000)]
+            await asyncio.sleep(1.5)  # all open on the server by now
+            threads, cpu = process_threads_and_cpu(server.proc.pid)
+            began = time.monotonic()
+            report["send"] = (await asyncio.to_thread(send, server, "Shared", b"among the polls")).status.code
+            report["send_s"] = time.monotonic() - began
+            await asyncio.sleep(1)
+            report["threads"], cpu_after = process_threads_and_cpu(server.proc.pid)
+            report["idle_cpu"] = (cpu_after - cpu) / (time.monotonic() - began)  # of one core
+            report["threads"] = max(report["threads"], threads)
+            extra = await asyncio.gather(*(outcome(poll(channel, "Extra")) for _ in range(100)))
+            report["extra"] = extra
+            report["held"] = await asyncio.gather(*held)
+        return report
+
+    report = asyncio.run(main())
+    assert report["send"] == pb.Code.OK and report["send_s"] < 1.0, report["send_s"]
+    assert report["threads"] < 100, report["threads"]
+    assert report["idle_cpu"] < 0.5, report["idle_cpu"]
+    refused = [took for code, took in report["extra"] if code == "RESOURCE_EXHAUSTED"]
+    assert len(refused) >= 70 and max(refused) < 1.0, report["extra"]
+    assert all(code in ("MESSAGE_NOT_FOUND", "RESOURCE_EXHAUSTED") for code, _ in report["extra"])
+    assert {code for code, _ in report["held"]} == {"MESSAGE_NOT_FOUND"}
+    assert all(poll_s - 1 < took < poll_s + 3 for _, took in report["held"])
+    print(f"1000 long polls open: {report['threads']} server threads, {report['idle_cpu']:.0%} of a core idle; "
+          f"send among them {report['send_s'] * 1000:.0f} ms; {len(refused)} of 100 more refused in "
+          f"<= {max(refused) * 1000:.0f} ms")

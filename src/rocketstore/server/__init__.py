@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from concurrent import futures
@@ -18,51 +19,87 @@ from .service import MessagingService
 
 log = logging.getLogger("rocketstore.server")
 
-# Receives long-poll for up to 30 s, each holding a thread: room for many consumers plus the sends.
-WORKER_THREADS = 64
+# Calls open at once, long polls and telemetry streams included (each official client keeps one telemetry stream
+# and a consumer one receive open); one more is refused at once with RESOURCE_EXHAUSTED rather than queued.
+MAX_CALLS = 1024
+# Threads that run the short calls (sends, acks, routes...) and the receives' reads of the store. A waiting
+# receive or an open telemetry stream is a task on the server's event loop and holds none.
+WORKER_THREADS = 32
 
 
 class Server:
-    """A gRPC server of ``MessagingService`` over ``store`` (which stays the caller's to close)."""
+    """A gRPC server of ``MessagingService`` over ``store`` (which stays the caller's to close).
+
+    grpc's asyncio server, on an event loop of its own thread: the handlers that wait (ReceiveMessage's long
+    poll, Telemetry) are coroutines, every other handler runs in ``WORKER_THREADS`` threads; calls beyond
+    ``max_calls`` open at once get RESOURCE_EXHAUSTED.
+    """
 
     def __init__(self, store: MessageStore, listen: str = "127.0.0.1:8081", *, auto_create_topics: bool = True,
-                 max_attempts: int = 16, transaction_check_ms: int = 6_000, accounts: Accounts | None = None) -> None:
+                 max_attempts: int = 16, transaction_check_ms: int = 6_000, accounts: Accounts | None = None,
+                 max_calls: int = MAX_CALLS, service: MessagingService | None = None) -> None:
         if store.read_only:
             raise ConfigError("rocketstore serve needs a writable store (it stores what clients send)")
-        self.store = store
-        self.service = MessagingService(store, auto_create_topics=auto_create_topics, max_attempts=max_attempts,
-                                        transaction_check_ms=transaction_check_ms, accounts=accounts)
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="rocketstore-rpc"),
-                                 options=[("grpc.max_receive_message_length", 64 << 20),
-                                          ("grpc.max_send_message_length", 64 << 20),
-                                          ("grpc.so_reuseport", 0)])
-        self._grpc.add_generic_rpc_handlers([self.service.handler()])
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"--listen takes HOST:PORT (e.g. 127.0.0.1:8081), not {listen!r}")
+        self.store = store
+        self.service = service or MessagingService(store, auto_create_topics=auto_create_topics,
+                                                   max_attempts=max_attempts,
+                                                   transaction_check_ms=transaction_check_ms, accounts=accounts)
+        self._workers = futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="rocketstore-rpc")
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(self._workers)  # ReceiveMessage reads the store there
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rocketstore-grpc", daemon=True)
         try:
-            self.port = self._grpc.add_insecure_port(listen)
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on {listen}: {exc}") from None
-        if self.port == 0:
-            raise ConfigError(f"cannot listen on {listen} (in use, or not an address of this host)")
+            self._grpc, self.port = self._loop.run_until_complete(self._bind(listen, max_calls))
+        except BaseException:
+            self._loop.close()
+            self._workers.shutdown()
+            raise
         self.address = f"{host}:{self.port}"
         self.service.listening_on(host, self.port)
         self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    async def _bind(self, listen: str, max_calls: int) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(self._workers, maximum_concurrent_rpcs=max_calls,
+                                 options=[("grpc.max_receive_message_length", 64 << 20),
+                                          ("grpc.max_send_message_length", 64 << 20),
+                                          ("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers([self.service.handler()])
+        try:
+            port = server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on {listen}: {exc}") from None
+        if port == 0:
+            raise ConfigError(f"cannot listen on {listen} (in use, or not an address of this host)")
+        return server, port
+
+    def _run(self, coroutine, timeout: float | None = None):
+        """Run ``coroutine`` on the server's loop, from another thread, and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def start(self) -> Server:
         self.service.start()
-        self._grpc.start()
+        self._thread.start()
+        self._run(self._grpc.start())
         log.info("listening on %s (store %s)", self.address, self.store.root)
         return self
 
     def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, let running ones finish (long polls are answered at once), then return."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        self.service.close()
-        self._grpc.stop(grace).wait()
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+            self.service.close()
+            if self._thread.is_alive():
+                self._run(self._grpc.stop(grace))
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+            self._loop.close()
+            self._workers.shutdown()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)

@@ -168,6 +168,14 @@ class PopGroups:
                 log.error("receive of %s from %s stopped after %d messages: %s", group, topic, len(out), exc)
         return out
 
+    def next_due(self, group: str, topic: str, queue_ids: list[int]) -> int | None:
+        """When (epoch ms) the first message of these queues now in flight becomes visible again, if any: a
+        waiting receive wakes then to take it."""
+        with self._lock:
+            deadlines = [f.deadline_ms for q in queue_ids if (state := self._queues.get((group, topic, q)))
+                         for f in state.inflight.values()]
+        return min(deadlines, default=None)
+
     def _deliver(self, group: str, topic: str, queue_id: int, state: QueueState, msg: MessageExt, attempt: int,
                  now: int, invisible_ms: int, out: list[Delivery], message_group: str | None = None) -> None:
         self._deliveries += 1

@@ -10,16 +10,17 @@ status in the response, with RocketMQ's codes; nothing is written for a refused 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
+import inspect
 import ipaddress
 import logging
-import queue
 import socket
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
@@ -45,6 +46,7 @@ from ..sqlfilter import InvalidFilterError, SqlFilter, compile_sql92
 from ..store import MessageStore
 from ..transaction import CHECK_MAX_TOPIC, HALF_TOPIC, OP_TOPIC, TransactionLog, UnknownTransactionError
 from .auth import Accounts
+from .longpoll import LongPolls
 from .pop import DeadLetterError, InvalidReceiptHandleError, PopGroups
 from .protocol import SERVICE, pb, service_methods
 
@@ -54,6 +56,7 @@ BROKER_NAME = "rocketstore"
 RESERVED_PROPERTIES = frozenset(v for k, v in vars(PropertyName).items() if k.isupper() and isinstance(v, str))
 DEFAULT_INVISIBLE_MS = 30_000
 MAX_LONG_POLL_S = 30.0
+MIN_WAIT_S = 0.01  # the shortest a long poll waits before it looks again
 ACCEPTED_TYPES = (pb.MessageType.NORMAL, pb.MessageType.FIFO, pb.MessageType.DELAY, pb.MessageType.TRANSACTION)
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 # (readable, writable) -> what a route says of a queue (the proxy's RouteActivity.convertToPermission)
@@ -185,11 +188,18 @@ class Metrics:
 
 @dataclasses.dataclass
 class TelemetryClient:
-    """One client's telemetry stream: what it publishes, and what the server has to tell it."""
+    """One client's telemetry stream: what it publishes, and what the server has to tell it (``send``, from any
+    thread: the stream's handler runs on the server's event loop and writes what it finds in ``outbox``)."""
 
     client_id: str
+    loop: asyncio.AbstractEventLoop
     topics: set[str] = dataclasses.field(default_factory=set)
-    outbox: queue.Queue = dataclasses.field(default_factory=queue.Queue)
+    outbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+
+    def send(self, command) -> None:
+        """Queue ``command`` for the client; None ends the stream."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.outbox.put_nowait, command)
 
 
 class MessagingService:
@@ -208,7 +218,7 @@ class MessagingService:
         self._create_lock = threading.Lock()
         self._rotation: dict[tuple[str, str], int] = {}  # (group, topic) -> receives so far
         self._rotation_lock = threading.Lock()
-        self._new_messages = threading.Condition()
+        self.long_polls = LongPolls(store)
         self._closing = threading.Event()
         self._clients: dict[str, TelemetryClient] = {}  # client id -> its open telemetry stream
         self._clients_lock = threading.Lock()
@@ -217,6 +227,7 @@ class MessagingService:
 
     def start(self) -> None:
         self._checker.start()
+        self.long_polls.start()
 
     # --- plumbing --------------------------------------------------------------------------------------
 
@@ -244,26 +255,42 @@ class MessagingService:
         return refuse
 
     def _signed_only(self, method, name: str, response: type, server_streaming: bool):
+        """``method`` for signed calls only (an async method stays async: it runs on the event loop)."""
         accounts = self.accounts
         assert accounts is not None
 
-        def guarded(request, context):
+        def refusal_of(context):
             refusal = accounts.refusal(context.invocation_metadata())
             if refusal is None:
-                return method(request, context)
+                return None
             self.metrics.add("refused")
             log.warning("%s from %s refused: %s", name, context.peer(), refusal)
-            reply = response(status=status(pb.Code.UNAUTHORIZED, refusal))
+            return response(status=status(pb.Code.UNAUTHORIZED, refusal))
+
+        if inspect.isasyncgenfunction(method):
+            async def guarded_stream(request, context):
+                reply = refusal_of(context)
+                if reply is not None:
+                    yield reply
+                    return
+                async for item in method(request, context):
+                    yield item
+            return guarded_stream
+
+        def guarded(request, context):
+            reply = refusal_of(context)
+            if reply is None:
+                return method(request, context)
             return iter([reply]) if server_streaming else reply
         return guarded
 
     def close(self) -> None:
+        """Answer every long poll and end every telemetry stream now; stop the service's threads."""
         self._closing.set()
-        with self._new_messages:
-            self._new_messages.notify_all()
+        self.long_polls.close()
         with self._clients_lock:
             for client in self._clients.values():
-                client.outbox.put(None)
+                client.send(None)
         if self._checker.is_alive():
             self._checker.join()
 
@@ -314,16 +341,13 @@ class MessagingService:
     def _endpoints(self, requested, context):
         """Where routes (QueryRoute, QueryAssignment) say this server is: the address it listens on; when that is a
         wildcard (0.0.0.0, ::), the address the client connected to: the endpoints its request names (the clients
-        send the ones they were configured with), else the call's :authority."""
+        send the ones they were configured with), else this host's address on the way to the client."""
         host, port = self._listen
         if host not in WILDCARD_HOSTS:
             return _endpoints_of(host, port)
         if requested.addresses:
             return requested
-        authority = _authority(context)
-        if authority:
-            return _endpoints_of(*_host_port(authority, port))
-        return _endpoints_of(socket.gethostname(), port)
+        return _endpoints_of(_local_address_towards(context.peer()), port)
 
     def Heartbeat(self, request, context):
         if request.HasField("group") or request.client_type in CONSUMER_TYPES:  # producers name no group
@@ -342,54 +366,50 @@ class MessagingService:
         log.info("client %s terminated", _client_id(context))
         return pb.NotifyClientTerminationResponse(status=status())
 
-    def Telemetry(self, requests, context) -> Iterator:
+    async def Telemetry(self, requests, context) -> AsyncIterator:
         """The settings handshake (each Settings a client sends is answered with the server's view of it), and
-        the server's own commands to the client (orphaned-transaction checks) on the same stream."""
+        the server's own commands to the client (orphaned-transaction checks) on the same stream. An open stream
+        is a task on the event loop, not a thread."""
         client_id = _client_id(context)
-        client = TelemetryClient(client_id)
+        client = TelemetryClient(client_id, asyncio.get_running_loop())
         log.info("client %s connected (%s)", client_id, context.peer())
 
-        def read() -> None:
+        async def read() -> None:
             try:
-                for command in requests:
+                async for command in requests:
                     if command.HasField("settings"):
                         if command.settings.HasField("subscription"):
                             try:
                                 consumer_group(command.settings.subscription.group)
                             except Status as exc:  # answered, then the stream ends (the proxy ends it too)
-                                client.outbox.put(pb.TelemetryCommand(status=status(exc.code, str(exc))))
+                                client.outbox.put_nowait(pb.TelemetryCommand(status=status(exc.code, str(exc))))
                                 return
                         if command.settings.HasField("publishing"):
                             try:
                                 for topic in command.settings.publishing.topics:
                                     topic_name(topic.name)
                             except Status as exc:
-                                client.outbox.put(pb.TelemetryCommand(status=status(exc.code, str(exc))))
+                                client.outbox.put_nowait(pb.TelemetryCommand(status=status(exc.code, str(exc))))
                                 return
                             client.topics = {t.name for t in command.settings.publishing.topics}
-                        client.outbox.put(pb.TelemetryCommand(status=status(),
-                                                              settings=self._settings(command.settings)))
+                        client.outbox.put_nowait(pb.TelemetryCommand(status=status(),
+                                                                     settings=self._settings(command.settings)))
             except Exception as exc:  # the client went away mid-read
                 log.debug("telemetry stream of %s ended: %s", client_id, exc)
             finally:
-                client.outbox.put(None)
+                client.outbox.put_nowait(None)
 
         with self._clients_lock:
             self._clients[client_id] = client
-        reader = threading.Thread(target=read, name="rocketstore-telemetry", daemon=True)
-        reader.start()
+        reader = asyncio.get_running_loop().create_task(read())
         try:
             while not self._closing.is_set():
-                try:
-                    item = client.outbox.get(timeout=0.5)
-                except queue.Empty:
-                    if not context.is_active():
-                        return
-                    continue
+                item = await client.outbox.get()
                 if item is None:
                     return
                 yield item
         finally:
+            reader.cancel()
             with self._clients_lock:
                 if self._clients.get(client_id) is client:
                     del self._clients[client_id]
@@ -413,7 +433,7 @@ class MessagingService:
                 producer = producers[self.metrics.checks % len(producers)]
                 command = pb.RecoverOrphanedTransactionCommand(message=self._to_proto(msg, None, 1, 0),
                                                                transaction_id=transaction_id)
-                producer.outbox.put(pb.TelemetryCommand(recover_orphaned_transaction_command=command))
+                producer.send(pb.TelemetryCommand(recover_orphaned_transaction_command=command))
                 self.metrics.add("checks")
                 log.info("asked %s about open transaction %s", producer.client_id, transaction_id)
 
@@ -466,8 +486,6 @@ class MessagingService:
                                               message_id=msg.system_properties.message_id or result.uniq_key or "",
                                               offset=result.queue_offset, transaction_id=transaction_id))
         self.metrics.add("sent", len(results))
-        with self._new_messages:
-            self._new_messages.notify_all()
         return pb.SendMessageResponse(status=status(code, "OK" if code == pb.Code.OK else "flush timed out"),
                                       entries=entries)
 
@@ -559,12 +577,8 @@ class MessagingService:
             failure = status_of(exc)
             log.debug("end transaction refused: %s", failure)
             return pb.EndTransactionResponse(status=status(failure.code, str(failure)))
-        if committed is not None:
-            if not committed.ok:
-                return pb.EndTransactionResponse(status=status(pb.Code.MASTER_PERSISTENCE_TIMEOUT,
-                                                               committed.status.name))
-            with self._new_messages:
-                self._new_messages.notify_all()
+        if committed is not None and not committed.ok:
+            return pb.EndTransactionResponse(status=status(pb.Code.MASTER_PERSISTENCE_TIMEOUT, committed.status.name))
         return pb.EndTransactionResponse(status=status())
 
     # --- consume ----------------------------------------------------------------------------------------
@@ -584,7 +598,10 @@ class MessagingService:
                                 accept_message_types=ACCEPTED_TYPES)
         return pb.QueryAssignmentResponse(status=status(), assignments=[pb.Assignment(message_queue=queue)])
 
-    def ReceiveMessage(self, request, context) -> Iterator:
+    async def ReceiveMessage(self, request, context) -> AsyncIterator:
+        """Pop up to a batch of the group's messages; with none, wait up to the long-polling timeout for some. A
+        waiting receive is a future on the event loop (``LongPolls``), so a thousand idle consumers hold no thread;
+        the store is read in the worker threads."""
         group, topic = request.group.name, request.message_queue.topic.name
         try:
             consumer_group(request.group)
@@ -606,17 +623,25 @@ class MessagingService:
         deadline = time.monotonic() + poll_s
         start = request.message_queue.id if request.message_queue.id >= 0 else self._next_start(group, topic)
         queue_ids = [(start + i) % read for i in range(read)] if read else []
+        receive = functools.partial(self.pop.receive, group, topic, queue_ids, batch, invisible_ms, tags, sql)
+        loop = asyncio.get_running_loop()
         while True:
+            ticket = self.long_polls.watch(topic, group)  # before the look: what arrives after it wakes us
             try:
-                deliveries = self.pop.receive(group, topic, queue_ids, batch, invisible_ms, tags, sql)
+                deliveries = await loop.run_in_executor(None, receive)
             except RocketStoreError as exc:
+                self.long_polls.leave(ticket)
                 failure = status_of(exc)
                 yield pb.ReceiveMessageResponse(status=status(failure.code, str(failure)))
                 return
-            if deliveries or time.monotonic() >= deadline or self._closing.is_set() or not context.is_active():
+            now = time.monotonic()
+            if deliveries or now >= deadline or self._closing.is_set() or context.cancelled():
+                self.long_polls.leave(ticket)
                 break
-            with self._new_messages:
-                self._new_messages.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            due_ms = self.pop.next_due(group, topic, queue_ids)  # a message it could be given again
+            until_due = (due_ms - time.time_ns() // 1_000_000) / 1000 if due_ms is not None else poll_s
+            # never 0: a due message this receive could not take (none known, but cheap to rule out) must not spin
+            await self.long_polls.wait(ticket, min(deadline - now, max(until_due, MIN_WAIT_S)))
         if not deliveries:
             yield pb.ReceiveMessageResponse(status=status(pb.Code.MESSAGE_NOT_FOUND, "no new message"))
             return
@@ -672,6 +697,8 @@ class MessagingService:
                                                         receipt_handle=entry.receipt_handle,
                                                         status=status(failure.code, str(failure))))
         self.metrics.add("acked", len(entries) - failures)
+        if failures < len(entries) and self.pop.is_fifo(group):  # the next messages of their groups are free
+            self.long_polls.wake(topic, group, len(entries) - failures)
         if failures == 0:
             top = status()
         elif failures == len(entries) and len(entries) == 1:
@@ -817,26 +844,19 @@ def _endpoints_of(host: str, port: int):
     return pb.Endpoints(scheme=scheme, addresses=[pb.Address(host=host, port=port)])
 
 
-def _host_port(text: str, default_port: int) -> tuple[str, int]:
-    """(host, port) of "host:port", "[v6]:port", "host", "[v6]" or a bare IPv6 address."""
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
-    else:
-        host, port = text, ""
-    return host, int(port) if port.isdigit() else default_port
-
-
-def _authority(context) -> str | None:
-    """The :authority (host[:port]) the client called, which grpc's Python API does not expose: read from the
-    call details of grpc's server context when they are there (grpcio 1.4x-1.8x), else None."""
-    details = getattr(getattr(context, "_rpc_event", None), "call_details", None)
-    host = getattr(details, "host", None)
-    if isinstance(host, bytes):
-        host = host.decode("ascii", "replace")
-    return host or None
+def _local_address_towards(peer: str) -> str:
+    """This host's address on the route to ``peer`` (grpc's "ipv4:1.2.3.4:5" or "ipv6:[::1]:5"): the address a
+    client that sent no endpoints most likely connected to (grpc's asyncio server does not tell the :authority).
+    Connecting a UDP socket sends nothing; it only makes the kernel pick the source address."""
+    kind, _, rest = peer.partition(":")
+    host = rest.rpartition(":")[0].strip("[]")
+    family = socket.AF_INET6 if kind == "ipv6" else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except (OSError, ValueError):
+        return socket.gethostname()
 
 
 def _client_id(context) -> str:
