@@ -566,3 +566,78 @@ def test_a_thousand_long_polls_stay_open_and_more_are_refused_at_once(server):
     print(f"1000 long polls open: {report['threads']} server threads, {report['idle_cpu']:.0%} of a core idle; "
           f"send among them {report['send_s'] * 1000:.0f} ms; {len(refused)} of 100 more refused in "
           f"<= {max(refused) * 1000:.0f} ms")
+
+
+# --- 11. SIGTERM ---------------------------------------------------------------------------------------------
+
+def test_sigterm_finishes_running_calls_then_closes_the_store_cleanly(tmp_path):
+    """SIGTERM while a long poll is open and four producers are sending: the poll is answered, the process exits 0
+    with the store closed cleanly (no abort file, checkpoint written), and every send that was acknowledged is in
+    the store when it is opened again."""
+    root = tmp_path / "store"
+    served = Served(root)
+    acked: list[str] = []
+    failed: list[str] = []
+    polled: list[object] = []
+    stop_sending = threading.Event()
+
+    def long_poll() -> None:
+        try:
+            code, _got = receive(served, "Waiter", "Quiet", poll_s=20)
+            polled.append(code)
+        except grpc.RpcError as exc:
+            polled.append(exc.code())
+
+    def producer(n: int) -> None:
+        with grpc.insecure_channel(served.address) as channel:
+            rpc = channel.unary_unary(f"/{SERVICE}/SendMessage", request_serializer=pb.SendMessageRequest.
+                                      SerializeToString, response_deserializer=pb.SendMessageResponse.FromString)
+            i = 0
+            while not stop_sending.is_set():
+                message_id = f"01{n:02X}{i:026X}"
+                request = pb.SendMessageRequest(messages=[pb.Message(
+                    topic=pb.Resource(name="Term"), body=b"x" * 200,
+                    system_properties=pb.SystemProperties(message_id=message_id))])
+                try:
+                    ok = rpc(request, timeout=10).status.code == pb.Code.OK
+                except grpc.RpcError:
+                    ok = False
+                (acked if ok else failed).append(message_id)
+                if not ok:
+                    return  # the server is going away
+                i += 1
+
+    assert send(served, "Term", b"first").status.code == pb.Code.OK
+    assert route(served, "Quiet").status.code == pb.Code.OK  # created, empty: the poll waits there
+    poller = threading.Thread(target=long_poll)
+    poller.start()
+    producers = [threading.Thread(target=producer, args=(n,)) for n in range(4)]
+    for thread in producers:
+        thread.start()
+    time.sleep(1.5)  # the poll is waiting, the sends are flowing
+    sent_before = len(acked)
+    signalled = time.time()
+    os.kill(served.proc.pid, signal.SIGTERM)
+    try:
+        code = served.proc.wait(20)
+    finally:
+        stop_sending.set()
+        for thread in (poller, *producers):
+            thread.join(20)
+    took = time.time() - signalled
+    log = "".join(served.lines)
+    assert code == 0, log
+    assert took < 10, took
+    assert sent_before > 20 and len(acked) >= sent_before
+    assert polled == [pb.Code.MESSAGE_NOT_FOUND], polled  # answered, not cut off
+    assert "Traceback" not in log and "stopped, store closed" in log, log
+    assert not (root / "abort").exists(), "the store was not closed cleanly"
+    assert (root / "checkpoint").stat().st_mtime >= signalled - 0.01
+    with MessageStore.open(root, CONFIG) as store:  # opened again: every acknowledged send is there
+        store.wait_for_dispatch()
+        stored = {m.uniq_key for m in store.iter_messages() if m.topic == "Term"}
+        assert set(acked) <= stored, f"{len(set(acked) - stored)} acknowledged sends lost"
+        queued = sum(store.get_max_offset_in_queue("Term", q) for q in store.queue_ids("Term"))
+        assert queued >= len(acked) + 1  # and dispatched to their queues
+    print(f"SIGTERM after {len(acked)} acknowledged sends ({len(failed)} refused while stopping): exit 0 in "
+          f"{took:.2f} s")

@@ -993,17 +993,20 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
                         transaction_check_ms=int(transaction_check_seconds * 1000), accounts=accounts).start()
         click.echo(f"rocketstore serve: listening on {server.address} (store {root})", err=True)
 
-        def stop(signum, frame):
-            click.echo(f"rocketstore serve: {signal.Signals(signum).name}, finishing calls and closing the store",
-                       err=True)
-            threading.Thread(target=server.stop, daemon=True).start()
+        stopping = threading.Event()
+
+        def stop(signum, frame):  # only flags it: the main thread stops the server, then closes the store
+            if not stopping.is_set():
+                click.echo(f"rocketstore serve: {signal.Signals(signum).name}, finishing calls and closing the store",
+                           err=True)
+            stopping.set()
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
         interval = stats_interval if stats_interval is not None else (5.0 if sys.stderr.isatty() else None)
         metrics = server.service.metrics
         last = (time.monotonic(), metrics.sent, metrics.received)
-        while not server.wait(interval or 3600):
+        while not stopping.wait(interval or 3600):
             if interval:
                 now, sent, received = time.monotonic(), metrics.sent, metrics.received
                 took = now - last[0]
@@ -1011,6 +1014,7 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
                            f"in flight {server.service.pop.in_flight():,}  (sent {sent:,}, received {received:,}, "
                            f"acked {metrics.acked:,})", err=True)
                 last = (now, sent, received)
+        server.stop()  # every running call done with the store before it closes (flush, checkpoint, no abort file)
     click.echo("rocketstore serve: stopped, store closed", err=True)
 
 

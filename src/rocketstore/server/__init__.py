@@ -25,6 +25,8 @@ MAX_CALLS = 1024
 # Threads that run the short calls (sends, acks, routes...) and the receives' reads of the store. A waiting
 # receive or an open telemetry stream is a task on the server's event loop and holds none.
 WORKER_THREADS = 32
+# What a stop gives running calls to finish (sends, acks; long polls are answered at once) before cancelling them.
+STOP_GRACE_S = 5.0
 
 
 class Server:
@@ -87,21 +89,30 @@ class Server:
         log.info("listening on %s (store %s)", self.address, self.store.root)
         return self
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Refuse new calls, let running ones finish (long polls are answered at once), then return."""
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Stop serving; when this returns, no call is using the store (which can then be closed).
+
+        New calls are refused at once; long polls are answered (no message) and telemetry streams end; other
+        running calls get up to ``grace`` seconds to finish, then are cancelled; last, the store work they
+        started in the worker threads is waited for (a cancelled call's put still completes, or fails, before
+        the store is closed under it)."""
         with self._stop_lock:
             if self._stopped.is_set():
                 return
-            self._stopped.set()
-            self.service.close()
             if self._thread.is_alive():
-                self._run(self._grpc.stop(grace))
+                stopping = asyncio.run_coroutine_threadsafe(self._grpc.stop(grace), self._loop)  # refuses new calls
+                self.service.close()
+                stopping.result()
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join()
+            else:
+                self.service.close()
+            self._workers.shutdown(wait=True)
             self._loop.close()
-            self._workers.shutdown()
+            self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
+        """True once ``stop`` has finished (within ``timeout`` seconds)."""
         return self._stopped.wait(timeout)
 
     def __enter__(self) -> Server:
