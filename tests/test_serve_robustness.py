@@ -29,7 +29,9 @@ from rocketstore.errors import InvalidTopicError
 from rocketstore.message import Message
 from rocketstore.server.protocol import SERVICE, pb
 
-pytestmark = pytest.mark.xdist_group("serve_robustness")  # one worker: the module's server is started once
+# one worker, one module server (--dist loadgroup); a worker that gets some of the tests anyway starts its own,
+# so no test may rely on another having run before it
+pytestmark = pytest.mark.xdist_group("serve_robustness")
 
 SMALL = ["--max-hash-slot-num", "97", "--max-index-num", "400"]
 CONFIG = StoreConfig(max_hash_slot_num=97, max_index_num=400)
@@ -84,6 +86,7 @@ class Served:
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("robust") / "store"
     with MessageStore.open(root, CONFIG) as store:
+        store.put_message(Message("Seed", b"the store has a log from the start", queue_id=0))
         store.create_topic("Shared", 4)
         store.create_topic("DlqSource", 1)
         store.create_topic("Busy", 4)
