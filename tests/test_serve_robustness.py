@@ -9,6 +9,7 @@ other options or a stop of its own starts its own server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -644,3 +646,136 @@ def test_sigterm_finishes_running_calls_then_closes_the_store_cleanly(tmp_path):
         assert queued >= len(acked) + 1  # and dispatched to their queues
     print(f"SIGTERM after {len(acked)} acknowledged sends ({len(failed)} refused while stopping): exit 0 in "
           f"{took:.2f} s")
+
+
+# --- 12. receives that end while they look or wait ------------------------------------------------------------
+
+@contextlib.contextmanager
+def in_process_server(tmp_path: Path, *topics: tuple[str, int], **options):
+    """A ``Server`` in this process over a new store with ``topics`` (name, queues): (server, store), stopped after."""
+    from rocketstore.server import Server
+
+    store = MessageStore.open(tmp_path / "store", CONFIG)
+    try:
+        for name, queues in topics:
+            store.create_topic(name, queues)
+        server = Server(store, "127.0.0.1:0", **options).start()
+        try:
+            yield server, store
+        finally:
+            server.stop()
+    finally:
+        store.close()
+
+
+class SlowedReads:
+    """Every store read takes ``seconds`` longer while ``slow`` is set (a cold disk): a receive stays in its look
+    that long, where a client can cancel it. ``idle()``: no read is running."""
+
+    def __init__(self, monkeypatch, store: MessageStore, seconds: float) -> None:
+        self.slow = threading.Event()
+        self.slow.set()
+        self.running = 0
+        self._lock = threading.Lock()
+        real = store.get_message
+
+        def get_message(*args, **kwargs):
+            with self._lock:
+                self.running += 1
+            try:
+                if self.slow.is_set():
+                    time.sleep(seconds)
+                return real(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+        monkeypatch.setattr(store, "get_message", get_message)
+
+    def idle(self) -> bool:
+        return self.running == 0
+
+
+def receive_call(channel, group: str, topic: str, *, batch: int = 32, invisible_ms: int = 30_000, poll_s: float = 10):
+    """A ReceiveMessage call started on ``channel``: iterate it for the replies, or cancel it."""
+    request = pb.ReceiveMessageRequest(group=pb.Resource(name=group), batch_size=batch,
+                                       message_queue=pb.MessageQueue(topic=pb.Resource(name=topic), id=-1))
+    request.invisible_duration.FromMilliseconds(invisible_ms)
+    request.long_polling_timeout.FromMilliseconds(int(poll_s * 1000))
+    rpc = channel.unary_stream(f"/{SERVICE}/ReceiveMessage", request_serializer=pb.ReceiveMessageRequest.
+                               SerializeToString, response_deserializer=pb.ReceiveMessageResponse.FromString)
+    return rpc(request, timeout=poll_s + 10)
+
+
+def messages_of(call) -> list:
+    return [r.message for r in call if r.HasField("message")]
+
+
+def wait_until(condition, timeout: float = 5, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_receive_cancelled_mid_read_leaves_the_long_poll_line(tmp_path, monkeypatch):
+    """Receives cancelled by their clients while they read the store: their tickets leave the line (and the topic is
+    no longer watched), so the next message wakes the live waiter at once, not at its 5 s recheck."""
+    with in_process_server(tmp_path, ("T", 1)) as (server, store), grpc.insecure_channel(server.address) as channel:
+        polls = server.service.long_polls
+        reads = SlowedReads(monkeypatch, store, 0.3)
+        for _ in range(3):
+            call = receive_call(channel, "G", "T")
+            time.sleep(0.1)  # in its read
+            call.cancel()
+            wait_until(reads.idle, what="the cancelled receive's read done")
+        reads.slow.clear()
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.extend(messages_of(receive_call(channel, "G", "T"))))
+        waiter.start()
+        wait_until(lambda: polls._waiting, what="the live receive waits")
+        time.sleep(0.1)
+        sent = time.monotonic()
+        assert send_in_process(channel, "T", b"wake the live one").status.code == pb.Code.OK
+        waiter.join(10)
+        took = time.monotonic() - sent
+        assert [m.body for m in got] == [b"wake the live one"]
+        assert took < 1.5, f"the live receive got the message {took:.2f} s after it was sent"
+        wait_until(lambda: not polls._waiting and not polls._ends, what="lines and topics dropped")
+
+
+def send_in_process(channel, topic: str, *bodies: bytes):
+    request = pb.SendMessageRequest()
+    for i, body in enumerate(bodies):
+        msg = request.messages.add()
+        msg.topic.name = topic
+        msg.body = body
+        msg.system_properties.message_id = f"01{time.monotonic_ns():020X}{i:04X}"
+    rpc = channel.unary_unary(f"/{SERVICE}/SendMessage", request_serializer=pb.SendMessageRequest.SerializeToString,
+                              response_deserializer=pb.SendMessageResponse.FromString)
+    return rpc(request, timeout=10)
+
+
+def test_a_wake_up_of_a_receive_cancelled_while_it_waits_goes_to_the_next_one():
+    """One message, two waiting receives: the oldest is woken, and cancelled before it looks; the other gets the
+    wake-up (it would else sleep through the message until its recheck)."""
+    from rocketstore.server.longpoll import LongPolls
+
+    polls = LongPolls(SimpleNamespace(topic_config={}, dispatcher=None))  # no watcher: wake() by hand
+
+    async def main() -> tuple[bool, float]:
+        first, second = polls.watch("T", "G"), polls.watch("T", "G")
+        waits = [asyncio.ensure_future(polls.wait(ticket, 3)) for ticket in (first, second)]
+        await asyncio.sleep(0.01)
+        polls.wake("T", "G")  # one message: the oldest receive is woken...
+        waits[0].cancel()  # ...and its client goes away before it looks
+        began = time.monotonic()
+        woken = await waits[1]
+        took = time.monotonic() - began
+        with pytest.raises(asyncio.CancelledError):
+            await waits[0]
+        return woken, took
+
+    woken, took = asyncio.run(main())
+    assert woken and took < 1, (woken, took)
+    assert polls._waiting == {} and polls._ends == {}

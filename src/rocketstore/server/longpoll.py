@@ -37,15 +37,22 @@ class Ticket:
     topic: str
     group: str
     future: asyncio.Future = field(repr=False)
+    woken: bool = False  # taken out of its line by a wake-up (under LongPolls._lock)
+    left: bool = False  # its receive is done with it
 
 
 class LongPolls:
-    """The receives waiting for messages, by (topic, group), and the thread that wakes them."""
+    """The receives waiting for messages, by (topic, group), and the thread that wakes them.
+
+    Every ticket ``watch`` makes is ``leave``-d once (``wait`` leaves it; a receive leaves its last ticket when it
+    ends, however it ends): a line with no ticket and a topic with no line are dropped. A ticket woken and then left
+    by a receive that does not look again (cancelled by its client, or answering with what it had already taken)
+    passes its wake-up on to the next ticket of its line, so no wake-up is spent on a receive that is gone."""
 
     def __init__(self, store: MessageStore) -> None:
         self.store = store
         self._lock = threading.Lock()
-        self._waiting: dict[tuple[str, str], deque[Ticket]] = {}
+        self._waiting: dict[str, dict[str, deque[Ticket]]] = {}  # topic -> group -> its line, oldest first
         self._ends: dict[str, int] = {}  # topic -> messages in its read queues, when last looked at
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="rocketstore-long-poll", daemon=True)
@@ -57,7 +64,7 @@ class LongPolls:
         """Wake every waiting receive (it answers at once) and stop the watcher."""
         self._closing.set()
         with self._lock:
-            tickets = [t for line in self._waiting.values() for t in line]
+            tickets = [t for lines in self._waiting.values() for line in lines.values() for t in line]
         for ticket in tickets:
             _wake(ticket)
         if self._watcher.is_alive():
@@ -71,31 +78,44 @@ class LongPolls:
         with self._lock:
             if topic not in self._ends:
                 self._ends[topic] = self._end(topic)
-            self._waiting.setdefault((topic, group), deque()).append(ticket)
+            self._waiting.setdefault(topic, {}).setdefault(group, deque()).append(ticket)
         if self._closing.is_set():
             _wake(ticket)
         return ticket
 
     async def wait(self, ticket: Ticket, timeout: float) -> bool:
-        """Until woken (True) or ``timeout`` seconds (False); the ticket is spent either way."""
+        """Until woken (True) or ``timeout`` seconds (False); the ticket is spent either way (the caller looks
+        again). Cancelled here, the receive passes on a wake-up it got."""
         try:
             await asyncio.wait_for(asyncio.shield(ticket.future), max(0.0, min(timeout, RECHECK_S)))
-            return True
+            woken = True
         except TimeoutError:
-            return False
-        finally:
+            woken = False
+        except BaseException:
             self.leave(ticket)
+            raise
+        self.leave(ticket, looks_again=True)
+        return woken
 
-    def leave(self, ticket: Ticket) -> None:
+    def leave(self, ticket: Ticket, *, looks_again: bool = False) -> None:
+        """Done with ``ticket`` (a second leave does nothing). Unless its receive ``looks_again`` at the queues, a
+        wake-up the ticket got goes to the next ticket of its line: the receive may not have seen that message."""
+        passed: list[Ticket] = []
         with self._lock:
-            line = self._waiting.get((ticket.topic, ticket.group))
-            if line is not None:
-                with contextlib.suppress(ValueError):  # woken: already out of the line
+            if ticket.left:
+                return
+            ticket.left = True
+            line = self._waiting.get(ticket.topic, {}).get(ticket.group)
+            if line is None:
+                return
+            if not ticket.woken:
+                with contextlib.suppress(ValueError):  # woken by close(): still in line
                     line.remove(ticket)
-                if not line:
-                    del self._waiting[(ticket.topic, ticket.group)]
-                    if not any(topic == ticket.topic for topic, _group in self._waiting):
-                        self._ends.pop(ticket.topic, None)
+            elif not looks_again:
+                passed = self._take(line, 1)
+            self._drop_if_empty(ticket.topic, ticket.group)
+        for other in passed:
+            _wake(other)
 
     # --- from any thread -----------------------------------------------------------------------------------
 
@@ -103,10 +123,30 @@ class LongPolls:
         """Wake up to ``count`` receives of (topic, group), oldest first: messages became available to them
         that no dispatch announces (a FIFO group's next message, once the one before it is acknowledged)."""
         with self._lock:
-            line = self._waiting.get((topic, group))
-            woken = [line.popleft() for _ in range(min(count, len(line)))] if line else []
+            line = self._waiting.get(topic, {}).get(group)
+            woken = self._take(line, count) if line else []
+            if line is not None:
+                self._drop_if_empty(topic, group)
         for ticket in woken:
             _wake(ticket)
+
+    @staticmethod
+    def _take(line: deque[Ticket], count: int) -> list[Ticket]:
+        """Up to ``count`` tickets out of ``line``, oldest first, marked woken; hold ``_lock``."""
+        woken = [line.popleft() for _ in range(min(count, len(line)))]
+        for ticket in woken:
+            ticket.woken = True
+        return woken
+
+    def _drop_if_empty(self, topic: str, group: str) -> None:
+        """Forget the line of (topic, group) if no ticket is left in it, and ``topic`` if no line is; hold ``_lock``."""
+        lines = self._waiting.get(topic)
+        if lines is None or lines.get(group, True):
+            return
+        del lines[group]
+        if not lines:
+            del self._waiting[topic]
+            self._ends.pop(topic, None)
 
     def _end(self, topic: str) -> int:
         config = self.store.topic_config.get(topic)
@@ -133,9 +173,9 @@ class LongPolls:
                             continue
                         self._ends[topic] = end
                         woken = []
-                        for (waited, _group), line in self._waiting.items():
-                            if waited == topic:
-                                woken += [line.popleft() for _ in range(min(end - before, len(line)))]
+                        for group, line in list(self._waiting.get(topic, {}).items()):
+                            woken += self._take(line, end - before)
+                            self._drop_if_empty(topic, group)
                     for ticket in woken:
                         _wake(ticket)
             except Exception as exc:  # a store closing under us, a topic deleted mid-look: look again later

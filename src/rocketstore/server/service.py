@@ -625,23 +625,30 @@ class MessagingService:
         queue_ids = [(start + i) % read for i in range(read)] if read else []
         receive = functools.partial(self.pop.receive, group, topic, queue_ids, batch, invisible_ms, tags, sql)
         loop = asyncio.get_running_loop()
-        while True:
-            ticket = self.long_polls.watch(topic, group)  # before the look: what arrives after it wakes us
-            try:
-                deliveries = await loop.run_in_executor(None, receive)
-            except RocketStoreError as exc:
+        ticket = None
+        failure = None
+        try:  # however the call ends (a client cancelling it mid-read too), its ticket leaves the line
+            while True:
+                ticket = self.long_polls.watch(topic, group)  # before the look: what arrives after it wakes us
+                try:
+                    deliveries = await loop.run_in_executor(None, receive)
+                except RocketStoreError as exc:
+                    failure = status_of(exc)
+                    break
+                now = time.monotonic()
+                if deliveries or now >= deadline or self._closing.is_set() or context.cancelled():
+                    break
+                due_ms = self.pop.next_due(group, topic, queue_ids)  # a message it could be given again
+                until_due = (due_ms - time.time_ns() // 1_000_000) / 1000 if due_ms is not None else poll_s
+                # never 0: a due message this receive could not take (none known, but cheap to rule out) must not
+                # spin
+                await self.long_polls.wait(ticket, min(deadline - now, max(until_due, MIN_WAIT_S)))
+        finally:
+            if ticket is not None:
                 self.long_polls.leave(ticket)
-                failure = status_of(exc)
-                yield pb.ReceiveMessageResponse(status=status(failure.code, str(failure)))
-                return
-            now = time.monotonic()
-            if deliveries or now >= deadline or self._closing.is_set() or context.cancelled():
-                self.long_polls.leave(ticket)
-                break
-            due_ms = self.pop.next_due(group, topic, queue_ids)  # a message it could be given again
-            until_due = (due_ms - time.time_ns() // 1_000_000) / 1000 if due_ms is not None else poll_s
-            # never 0: a due message this receive could not take (none known, but cheap to rule out) must not spin
-            await self.long_polls.wait(ticket, min(deadline - now, max(until_due, MIN_WAIT_S)))
+        if failure is not None:
+            yield pb.ReceiveMessageResponse(status=status(failure.code, str(failure)))
+            return
         if not deliveries:
             yield pb.ReceiveMessageResponse(status=status(pb.Code.MESSAGE_NOT_FOUND, "no new message"))
             return
