@@ -744,13 +744,15 @@ def test_a_receive_cancelled_mid_read_leaves_the_long_poll_line(tmp_path, monkey
         wait_until(lambda: not polls._waiting and not polls._ends, what="lines and topics dropped")
 
 
-def send_in_process(channel, topic: str, *bodies: bytes):
+def send_in_process(channel, topic: str, *bodies: bytes, group: str | None = None):
     request = pb.SendMessageRequest()
     for i, body in enumerate(bodies):
         msg = request.messages.add()
         msg.topic.name = topic
         msg.body = body
         msg.system_properties.message_id = f"01{time.monotonic_ns():020X}{i:04X}"
+        if group is not None:
+            msg.system_properties.message_group = group
     rpc = channel.unary_unary(f"/{SERVICE}/SendMessage", request_serializer=pb.SendMessageRequest.SerializeToString,
                               response_deserializer=pb.SendMessageResponse.FromString)
     return rpc(request, timeout=10)
@@ -779,3 +781,45 @@ def test_a_wake_up_of_a_receive_cancelled_while_it_waits_goes_to_the_next_one():
     woken, took = asyncio.run(main())
     assert woken and took < 1, (woken, took)
     assert polls._waiting == {} and polls._ends == {}
+
+
+def test_a_receive_cancelled_mid_read_hands_back_what_it_took(tmp_path, monkeypatch):
+    """A receive cancelled while it reads the store: the messages its read took are visible again at once (not after
+    their 30 s invisible time), as the same delivery attempt; a FIFO group's message comes back before the next one
+    of its group."""
+    with in_process_server(tmp_path, ("T", 1), ("F", 1)) as (server, store), \
+            grpc.insecure_channel(server.address) as channel:
+        store.subscription_groups.set_orderly("Fifo", True)
+        assert send_in_process(channel, "T", b"taken by a gone receive").status.code == pb.Code.OK
+        assert send_in_process(channel, "F", b"f1", b"f2", group="mg").status.code == pb.Code.OK
+        store.wait_for_dispatch()
+        reads = SlowedReads(monkeypatch, store, 0.3)
+        for group, topic in (("G", "T"), ("Fifo", "F")):
+            call = receive_call(channel, group, topic)
+            time.sleep(0.1)  # in its read
+            call.cancel()
+        wait_until(reads.idle, what="the cancelled receives' reads done")
+        reads.slow.clear()
+        began = time.monotonic()
+        got = messages_of(receive_call(channel, "G", "T", poll_s=2))
+        assert [(m.body, m.system_properties.delivery_attempt) for m in got] == [(b"taken by a gone receive", 1)]
+        fifo = messages_of(receive_call(channel, "Fifo", "F", poll_s=2))
+        assert [(m.body, m.system_properties.delivery_attempt) for m in fifo] == [(b"f1", 1)]
+        assert time.monotonic() - began < 1, "the messages came back at once"
+
+
+def test_a_receive_cancelled_mid_reply_hands_back_what_it_did_not_write(tmp_path):
+    """A receive whose client stops reading and cancels while the reply is written (8 messages of 3 MB: grpc's flow
+    control holds the writes): what was not written is visible again at once."""
+    with in_process_server(tmp_path, ("T", 1)) as (server, store), grpc.insecure_channel(server.address) as channel:
+        bodies = [bytes([65 + i]) * (3 << 20) for i in range(8)]
+        for body in bodies:
+            assert send_in_process(channel, "T", body).status.code == pb.Code.OK
+        store.wait_for_dispatch()
+        call = receive_call(channel, "G", "T")  # not read
+        time.sleep(0.5)  # taken, part written
+        call.cancel()
+        got = messages_of(receive_call(channel, "G", "T", poll_s=2))
+        assert len(got) >= 4, f"{len(got)} of 8 messages came back"
+        assert [m.body for m in got] == bodies[-len(got):]  # the last ones: those not written
+        assert {m.system_properties.delivery_attempt for m in got} == {1}

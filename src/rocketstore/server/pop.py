@@ -270,6 +270,23 @@ class PopGroups:
             flight.delivery = self._deliveries
             return self._sign(group, topic, queue_id, offset, flight.delivery)
 
+    def release(self, group: str, topic: str, deliveries: list[Delivery]) -> int:
+        """Hand back ``deliveries`` that never reached their client (its receive was cancelled): each is visible
+        again at once, its delivery attempt not counted, and a FIFO group's message comes back before the rest of
+        its group. Deliveries no longer in flight as handed out (acknowledged, delivered again) are skipped; returns
+        how many were released."""
+        released = 0
+        with self._lock:
+            for d in deliveries:
+                try:
+                    flight = self._in_flight(group, topic, d.receipt_handle)[3]
+                except InvalidReceiptHandleError:
+                    continue
+                flight.deadline_ms = 0
+                flight.attempt -= 1  # its next delivery is this attempt again
+                released += 1
+        return released
+
     def forward_to_dlq(self, group: str, topic: str, handle: str) -> None:
         """ForwardMessageToDeadLetterQueue: the push consumer gave up on the message. If the store refuses the
         DLQ copy (DeadLetterError) the message stays in flight and comes back after its invisible time."""

@@ -630,8 +630,12 @@ class MessagingService:
         try:  # however the call ends (a client cancelling it mid-read too), its ticket leaves the line
             while True:
                 ticket = self.long_polls.watch(topic, group)  # before the look: what arrives after it wakes us
-                try:
-                    deliveries = await loop.run_in_executor(None, receive)
+                job = loop.run_in_executor(None, receive)
+                try:  # shielded: a receive cancelled now gets what the read took back, and hands it back
+                    deliveries = await asyncio.shield(job)
+                except asyncio.CancelledError:
+                    job.add_done_callback(functools.partial(self._hand_back_taken, group, topic))
+                    raise
                 except RocketStoreError as exc:
                     failure = status_of(exc)
                     break
@@ -652,13 +656,48 @@ class MessagingService:
         if not deliveries:
             yield pb.ReceiveMessageResponse(status=status(pb.Code.MESSAGE_NOT_FOUND, "no new message"))
             return
-        yield pb.ReceiveMessageResponse(status=status())
-        # the transport's delivery time: push consumers compute their receive latency from it (and fail without it)
-        yield pb.ReceiveMessageResponse(delivery_timestamp=_stamp(time.time_ns() // 1_000_000))
-        for d in deliveries:
-            yield pb.ReceiveMessageResponse(message=self._to_proto(d.message, d.receipt_handle, d.attempt,
-                                                                   d.invisible_ms))
+        if context.cancelled():  # while it looked (a cancellation asyncio.wait_for swallowed): nobody to write to
+            self._hand_back_soon(group, topic, deliveries)
+            return
+        written = 0
+        try:  # a call cancelled (or failing) mid-reply hands back what it had not written
+            yield pb.ReceiveMessageResponse(status=status())
+            # the transport's delivery time: push consumers compute their receive latency from it (and fail
+            # without it)
+            yield pb.ReceiveMessageResponse(delivery_timestamp=_stamp(time.time_ns() // 1_000_000))
+            for d in deliveries:
+                yield pb.ReceiveMessageResponse(message=self._to_proto(d.message, d.receipt_handle, d.attempt,
+                                                                       d.invisible_ms))
+                written += 1  # grpc took it and asked for the next
+        finally:
+            if written < len(deliveries):
+                self._hand_back_soon(group, topic, deliveries[written:])
         self.metrics.add("received", len(deliveries))
+
+    def _hand_back_taken(self, group: str, topic: str, job: asyncio.Future) -> None:
+        """The store read of a receive that was cancelled meanwhile is done: hand back what it took."""
+        if not job.cancelled() and job.exception() is None:
+            self._hand_back_soon(group, topic, job.result())
+
+    def _hand_back_soon(self, group: str, topic: str, deliveries: list) -> None:
+        """From the event loop: ``_hand_back`` in a worker thread (the loop never waits for pop's lock)."""
+        if not deliveries:
+            return
+        try:
+            asyncio.get_running_loop().run_in_executor(None, self._hand_back, group, topic, deliveries)
+        except RuntimeError:  # the workers are shut down: the server is stopping, the messages come back anyway
+            log.debug("%d messages of %s not handed back: the server is stopping", len(deliveries), group)
+
+    def _hand_back(self, group: str, topic: str, deliveries: list) -> None:
+        """Deliveries no client got are visible again now (``PopGroups.release``), and wake receives waiting."""
+        try:
+            released = self.pop.release(group, topic, deliveries)
+        except Exception:  # nobody waits for this job's result: log what went wrong
+            log.exception("handing back %d messages of %s failed", len(deliveries), group)
+            return
+        if released:
+            log.info("%d messages of %s handed back: the receive that took them was cancelled", released, group)
+            self.long_polls.wake(topic, group, released)
 
     def _to_proto(self, msg: MessageExt, handle: str | None, attempt: int, invisible_ms: int):
         props = msg.properties
