@@ -823,3 +823,71 @@ def test_a_receive_cancelled_mid_reply_hands_back_what_it_did_not_write(tmp_path
         assert len(got) >= 4, f"{len(got)} of 8 messages came back"
         assert [m.body for m in got] == bodies[-len(got):]  # the last ones: those not written
         assert {m.system_properties.delivery_attempt for m in got} == {1}
+
+
+def test_a_slow_read_of_one_queue_holds_up_neither_the_event_loop_nor_other_groups(tmp_path, monkeypatch):
+    """Group Heavy keeps reading topic Big, whose reads take 0.3 s (a cold disk). Meanwhile 20 receives of other
+    groups start long polls on the empty topic Idle, and a receive and an ack of another group run: the event loop
+    (every long poll, telemetry stream and grpc's own I/O) never stalls behind that read, nor do the other
+    groups."""
+    with in_process_server(tmp_path, ("Big", 1), ("Idle", 1), ("Small", 1)) as (server, store), \
+            grpc.insecure_channel(server.address) as channel:
+        assert send_in_process(channel, "Big", *[b"big"] * 8).status.code == pb.Code.OK
+        assert send_in_process(channel, "Small", b"one").status.code == pb.Code.OK
+        store.wait_for_dispatch()
+        taken = messages_of(receive_call(channel, "Other", "Small", poll_s=0))
+        assert len(taken) == 1
+        real = store.get_message
+
+        def get_message(topic, *args, **kwargs):
+            if topic == "Big":
+                time.sleep(0.3)
+            return real(topic, *args, **kwargs)
+
+        monkeypatch.setattr(store, "get_message", get_message)
+        lags: list[float] = []
+
+        async def probe() -> None:
+            while True:
+                began = time.monotonic()
+                await asyncio.sleep(0.005)
+                lags.append(time.monotonic() - began - 0.005)
+
+        probing = asyncio.run_coroutine_threadsafe(probe(), server._loop)
+        stop = threading.Event()
+
+        def heavy() -> None:
+            while not stop.is_set():
+                messages_of(receive_call(channel, "Heavy", "Big", batch=1, poll_s=0))
+
+        heavies = [threading.Thread(target=heavy) for _ in range(2)]
+        for thread in heavies:
+            thread.start()
+        try:
+            time.sleep(0.2)  # a Heavy read is running
+            polls = [receive_call(channel, f"Idle{i}", "Idle", poll_s=1) for i in range(20)]
+            time.sleep(0.1)
+            began = time.monotonic()
+            assert receive_call(channel, "Other", "Idle", poll_s=0).next().status.code == pb.Code.MESSAGE_NOT_FOUND
+            other_receive = time.monotonic() - began
+            began = time.monotonic()
+            acked = ack_in_process(channel, "Other", "Small", taken[0].system_properties.receipt_handle)
+            other_ack = time.monotonic() - began
+            assert acked.status.code == pb.Code.OK
+            for call in polls:
+                assert call.next().status.code == pb.Code.MESSAGE_NOT_FOUND
+        finally:
+            stop.set()
+            for thread in heavies:
+                thread.join(10)
+            probing.cancel()
+        assert max(lags) < 0.1, f"the event loop stalled {max(lags) * 1000:.0f} ms"
+        assert other_receive < 0.15 and other_ack < 0.15, (other_receive, other_ack)
+
+
+def ack_in_process(channel, group: str, topic: str, *handles: str):
+    request = pb.AckMessageRequest(group=pb.Resource(name=group), topic=pb.Resource(name=topic),
+                                   entries=[pb.AckMessageEntry(message_id="01AB", receipt_handle=h) for h in handles])
+    rpc = channel.unary_unary(f"/{SERVICE}/AckMessage", request_serializer=pb.AckMessageRequest.SerializeToString,
+                              response_deserializer=pb.AckMessageResponse.FromString)
+    return rpc(request, timeout=10)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import re
 import secrets
@@ -70,6 +71,9 @@ class QueueState:
     busy: dict[str, int] = field(default_factory=dict)  # FIFO: message group -> its offset in flight
     held: dict[int, str] = field(default_factory=dict)  # FIFO: offset -> message group, read but waiting
     held_groups: dict[str, int] = field(default_factory=dict)  # FIFO: message group -> how many are held
+    # held by every operation on this queue's state, across its store reads, DLQ puts and offset commits: those
+    # of other groups, topics and queues go on meanwhile
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def hold(self, offset: int, message_group: str) -> None:
         self.held[offset] = message_group
@@ -94,7 +98,12 @@ class Delivery:
 
 
 class PopGroups:
-    """In-flight state of every (group, topic); thread-safe (one lock: every operation is short)."""
+    """In-flight state of every (group, topic); thread-safe.
+
+    Each (group, topic, queue) has a lock of its own (``QueueState.lock``), held for a whole operation on it, store
+    reads and dead-letter puts included: an operation sees and leaves the queue's in-flight state consistent, and
+    a slow read of one queue holds up only the calls on that queue. ``_lock`` only guards the table of queue states
+    and the counters, never across store I/O."""
 
     def __init__(self, store: MessageStore, *, max_attempts: int = 16, is_fifo=None) -> None:
         self.store = store
@@ -103,7 +112,7 @@ class PopGroups:
         self._key = secrets.token_bytes(32)
         self._lock = threading.Lock()
         self._queues: dict[tuple[str, str, int], QueueState] = {}
-        self._deliveries = 0
+        self._deliveries = itertools.count(1)  # next() is atomic: no lock needed
         self.dead_lettered = 0
         self.dead_letter_failures = 0
 
@@ -131,10 +140,13 @@ class PopGroups:
         key = (group, topic, queue_id)
         state = self._queues.get(key)
         if state is None:
-            committed = self.store.query_offset(group, topic, queue_id)
-            if committed < 0:  # a new group reads the queue from its oldest message (what tests and CI expect)
-                committed = self.store.get_min_offset_in_queue(topic, queue_id)
-            state = self._queues[key] = QueueState(committed, committed)
+            with self._lock:
+                state = self._queues.get(key)
+                if state is None:  # the store's offset tables, in memory
+                    committed = self.store.query_offset(group, topic, queue_id)
+                    if committed < 0:  # a new group reads the queue from its oldest message (what tests expect)
+                        committed = self.store.get_min_offset_in_queue(topic, queue_id)
+                    state = self._queues[key] = QueueState(committed, committed)
         return state
 
     def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
@@ -145,44 +157,50 @@ class PopGroups:
         (else they would be invisible, undelivered, until their deadline) and the error is logged."""
         now = _now_ms()
         out: list[Delivery] = []
-        with self._lock:
-            try:
-                for queue_id in queue_ids:
-                    state = self._state(group, topic, queue_id)
+        try:
+            for queue_id in queue_ids:
+                if len(out) >= batch:
+                    break
+                state = self._state(group, topic, queue_id)
+                with state.lock:
                     for offset in sorted(o for o, f in state.inflight.items() if f.deadline_ms <= now):
                         if len(out) >= batch:
                             break
                         self._redeliver(group, topic, queue_id, state, offset, now, invisible_ms, out)
-                fifo = self.is_fifo(group)
-                for queue_id in queue_ids:
-                    if len(out) >= batch:
-                        break
-                    state = self._state(group, topic, queue_id)
+            fifo = self.is_fifo(group)
+            for queue_id in queue_ids:
+                if len(out) >= batch:
+                    break
+                state = self._state(group, topic, queue_id)
+                with state.lock:
                     if fifo:
                         self._take_held(group, topic, queue_id, state, batch - len(out), now, invisible_ms, out)
                     self._take_new(group, topic, queue_id, state, batch - len(out), now, invisible_ms, tags, sql,
                                    out, fifo)
-            except RocketStoreError as exc:
-                if not out:
-                    raise
-                log.error("receive of %s from %s stopped after %d messages: %s", group, topic, len(out), exc)
+        except RocketStoreError as exc:
+            if not out:
+                raise
+            log.error("receive of %s from %s stopped after %d messages: %s", group, topic, len(out), exc)
         return out
 
     def next_due(self, group: str, topic: str, queue_ids: list[int]) -> int | None:
         """When (epoch ms) the first message of these queues now in flight becomes visible again, if any: a
         waiting receive wakes then to take it."""
-        with self._lock:
-            deadlines = [f.deadline_ms for q in queue_ids if (state := self._queues.get((group, topic, q)))
-                         for f in state.inflight.values()]
+        deadlines = []
+        for queue_id in queue_ids:
+            state = self._queues.get((group, topic, queue_id))
+            if state is not None:
+                with state.lock:
+                    deadlines += [f.deadline_ms for f in state.inflight.values()]
         return min(deadlines, default=None)
 
     def _deliver(self, group: str, topic: str, queue_id: int, state: QueueState, msg: MessageExt, attempt: int,
                  now: int, invisible_ms: int, out: list[Delivery], message_group: str | None = None) -> None:
-        self._deliveries += 1
-        state.inflight[msg.queue_offset] = InFlight(now + invisible_ms, attempt, self._deliveries, message_group)
+        delivery = next(self._deliveries)
+        state.inflight[msg.queue_offset] = InFlight(now + invisible_ms, attempt, delivery, message_group)
         if message_group is not None:
             state.busy[message_group] = msg.queue_offset
-        handle = self._sign(group, topic, queue_id, msg.queue_offset, self._deliveries)
+        handle = self._sign(group, topic, queue_id, msg.queue_offset, delivery)
         out.append(Delivery(msg, handle, attempt, invisible_ms))
 
     def _redeliver(self, group: str, topic: str, queue_id: int, state: QueueState, offset: int, now: int,
@@ -246,28 +264,33 @@ class PopGroups:
             if not advanced or (found.status is not GetMessageStatus.FOUND and not found.messages):
                 return
 
-    def _in_flight(self, group: str, topic: str, handle: str) -> tuple[int, int, QueueState, InFlight]:
-        """(queue id, offset, queue state, in-flight entry) of the delivery ``handle`` names; hold ``_lock``."""
+    def _handled(self, group: str, topic: str, handle: str) -> tuple[int, int, int, QueueState]:
+        """(queue id, offset, delivery, queue state) of the delivery ``handle`` names."""
         queue_id, offset, delivery = self._parse(group, topic, handle)
-        state = self._state(group, topic, queue_id)
+        return queue_id, offset, delivery, self._state(group, topic, queue_id)
+
+    @staticmethod
+    def _in_flight(state: QueueState, offset: int, delivery: int) -> InFlight:
+        """The in-flight entry of that delivery, if it is still the current one; hold ``state.lock``."""
         flight = state.inflight.get(offset)
         if flight is None or flight.delivery != delivery:
             raise InvalidReceiptHandleError("receipt handle expired: the message was delivered again or already "
                                             "acknowledged")
-        return queue_id, offset, state, flight
+        return flight
 
     def ack(self, group: str, topic: str, handle: str) -> None:
-        with self._lock:
-            queue_id, offset, state, _flight = self._in_flight(group, topic, handle)
+        queue_id, offset, delivery, state = self._handled(group, topic, handle)
+        with state.lock:
+            self._in_flight(state, offset, delivery)
             self._finish(group, topic, queue_id, state, offset)
 
     def change_invisible(self, group: str, topic: str, handle: str, invisible_ms: int) -> str:
         """Make the message invisible for ``invisible_ms`` from now; returns its new receipt handle."""
-        with self._lock:
-            queue_id, offset, _state, flight = self._in_flight(group, topic, handle)
-            self._deliveries += 1
+        queue_id, offset, delivery, state = self._handled(group, topic, handle)
+        with state.lock:
+            flight = self._in_flight(state, offset, delivery)
             flight.deadline_ms = _now_ms() + invisible_ms
-            flight.delivery = self._deliveries
+            flight.delivery = next(self._deliveries)
             return self._sign(group, topic, queue_id, offset, flight.delivery)
 
     def release(self, group: str, topic: str, deliveries: list[Delivery]) -> int:
@@ -276,10 +299,11 @@ class PopGroups:
         its group. Deliveries no longer in flight as handed out (acknowledged, delivered again) are skipped; returns
         how many were released."""
         released = 0
-        with self._lock:
-            for d in deliveries:
+        for d in deliveries:
+            _queue_id, offset, delivery, state = self._handled(group, topic, d.receipt_handle)
+            with state.lock:
                 try:
-                    flight = self._in_flight(group, topic, d.receipt_handle)[3]
+                    flight = self._in_flight(state, offset, delivery)
                 except InvalidReceiptHandleError:
                     continue
                 flight.deadline_ms = 0
@@ -290,8 +314,9 @@ class PopGroups:
     def forward_to_dlq(self, group: str, topic: str, handle: str) -> None:
         """ForwardMessageToDeadLetterQueue: the push consumer gave up on the message. If the store refuses the
         DLQ copy (DeadLetterError) the message stays in flight and comes back after its invisible time."""
-        with self._lock:
-            queue_id, offset, state, _flight = self._in_flight(group, topic, handle)
+        queue_id, offset, delivery, state = self._handled(group, topic, handle)
+        with state.lock:
+            self._in_flight(state, offset, delivery)
             found = [m for m in self.store.get_message(topic, queue_id, offset, 1).messages if m.queue_offset == offset]
             if found:
                 self._dead_letter(group, found[0])
@@ -327,14 +352,17 @@ class PopGroups:
             self.store.put_message(Message(DLQ_PREFIX + group, msg.body, properties=props, queue_id=0, flag=msg.flag,
                                            born_timestamp=msg.born_timestamp, born_host=msg.born_host))
         except RocketStoreError as exc:
-            self.dead_letter_failures += 1
+            with self._lock:
+                self.dead_letter_failures += 1
             raise DeadLetterError(f"{msg.topic} queue {msg.queue_id} offset {msg.queue_offset} could not go to "
                                   f"{DLQ_PREFIX}{group}: {exc}") from exc
-        self.dead_lettered += 1
+        with self._lock:
+            self.dead_lettered += 1
 
     def in_flight(self) -> int:
         with self._lock:
-            return sum(len(s.inflight) for s in self._queues.values())
+            states = list(self._queues.values())
+        return sum(len(s.inflight) for s in states)
 
 
 def _now_ms() -> int:

@@ -623,16 +623,16 @@ class MessagingService:
         deadline = time.monotonic() + poll_s
         start = request.message_queue.id if request.message_queue.id >= 0 else self._next_start(group, topic)
         queue_ids = [(start + i) % read for i in range(read)] if read else []
-        receive = functools.partial(self.pop.receive, group, topic, queue_ids, batch, invisible_ms, tags, sql)
+        look = functools.partial(self._look, group, topic, queue_ids, batch, invisible_ms, tags, sql)
         loop = asyncio.get_running_loop()
         ticket = None
         failure = None
         try:  # however the call ends (a client cancelling it mid-read too), its ticket leaves the line
             while True:
                 ticket = self.long_polls.watch(topic, group)  # before the look: what arrives after it wakes us
-                job = loop.run_in_executor(None, receive)
+                job = loop.run_in_executor(None, look)
                 try:  # shielded: a receive cancelled now gets what the read took back, and hands it back
-                    deliveries = await asyncio.shield(job)
+                    deliveries, due_ms = await asyncio.shield(job)
                 except asyncio.CancelledError:
                     job.add_done_callback(functools.partial(self._hand_back_taken, group, topic))
                     raise
@@ -642,7 +642,6 @@ class MessagingService:
                 now = time.monotonic()
                 if deliveries or now >= deadline or self._closing.is_set() or context.cancelled():
                     break
-                due_ms = self.pop.next_due(group, topic, queue_ids)  # a message it could be given again
                 until_due = (due_ms - time.time_ns() // 1_000_000) / 1000 if due_ms is not None else poll_s
                 # never 0: a due message this receive could not take (none known, but cheap to rule out) must not
                 # spin
@@ -674,10 +673,18 @@ class MessagingService:
                 self._hand_back_soon(group, topic, deliveries[written:])
         self.metrics.add("received", len(deliveries))
 
+    def _look(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int, tags: str | None,
+              sql: SqlFilter | None) -> tuple[list, int | None]:
+        """A receive's look at the queues, in a worker thread: (the deliveries, and when none, the epoch ms at which
+        the first message of these queues now in flight becomes visible again: a waiting receive wakes then to take
+        it). Pop's locks are taken here, never on the event loop: a worker holds one across a store read."""
+        deliveries = self.pop.receive(group, topic, queue_ids, batch, invisible_ms, tags, sql)
+        return deliveries, None if deliveries else self.pop.next_due(group, topic, queue_ids)
+
     def _hand_back_taken(self, group: str, topic: str, job: asyncio.Future) -> None:
         """The store read of a receive that was cancelled meanwhile is done: hand back what it took."""
         if not job.cancelled() and job.exception() is None:
-            self._hand_back_soon(group, topic, job.result())
+            self._hand_back_soon(group, topic, job.result()[0])
 
     def _hand_back_soon(self, group: str, topic: str, deliveries: list) -> None:
         """From the event loop: ``_hand_back`` in a worker thread (the loop never waits for pop's lock)."""
