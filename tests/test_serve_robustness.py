@@ -891,3 +891,55 @@ def ack_in_process(channel, group: str, topic: str, *handles: str):
     rpc = channel.unary_unary(f"/{SERVICE}/AckMessage", request_serializer=pb.AckMessageRequest.SerializeToString,
                               response_deserializer=pb.AckMessageResponse.FromString)
     return rpc(request, timeout=10)
+
+
+def change_in_process(channel, group: str, topic: str, handle: str, invisible_ms: int):
+    request = pb.ChangeInvisibleDurationRequest(group=pb.Resource(name=group), topic=pb.Resource(name=topic),
+                                                receipt_handle=handle, message_id="01AB")
+    request.invisible_duration.FromMilliseconds(invisible_ms)
+    rpc = channel.unary_unary(f"/{SERVICE}/ChangeInvisibleDuration", response_deserializer=pb.
+                              ChangeInvisibleDurationResponse.FromString,
+                              request_serializer=pb.ChangeInvisibleDurationRequest.SerializeToString)
+    return rpc(request, timeout=10)
+
+
+def test_a_waiting_receive_gets_a_message_once_visible_again_whenever_its_deadline_was_set(tmp_path):
+    """Receives that started waiting before a message went into flight (or before its invisible time was
+    shortened) get it as soon as it is visible again, not at their 5 s recheck."""
+    with in_process_server(tmp_path, ("T", 1)) as (server, _store), grpc.insecure_channel(server.address) as channel:
+        polls = server.service.long_polls
+        returned: dict[str, tuple[float, list]] = {}
+
+        def poll(name: str, invisible_ms: int) -> threading.Thread:
+            def run() -> None:
+                got = messages_of(receive_call(channel, "G", "T", invisible_ms=invisible_ms))
+                returned[name] = (time.monotonic(), got)
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        def waiting(count: int) -> bool:
+            return sum(len(line) for lines in polls._waiting.values() for line in lines.values()) == count
+
+        first = poll("first", 500)
+        wait_until(lambda: waiting(1), what="first waits")
+        second = poll("second", 30_000)
+        wait_until(lambda: waiting(2), what="second waits")
+        time.sleep(0.1)  # both looked: nothing in flight
+        assert send_in_process(channel, "T", b"m").status.code == pb.Code.OK  # wakes the oldest: first takes it
+        first.join(10)
+        second.join(10)
+        took_again = returned["second"][0] - returned["first"][0]
+        assert [(m.body, m.system_properties.delivery_attempt) for m in returned["second"][1]] == [(b"m", 2)]
+        assert took_again < 1.2, f"visible again after 0.5 s, received again after {took_again:.2f} s"
+
+        third = poll("third", 30_000)
+        wait_until(lambda: waiting(1), what="third waits")
+        time.sleep(0.1)  # it looked: the message is in flight for 30 s more
+        handle = returned["second"][1][0].system_properties.receipt_handle
+        changed = time.monotonic()
+        assert change_in_process(channel, "G", "T", handle, 200).status.code == pb.Code.OK
+        third.join(10)
+        took_again = returned["third"][0] - changed
+        assert [(m.body, m.system_properties.delivery_attempt) for m in returned["third"][1]] == [(b"m", 3)]
+        assert took_again < 1, f"visible again after 0.2 s, received again after {took_again:.2f} s"

@@ -9,6 +9,11 @@ waits on, and when a topic grew by k messages wakes up to k waiters of each grou
 took the messages) waits again. A waiter also wakes by its own timeout: its poll's end, or the moment a message
 it could be given again becomes visible, or ``RECHECK_S``.
 
+A message that goes into flight, or whose invisible time is changed, after the waiters of its group looked gets
+no timeout of theirs: its deadline is told to ``due``, and once it has passed the watcher asks the group's
+in-flight state (``next_due``, in the watcher's thread) whether a message is visible again, and if so wakes a
+waiter, within ``CHECK_S``.
+
 A receive registers (``watch``) *before* it looks at the queues and waits (``wait``) after: messages dispatched
 in between wake it, never fall between the look and the wait.
 """
@@ -19,7 +24,9 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..store import MessageStore
@@ -49,11 +56,16 @@ class LongPolls:
     by a receive that does not look again (cancelled by its client, or answering with what it had already taken)
     passes its wake-up on to the next ticket of its line, so no wake-up is spent on a receive that is gone."""
 
-    def __init__(self, store: MessageStore) -> None:
+    def __init__(self, store: MessageStore,
+                 next_due: Callable[[str, str, list[int]], int | None] | None = None) -> None:
+        """``next_due(group, topic, queue_ids)``: when (epoch ms) the first message of those queues in flight becomes
+        visible again, if any; it may raise when it cannot tell now (asked again a round later)."""
         self.store = store
+        self._next_due = next_due
         self._lock = threading.Lock()
         self._waiting: dict[str, dict[str, deque[Ticket]]] = {}  # topic -> group -> its line, oldest first
         self._ends: dict[str, int] = {}  # topic -> messages in its read queues, when last looked at
+        self._due: dict[tuple[str, str], int] = {}  # (topic, group) with waiters -> when to ask next_due (epoch ms)
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="rocketstore-long-poll", daemon=True)
 
@@ -130,6 +142,15 @@ class LongPolls:
         for ticket in woken:
             _wake(ticket)
 
+    def due(self, topic: str, group: str, at_ms: int) -> None:
+        """A message of (topic, group) may become visible again at ``at_ms`` (epoch ms): it went into flight or its
+        invisible time changed. If receives wait there now, the watcher wakes one once it is visible. (A receive
+        that starts waiting later sees the deadline in its own look.)"""
+        with self._lock:
+            if group in self._waiting.get(topic, ()):
+                key = (topic, group)
+                self._due[key] = min(self._due.get(key, at_ms), at_ms)
+
     @staticmethod
     def _take(line: deque[Ticket], count: int) -> list[Ticket]:
         """Up to ``count`` tickets out of ``line``, oldest first, marked woken; hold ``_lock``."""
@@ -144,6 +165,7 @@ class LongPolls:
         if lines is None or lines.get(group, True):
             return
         del lines[group]
+        self._due.pop((topic, group), None)
         if not lines:
             del self._waiting[topic]
             self._ends.pop(topic, None)
@@ -178,9 +200,36 @@ class LongPolls:
                             self._drop_if_empty(topic, group)
                     for ticket in woken:
                         _wake(ticket)
+                self._wake_due()
             except Exception as exc:  # a store closing under us, a topic deleted mid-look: look again later
                 log.debug("long-poll watcher: %s", exc)
                 self._closing.wait(CHECK_S)
+
+    def _wake_due(self) -> None:
+        """Wake a waiter of each (topic, group) whose told deadline passed and which has a message visible again."""
+        now = _now_ms()
+        with self._lock:
+            passed = [key for key, at_ms in self._due.items() if at_ms <= now]
+            for key in passed:
+                del self._due[key]
+        for topic, group in passed:
+            config = self.store.topic_config.get(topic)
+            try:
+                next_ms = self._next_due(group, topic, list(range(config.read_queue_nums)) if config else []) \
+                    if self._next_due is not None else None
+            except Exception as exc:  # busy (an operation on the queue holds it): ask again next round
+                log.debug("long-poll watcher: next due of %s on %s: %s", group, topic, exc)
+                next_ms = now + int(CHECK_S * 1000)
+            else:
+                if next_ms is not None and next_ms <= now:
+                    self.wake(topic, group)
+                    next_ms = now + int(CHECK_S * 1000)  # more may be visible than that receive takes: ask again
+            if next_ms is not None:
+                self.due(topic, group, next_ms)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 def _wake(ticket: Ticket) -> None:

@@ -50,6 +50,10 @@ class InvalidReceiptHandleError(RocketStoreError):
     """A receipt handle that this server did not issue for a message still in flight."""
 
 
+class QueueBusyError(Exception):
+    """``next_due(..., wait=False)`` found a queue's lock held: an operation on that queue is running."""
+
+
 class DeadLetterError(RocketStoreError):
     """The store refused a message's copy in ``%DLQ%<group>``: the message stays the group's to consume."""
 
@@ -183,15 +187,21 @@ class PopGroups:
             log.error("receive of %s from %s stopped after %d messages: %s", group, topic, len(out), exc)
         return out
 
-    def next_due(self, group: str, topic: str, queue_ids: list[int]) -> int | None:
+    def next_due(self, group: str, topic: str, queue_ids: list[int], *, wait: bool = True) -> int | None:
         """When (epoch ms) the first message of these queues now in flight becomes visible again, if any: a
-        waiting receive wakes then to take it."""
+        waiting receive wakes then to take it. With ``wait=False``, QueueBusyError rather than wait for a queue's
+        lock (the long-poll watcher, which wakes every receive, must not stall behind a store read)."""
         deadlines = []
         for queue_id in queue_ids:
             state = self._queues.get((group, topic, queue_id))
-            if state is not None:
-                with state.lock:
-                    deadlines += [f.deadline_ms for f in state.inflight.values()]
+            if state is None:
+                continue
+            if not state.lock.acquire(blocking=wait):
+                raise QueueBusyError(f"{group} on {topic} queue {queue_id} is busy")
+            try:
+                deadlines += [f.deadline_ms for f in state.inflight.values()]
+            finally:
+                state.lock.release()
         return min(deadlines, default=None)
 
     def _deliver(self, group: str, topic: str, queue_id: int, state: QueueState, msg: MessageExt, attempt: int,

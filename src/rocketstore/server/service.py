@@ -218,7 +218,7 @@ class MessagingService:
         self._create_lock = threading.Lock()
         self._rotation: dict[tuple[str, str], int] = {}  # (group, topic) -> receives so far
         self._rotation_lock = threading.Lock()
-        self.long_polls = LongPolls(store)
+        self.long_polls = LongPolls(store, next_due=functools.partial(self.pop.next_due, wait=False))
         self._closing = threading.Event()
         self._clients: dict[str, TelemetryClient] = {}  # client id -> its open telemetry stream
         self._clients_lock = threading.Lock()
@@ -679,7 +679,10 @@ class MessagingService:
         the first message of these queues now in flight becomes visible again: a waiting receive wakes then to take
         it). Pop's locks are taken here, never on the event loop: a worker holds one across a store read."""
         deliveries = self.pop.receive(group, topic, queue_ids, batch, invisible_ms, tags, sql)
-        return deliveries, None if deliveries else self.pop.next_due(group, topic, queue_ids)
+        if deliveries:  # other receives waiting now take them if they are not acknowledged in time
+            self.long_polls.due(topic, group, time.time_ns() // 1_000_000 + invisible_ms)
+            return deliveries, None
+        return deliveries, self.pop.next_due(group, topic, queue_ids)
 
     def _hand_back_taken(self, group: str, topic: str, job: asyncio.Future) -> None:
         """The store read of a receive that was cancelled meanwhile is done: hand back what it took."""
@@ -772,6 +775,8 @@ class MessagingService:
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             return pb.ChangeInvisibleDurationResponse(status=status(failure.code, str(failure)))
+        # a receive waiting since before takes the message once visible again (sooner, if this shortened it)
+        self.long_polls.due(request.topic.name, request.group.name, time.time_ns() // 1_000_000 + invisible_ms)
         return pb.ChangeInvisibleDurationResponse(status=status(), receipt_handle=handle)
 
     def ForwardMessageToDeadLetterQueue(self, request, context):
