@@ -943,3 +943,31 @@ def test_a_waiting_receive_gets_a_message_once_visible_again_whenever_its_deadli
         took_again = returned["third"][0] - changed
         assert [(m.body, m.system_properties.delivery_attempt) for m in returned["third"][1]] == [(b"m", 3)]
         assert took_again < 1, f"visible again after 0.2 s, received again after {took_again:.2f} s"
+
+
+def test_a_fifo_message_forwarded_to_the_dead_letter_queue_frees_its_group_for_a_waiting_receive(tmp_path):
+    """ForwardMessageToDeadLetterQueue frees the message's group in a FIFO consumer group, as an ack does: a receive
+    waiting for the group's next message gets it at once, not at its 5 s recheck."""
+    with in_process_server(tmp_path, ("T", 1)) as (server, store), grpc.insecure_channel(server.address) as channel:
+        store.subscription_groups.set_orderly("F", True)
+        assert send_in_process(channel, "T", b"poison", b"next", group="mg").status.code == pb.Code.OK
+        store.wait_for_dispatch()
+        first = messages_of(receive_call(channel, "F", "T", batch=1, poll_s=0))
+        assert [m.body for m in first] == [b"poison"]
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.extend(messages_of(receive_call(channel, "F", "T"))))
+        waiter.start()
+        wait_until(lambda: server.service.long_polls._waiting, what="the receive waits")
+        time.sleep(0.1)  # it looked: "next" is held behind "poison"
+        forward = pb.ForwardMessageToDeadLetterQueueRequest(
+            group=pb.Resource(name="F"), topic=pb.Resource(name="T"),
+            receipt_handle=first[0].system_properties.receipt_handle, message_id="01AB")
+        rpc = channel.unary_unary(f"/{SERVICE}/ForwardMessageToDeadLetterQueue",
+                                  request_serializer=pb.ForwardMessageToDeadLetterQueueRequest.SerializeToString,
+                                  response_deserializer=pb.ForwardMessageToDeadLetterQueueResponse.FromString)
+        forwarded = time.monotonic()
+        assert rpc(forward, timeout=10).status.code == pb.Code.OK
+        waiter.join(10)
+        took = time.monotonic() - forwarded
+        assert [m.body for m in got] == [b"next"]
+        assert took < 1, f"the group's next message came {took:.2f} s after the forward"

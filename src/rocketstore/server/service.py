@@ -787,6 +787,8 @@ class MessagingService:
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             return pb.ForwardMessageToDeadLetterQueueResponse(status=status(failure.code, str(failure)))
+        if self.pop.is_fifo(request.group.name):  # as after an ack: the next message of its group is free
+            self.long_polls.wake(request.topic.name, request.group.name)
         return pb.ForwardMessageToDeadLetterQueueResponse(status=status())
 
     # --- pull-style offsets -----------------------------------------------------------------------------
