@@ -971,3 +971,37 @@ def test_a_fifo_message_forwarded_to_the_dead_letter_queue_frees_its_group_for_a
         took = time.monotonic() - forwarded
         assert [m.body for m in got] == [b"next"]
         assert took < 1, f"the group's next message came {took:.2f} s after the forward"
+
+
+# --- 13. signals while serve starts --------------------------------------------------------------------------
+
+def start_serve_and_signal(root: Path, *signals: int) -> tuple[int, str]:
+    """Start ``rocketstore serve`` on a new store at ``root``, send ``signals`` the moment the store is open (the
+    server being built and started), and return (exit code, stderr)."""
+    with MessageStore.open(root, CONFIG) as store:
+        store.create_topic("T", 1)
+    proc = subprocess.Popen([sys.executable, "-m", "rocketstore.cli.app", "serve", "--store", str(root),
+                             "--listen", "127.0.0.1:0", *SMALL], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (root / "abort").exists():  # the store is open
+            assert time.monotonic() < deadline and proc.poll() is None, "serve did not open its store"
+            time.sleep(0.001)
+        for sig in signals:
+            os.kill(proc.pid, sig)
+        code = proc.wait(30)
+        return code, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_serve_starts_closes_the_store_cleanly(tmp_path, sig):
+    root = tmp_path / "store"
+    code, log = start_serve_and_signal(root, sig)
+    assert code == 0, log
+    assert "Traceback" not in log and "stopped, store closed" in log, log
+    assert not (root / "abort").exists(), "the store was not closed cleanly"
+

@@ -986,35 +986,45 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
     # A send is ~0.1 ms of Python; under the default 5 ms GIL switch interval a handler waiting behind the
     # dispatcher or a long poll could wait 5 ms (p99 5.3 -> 1.6 ms for one producer thread here).
     sys.setswitchinterval(0.0005)
-    with MessageStore.open(root, config) as store:
-        for group in fifo_groups:
-            store.subscription_groups.set_orderly(group, True)
-        server = Server(store, listen, auto_create_topics=auto_create_topics, max_attempts=max_attempts,
-                        transaction_check_ms=int(transaction_check_seconds * 1000), accounts=accounts).start()
-        click.echo(f"rocketstore serve: listening on {server.address} (store {root})", err=True)
+    signals: list[int] = []
+    stopping = threading.Event()
 
-        stopping = threading.Event()
+    def stop(signum, frame):
+        """Only flags the stop: the main thread stops the server, then closes the store. No click.echo here: the
+        handler runs between any two bytecodes of the main thread, maybe inside its own write to stderr."""
+        signals.append(signum)
+        stopping.set()
 
-        def stop(signum, frame):  # only flags it: the main thread stops the server, then closes the store
+    # before the store opens: a signal during startup stops it cleanly too, never kills it with the store open
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with MessageStore.open(root, config) as store:
             if not stopping.is_set():
-                click.echo(f"rocketstore serve: {signal.Signals(signum).name}, finishing calls and closing the store",
+                for group in fifo_groups:
+                    store.subscription_groups.set_orderly(group, True)
+                server = Server(store, listen, auto_create_topics=auto_create_topics, max_attempts=max_attempts,
+                                transaction_check_ms=int(transaction_check_seconds * 1000), accounts=accounts).start()
+                click.echo(f"rocketstore serve: listening on {server.address} (store {root})", err=True)
+                interval = stats_interval if stats_interval is not None else (5.0 if sys.stderr.isatty() else None)
+                metrics = server.service.metrics
+                last = (time.monotonic(), metrics.sent, metrics.received)
+                while not stopping.wait(interval or 3600):
+                    if interval:
+                        now, sent, received = time.monotonic(), metrics.sent, metrics.received
+                        took = now - last[0]
+                        click.echo(f"sends/s {(sent - last[1]) / took:,.0f}  receives/s "
+                                   f"{(received - last[2]) / took:,.0f}  in flight {server.service.pop.in_flight():,}"
+                                   f"  (sent {sent:,}, received {received:,}, acked {metrics.acked:,})", err=True)
+                        last = (now, sent, received)
+                click.echo(f"rocketstore serve: {signal.Signals(signals[0]).name}, finishing calls and closing the "
+                           f"store", err=True)
+                server.stop()  # every running call done with the store before it closes (flush, checkpoint, no abort)
+            else:
+                click.echo(f"rocketstore serve: {signal.Signals(signals[0]).name} while starting, closing the store",
                            err=True)
-            stopping.set()
-
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
-        interval = stats_interval if stats_interval is not None else (5.0 if sys.stderr.isatty() else None)
-        metrics = server.service.metrics
-        last = (time.monotonic(), metrics.sent, metrics.received)
-        while not stopping.wait(interval or 3600):
-            if interval:
-                now, sent, received = time.monotonic(), metrics.sent, metrics.received
-                took = now - last[0]
-                click.echo(f"sends/s {(sent - last[1]) / took:,.0f}  receives/s {(received - last[2]) / took:,.0f}  "
-                           f"in flight {server.service.pop.in_flight():,}  (sent {sent:,}, received {received:,}, "
-                           f"acked {metrics.acked:,})", err=True)
-                last = (now, sent, received)
-        server.stop()  # every running call done with the store before it closes (flush, checkpoint, no abort file)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     click.echo("rocketstore serve: stopped, store closed", err=True)
 
 
