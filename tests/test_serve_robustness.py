@@ -1005,3 +1005,11 @@ def test_a_signal_while_serve_starts_closes_the_store_cleanly(tmp_path, sig):
     assert "Traceback" not in log and "stopped, store closed" in log, log
     assert not (root / "abort").exists(), "the store was not closed cleanly"
 
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    """SIGINT and SIGTERM at once (a stop that hangs, and an operator who wants out): the second exits at once,
+    non-zero, saying so; the store is left as after a crash."""
+    root = tmp_path / "store"
+    code, log = start_serve_and_signal(root, signal.SIGTERM, signal.SIGINT)
+    assert code in (128 + signal.SIGTERM, 128 + signal.SIGINT), (code, log)
+    assert "again, exiting now without closing the store" in log, log

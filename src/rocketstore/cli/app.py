@@ -991,8 +991,13 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
 
     def stop(signum, frame):
         """Only flags the stop: the main thread stops the server, then closes the store. No click.echo here: the
-        handler runs between any two bytecodes of the main thread, maybe inside its own write to stderr."""
+        handler runs between any two bytecodes of the main thread, maybe inside its own write to stderr. A second
+        signal (the stop hangs) exits at once, the store not closed: its next open recovers as after a crash."""
         signals.append(signum)
+        if stopping.is_set():
+            os.write(2, f"rocketstore serve: {signal.Signals(signum).name} again, exiting now without closing the "
+                        f"store\n".encode())
+            os._exit(128 + signum)
         stopping.set()
 
     # before the store opens: a signal during startup stops it cleanly too, never kills it with the store open
