@@ -1013,3 +1013,27 @@ def test_a_second_signal_exits_at_once(tmp_path):
     code, log = start_serve_and_signal(root, signal.SIGTERM, signal.SIGINT)
     assert code in (128 + signal.SIGTERM, 128 + signal.SIGINT), (code, log)
     assert "again, exiting now without closing the store" in log, log
+
+
+
+def test_waking_a_receive_or_a_telemetry_stream_as_the_server_loop_closes_is_quiet():
+    """The server's loop closed between a waker's look at it and its call (a stop racing a wake-up from another
+    thread): the wake-up is dropped, it does not raise in the thread that wakes."""
+    from rocketstore.server.longpoll import LongPolls
+    from rocketstore.server.service import TelemetryClient
+
+    polls = LongPolls(SimpleNamespace(topic_config={}, dispatcher=None))
+
+    async def open_both() -> tuple:
+        return polls.watch("T", "G"), TelemetryClient("c", asyncio.get_running_loop())
+
+    loop = asyncio.new_event_loop()
+    ticket, client = loop.run_until_complete(open_both())
+    loop.close()
+    loop.is_closed = lambda: False  # it closed after the waker looked
+    try:
+        polls.wake("T", "G")
+        client.send(None)
+    finally:
+        del loop.is_closed
+    assert ticket.woken

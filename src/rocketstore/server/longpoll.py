@@ -233,10 +233,16 @@ def _now_ms() -> int:
 
 
 def _wake(ticket: Ticket) -> None:
-    loop = ticket.future.get_loop()
-    if loop.is_closed():
-        return
-    loop.call_soon_threadsafe(_resolve, ticket.future)
+    """Resolve the ticket's future on its loop (from any thread); once the loop is closed nobody waits on it."""
+    call_soon(ticket.future.get_loop(), _resolve, ticket.future)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """``loop.call_soon_threadsafe``, from any thread, and nothing once the loop is closed: a check of
+    ``is_closed()`` before the call would leave a window for the server's stop to close it in between
+    (RuntimeError in the thread that wakes)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
 
 
 def _resolve(future: asyncio.Future) -> None:

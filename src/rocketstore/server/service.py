@@ -46,7 +46,7 @@ from ..sqlfilter import InvalidFilterError, SqlFilter, compile_sql92
 from ..store import MessageStore
 from ..transaction import CHECK_MAX_TOPIC, HALF_TOPIC, OP_TOPIC, TransactionLog, UnknownTransactionError
 from .auth import Accounts
-from .longpoll import LongPolls
+from .longpoll import LongPolls, call_soon
 from .pop import DeadLetterError, InvalidReceiptHandleError, PopGroups
 from .protocol import SERVICE, pb, service_methods
 
@@ -198,8 +198,7 @@ class TelemetryClient:
 
     def send(self, command) -> None:
         """Queue ``command`` for the client; None ends the stream."""
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.outbox.put_nowait, command)
+        call_soon(self.loop, self.outbox.put_nowait, command)
 
 
 class MessagingService:
