@@ -8,9 +8,6 @@ some of them itself before sending), built from rocketstore's own protocol class
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -33,63 +30,17 @@ from rocketmq import (  # noqa: E402
     SimpleConsumer,
 )
 
-from rocketstore import MessageStore, StoreConfig  # noqa: E402
+import serving  # noqa: E402
+from rocketstore import MessageStore  # noqa: E402
 from rocketstore.server.protocol import SERVICE, compile_descriptor_set, pb  # noqa: E402
-
-SMALL = ["--max-hash-slot-num", "97", "--max-index-num", "400"]
-CONFIG = StoreConfig(max_hash_slot_num=97, max_index_num=400)
+from serving import CONFIG, SMALL  # noqa: E402
 
 
-class Served:
-    """A running `rocketstore serve`."""
-
-    def __init__(self, root: Path, *args: str) -> None:
-        self.root = root
-        self.proc = subprocess.Popen([sys.executable, "-m", "rocketstore.cli.app", "serve", "--store", str(root),
-                                      "--listen", "127.0.0.1:0", *SMALL, *args],
-                                     stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            found = re.search(r"listening on (127\.0\.0\.1:\d+)", line)
-            if found:
-                self.address = found.group(1)
-                threading.Thread(target=self._drain, daemon=True).start()
-                return
-        self.proc.kill()
-        raise AssertionError("serve did not start: " + "".join(self.lines))
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
+class Served(serving.Served):
+    """A running `rocketstore serve`, with the official client's configuration for it."""
 
     def config(self) -> ClientConfiguration:
         return ClientConfiguration(self.address, Credentials(), request_timeout=5)
-
-    def stop(self) -> int:
-        """SIGTERM by pid: a graceful stop that closes the store."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-        return self.proc.wait(30)
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-
-    def call(self, method: str, request, response_type, stream: bool = False):
-        with grpc.insecure_channel(self.address) as channel:
-            path = f"/{SERVICE}/{method}"
-            if stream:
-                rpc = channel.unary_stream(path, request_serializer=type(request).SerializeToString,
-                                           response_deserializer=response_type.FromString)
-                return list(rpc(request, timeout=10))
-            rpc = channel.unary_unary(path, request_serializer=type(request).SerializeToString,
-                                      response_deserializer=response_type.FromString)
-            return rpc(request, timeout=10)
 
 
 @pytest.fixture
