@@ -375,9 +375,10 @@ def test_rebuilding_a_directory_without_a_store_is_a_typed_error_that_creates_no
     assert list((tmp_path / "empty").iterdir()) == []
 
 
-def test_a_writer_error_closes_the_decoder_and_leaves_the_old_files_aside(tmp_path, monkeypatch):
+def test_a_writer_error_closes_the_decoder_and_moves_nothing(tmp_path, monkeypatch):
     """``rebuild_from_log`` closes its decoder when the writer fails (a Spark rebuild's job in flight is cancelled
-    then, not when the generator is collected), moves nothing into place, and releases the store's lock."""
+    then, not when the generator is collected), moves nothing into place, removes its staging directory, and
+    releases the store's lock."""
     from rocketstore import rebuild as rebuilding
 
     _original, copy = _store_and_bare_log(tmp_path)
@@ -398,8 +399,82 @@ def test_a_writer_error_closes_the_decoder_and_leaves_the_old_files_aside(tmp_pa
         rebuilding.rebuild_from_log(copy, CONFIG, decode)
     assert events == ["write", "decoder closed"]
     assert not (copy / "consumequeue").exists() and not (copy / "index").exists()
+    assert list((copy / ".staging").iterdir()) == [] and not (copy / "recovery").exists()
     with MessageStore.open(copy, CONFIG) as store:  # the lock was released; the open re-dispatches the log
         assert store.wait_for_dispatch() and store.get_max_offset_in_queue("Batch", 0) == 20
+
+
+@pytest.mark.parametrize("on_spark", [False, True])
+def test_a_failed_rebuild_leaves_the_old_queues_and_index_in_place(request, tmp_path, on_spark):
+    """A record with a damaged magic code in an old segment (recovery re-checks only the newest) fails the rebuild
+    half way: the store keeps its queues and index, byte for byte, and serves them (the old files were moved aside
+    before decoding and never came back: queues read empty and a writer's open stopped at the damage)."""
+    from rocketstore.rebuild import rebuild as rebuild_here
+
+    root = tmp_path / "s"
+    results = build_store(root, 700)
+    before = tree(root, "consumequeue"), tree(root, "index")
+    victim = results[10].commit_log_offset
+    assert victim < CONFIG.mapped_file_size_commit_log and len(list((root / "commitlog").iterdir())) > 4
+    with open(root / "commitlog" / f"{0:020d}", "r+b") as f:
+        f.seek(victim + 4)
+        f.write(b"\0\0\0\0")
+    with pytest.raises(Exception, match=r"(?i)bad magic"):
+        if on_spark:
+            rebuild(root, spark=request.getfixturevalue("spark"), config=CONFIG)
+        else:
+            rebuild_here(root, config=CONFIG)
+    assert (tree(root, "consumequeue"), tree(root, "index")) == before
+    assert list((root / ".staging").iterdir()) == [] and not (root / "recovery").exists()
+    for read_only in (True, False):
+        with MessageStore.open(root, CONFIG, read_only=read_only) as store:
+            assert store.get_max_offset_in_queue("Topic0", 0) == 59
+            assert store.query_message("Topic0", "k0-699") and store.query_message("Topic1", "k0-1")
+
+
+class Killed(BaseException):
+    """A kill, as far as the code under test can tell: nothing after it runs."""
+
+
+@pytest.mark.parametrize("renames", [0, 1, 2, 3])
+def test_a_rebuild_killed_mid_swap_is_finished_by_the_next_open(tmp_path, monkeypatch, renames):
+    """Once the new set is complete a marker makes the swap final: a kill before any of its renames (``renames``
+    done) leaves the old set or a mix on disk, and the next writer's open finishes the swap: the new set in place,
+    the old one in recovery/. A build killed before the marker is removed by the open, the old set kept."""
+    from rocketstore import swap
+
+    original, copy = _store_and_bare_log(tmp_path)
+    for name in ("consumequeue", "index"):
+        (copy / name).mkdir()
+        (copy / name / "old").write_bytes(b"the old set")
+    stale = copy / ".staging" / "rebuild-19700101000000"  # a build killed before it was complete
+    shutil.copytree(original / "index", stale / "index")
+    from rocketstore.rebuild import rebuild as rebuild_here
+
+    real_rename, done = swap.os.rename, []
+
+    def rename(src, dst):
+        if len(done) == renames:
+            raise Killed
+        done.append(dst)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(swap.os, "rename", rename)
+    with pytest.raises(Killed):
+        rebuild_here(copy, config=CONFIG, clock=counter_clock())
+    monkeypatch.undo()
+    assert not stale.exists()  # the rebuild took the lock and cleared it first
+    staged = [p for p in (copy / ".staging").iterdir()]
+    assert len(staged) == 1 and (staged[0] / "swap").exists()
+    MessageStore.open(copy, CONFIG, read_only=True).close()  # a reader changes nothing
+    with MessageStore.open(copy, CONFIG) as store:
+        assert tree(copy, "consumequeue") == tree(original, "consumequeue")
+        assert tree(copy, "index").keys() == tree(original, "index").keys()  # the open writes the newest one's header
+        assert store.get_max_offset_in_queue("Topic1", 2) > 0 and store.query_message("Topic0", "k0-699")
+    assert list((copy / ".staging").iterdir()) == []
+    (aside,) = (copy / "recovery").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["consumequeue", "index"]
+    assert all((aside / name / "old").read_bytes() == b"the old set" for name in ("consumequeue", "index"))
 
 
 @pytest.mark.parametrize("seam", [None, 299, 300])

@@ -1,8 +1,9 @@
 """Rebuilding consume queues and index files from the commit log: the steps every rebuild shares.
 
-``rebuild_from_log`` takes the store's lock, recovers the log, moves the old ``consumequeue/`` and ``index/``
-aside, and writes new ones in a staging directory from the dispatch columns a decoder hands it in log order,
-renaming them into place when complete. ``rebuild`` decodes in this process with the batch codec's dispatch walk
+``rebuild_from_log`` takes the store's lock, recovers the log, and writes new ``consumequeue/`` and ``index/``
+in a staging directory from the dispatch columns a decoder hands it in log order; only when they are complete
+are the old ones moved aside and the new ones renamed into place (crash-safely: ``swap``). A failed rebuild
+leaves the old ones where they were. ``rebuild`` decodes in this process with the batch codec's dispatch walk
 (no JVM: on one machine the fastest way); ``rocketstore.spark.jobs.rebuild`` decodes on Spark, window by window.
 Both feed ``RebuildWriter``, which makes the calls the store's own dispatch makes, so the files are
 byte-identical to it.
@@ -29,11 +30,12 @@ from .config import StoreConfig, detect_config
 from .consumequeue import CONSUMEQUEUE_DIR, ConsumeQueueTable
 from .index.service import INDEX_DIR, IndexService
 from .lifecycle import ABORT_FILE, StoreLock
-from .mapped.file import STAGING_DIR, fsync_dir, unused_path
+from .mapped.file import STAGING_DIR, unused_path
 from .message import SysFlag
 from .recovery import RECOVERY_DIR, recover_commit_log
 from .spark.partitions import DEFAULT_MAX_BYTES_PER_PARTITION, ScanOptions, plan_ranges, read_range  # no pyspark
 from .store import StoreNotFoundError
+from .swap import REBUILD_PREFIX, finish_staged, mark_complete, swap_in
 
 Progress = Callable[[str, int, int], None]  # (stage description, tasks done, tasks total)
 # (root, config, low, end) -> (table, tasks it took) in log order
@@ -157,10 +159,11 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
     """Rebuild ``consumequeue/`` and ``index/`` from the tables ``decode(root, config, low, end)`` yields for the
     log's ``[low, end)`` (dispatch columns, log order; each with the tasks it took).
 
-    The store must not be open for writing (the lock is taken). The old directories are moved to
-    ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now). ``explicit``: the
-    geometry settings of ``config`` that the files must not replace (``detect_config``'s; default: those that
-    differ from RocketMQ's defaults).
+    The store must not be open for writing (the lock is taken). The new directories are built aside and swapped
+    in only when complete (``swap``): a rebuild that fails leaves the old ones in place. The old directories are
+    then moved to ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now).
+    ``explicit``: the geometry settings of ``config`` that the files must not replace (``detect_config``'s;
+    default: those that differ from RocketMQ's defaults).
     """
     started = time.monotonic()
     root = Path(os.path.abspath(root))
@@ -171,6 +174,7 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
     lock = StoreLock(root)
     lock.acquire()
     try:
+        finish_staged(root / STAGING_DIR, root)  # an earlier rebuild killed mid-swap is finished first
         commit_log = CommitLog(root, config)
         commit_log.load()
         checkpoint = StoreCheckpoint.load(root / "checkpoint")
@@ -178,35 +182,32 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
         log_end, low = recovery.end_offset, commit_log.min_offset
         commit_log.close()
         stamp = time.strftime("%Y%m%d%H%M%S")
-        aside: Path | None = None
-        for name, wanted in ((CONSUMEQUEUE_DIR, consume_queues), (INDEX_DIR, index)):
-            if wanted and (root / name).exists():
-                if aside is None:  # one directory per rebuild, never one an earlier rebuild this second used
-                    aside = unused_path(root / RECOVERY_DIR, f"rebuild-{stamp}")
-                    aside.mkdir()
-                shutil.move(str(root / name), str(aside / name))
-                report.moved_aside.append(str(aside / name))
-        # Built aside and renamed into place when complete: a kill mid-build leaves the directories missing,
-        # and a store open rebuilds missing ones from the whole log (a half-written one would be trusted).
-        build = root / STAGING_DIR / f"rebuild-{stamp}"
-        shutil.rmtree(build, ignore_errors=True)
+        names = [name for name, wanted in ((CONSUMEQUEUE_DIR, consume_queues), (INDEX_DIR, index)) if wanted]
+        # Built aside while the old directories stay in place: a rebuild that fails (damage in the log, a full
+        # disk, a cancelled job) or is killed leaves the store as it was. Once complete and durable, a marker
+        # makes the swap final; a kill during it is finished by the next open or rebuild (``swap``).
+        build = unused_path(root / STAGING_DIR, f"{REBUILD_PREFIX}{stamp}")
         build.mkdir(parents=True)
-        writer = RebuildWriter(build, config, checkpoint, clock, consume_queues, index and config.message_index_enable)
         try:
-            # closed on a writer's error too: a decoder with work in flight (a Spark job) ends it at once
-            with contextlib.closing(decode(root, config, low, log_end)) as tables:
-                for table, tasks in tables:
-                    writer.add(table)
-                    report.partitions += tasks
-                    report.windows += 1
-            writer.finish(report)
-        finally:
-            writer.close()
-        for name in (CONSUMEQUEUE_DIR, INDEX_DIR):
-            if (build / name).exists():
-                os.replace(build / name, root / name)
-        fsync_dir(root)
-        shutil.rmtree(build, ignore_errors=True)
+            writer = RebuildWriter(build, config, checkpoint, clock, consume_queues,
+                                   index and config.message_index_enable)
+            try:
+                # closed on a writer's error too: a decoder with work in flight (a Spark job) ends it at once
+                with contextlib.closing(decode(root, config, low, log_end)) as tables:
+                    for table, tasks in tables:
+                        writer.add(table)
+                        report.partitions += tasks
+                        report.windows += 1
+                writer.finish(report)
+            finally:
+                writer.close()
+            # one directory per rebuild, never one an earlier rebuild this second used
+            aside = unused_path(root / RECOVERY_DIR, f"{REBUILD_PREFIX}{stamp}")
+            mark_complete(build, root, names, aside)
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)  # the old set is untouched
+            raise
+        report.moved_aside = swap_in(build, root)
         checkpoint.flush()
     finally:
         lock.release()

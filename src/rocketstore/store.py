@@ -12,7 +12,6 @@ import functools
 import itertools
 import logging
 import os
-import shutil
 import struct
 import threading
 import time
@@ -62,6 +61,7 @@ from .recovery import RecoveryReport, recover_commit_log
 from .retention import RetentionReport, delete_expired_files
 from .schedule import ScheduleMessageService
 from .sqlfilter import SqlFilter
+from .swap import finish_staged
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class MessageStore:
             self._lock = StoreLock(self.root)
             self._lock.acquire()
             _clear_staging(self.root / STAGING_DIR)
+            finish_staged(self.root / STAGING_DIR, self.root)  # a rebuild killed mid-swap: its new set goes in
         abnormal = self._abort.exists()
         for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.timer_offsets,
                             self.subscription_groups):
@@ -914,8 +915,6 @@ def _clear_staging(staging: Path) -> None:
         if entry.is_file(follow_symlinks=False) and entry.name.endswith(".tmp"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
-        elif entry.is_dir(follow_symlinks=False) and entry.name.startswith("rebuild-"):
-            shutil.rmtree(entry.path, ignore_errors=True)  # a rebuild killed before it was complete
 
 
 _new_put_result = functools.partial(tuple.__new__, PutMessageResult)

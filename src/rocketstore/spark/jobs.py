@@ -133,7 +133,8 @@ def rebuild(root: str | Path, *, spark=None, master: str | None = None, config: 
             explicit: Iterable[str] | None = None) -> RebuildReport:
     """Rebuild ``consumequeue/`` and ``index/`` of a store from its commit log, decoded by Spark tasks.
 
-    The store must not be open for writing (the lock is taken). The old directories are moved to
+    The store must not be open for writing (the lock is taken). The new directories replace the old ones only
+    when complete (a failed rebuild leaves the old ones in place); the old directories are then moved to
     ``recovery/rebuild-<time>/``, not deleted. ``clock`` names index files (default: now).
     ``rocketstore.rebuild.rebuild`` does the same in this process (no JVM: faster on one machine). ``explicit``:
     the geometry settings of ``config`` the files must not replace (``detect_config``'s).
