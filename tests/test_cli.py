@@ -500,6 +500,12 @@ def test_rebuild_and_export_commands(store, tmp_path, spark):
     assert done.exit_code == 0, done.output
     assert done.output.strip() == f"exported 2 messages to {exported}"
     assert (exported / "topic=TopicA").is_dir()
+    again = ["export", "--store", str(copy), "--master", "local[2]", "--out", str(exported), "-t", "Topic1"]
+    done = CliRunner().invoke(main, again)
+    assert done.exit_code == 1 and "is not empty: pass --overwrite" in done.output
+    done = CliRunner().invoke(main, [*again, "--overwrite"])
+    assert done.exit_code == 0, done.output
+    assert sorted(p.name for p in exported.iterdir() if p.is_dir()) == ["topic=Topic1"]
 
 
 def test_rebuild_without_spark_writes_what_the_spark_rebuild_writes(store, tmp_path):

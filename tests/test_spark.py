@@ -601,6 +601,32 @@ def test_export_to_parquet_and_read_back(spark, tmp_path):
                                                                           b.keys, b.topic)
 
 
+def test_export_refuses_a_non_empty_out_and_a_failed_overwrite_keeps_the_earlier_export(spark, tmp_path):
+    """Spark's overwrite mode deleted everything in --out first (a user's files, or a good export that a failing
+    one then never replaced). A non-empty out is refused without overwrite; with it, the new export is written
+    aside and renamed in only when complete."""
+    from rocketstore.errors import ConfigError
+
+    results = build_store(tmp_path / "s", 700)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("not an export")
+    with pytest.raises(ConfigError, match="not empty"):
+        export_parquet(tmp_path / "s", out, spark=spark)
+    assert [p.name for p in out.iterdir()] == ["precious.txt"]
+    assert export_parquet(tmp_path / "s", out, spark=spark, topics=["Batch"], overwrite=True) == 20
+    first = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert "precious.txt" not in first and any(name.startswith("topic=Batch/") for name in first)
+    segment = tmp_path / "s" / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[results[10].commit_log_offset + 100] ^= 0xFF  # a body byte in an old segment: the scan fails (CRC)
+    segment.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="CRC"):
+        export_parquet(tmp_path / "s", out, spark=spark, overwrite=True)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s"]  # no staging sibling left
+
+
 def test_import_stores_each_row_once_and_reads_back_equal(spark, tmp_path):
     rows = [(f"Imp{i % 2}", f"payload {i}".encode(), [f"ik{i}"], f"T{i % 3}", {"i": str(i)}, i % 3)
             for i in range(300)]

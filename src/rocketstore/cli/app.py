@@ -820,17 +820,22 @@ Examples:
 @click.option("-t", "--topic", "topics", multiple=True, help="a topic to export (repeatable; default all)")
 @click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
 @click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
+@click.option("--overwrite", is_flag=True, help="replace what --out holds (only once the new export is complete); "
+              "without it a non-empty --out is refused")
 @fails_cleanly
-def export(master, ship_env, verbose, out, topics, begin, end, **kwargs) -> None:
+def export(master, ship_env, verbose, out, topics, begin, end, overwrite, **kwargs) -> None:
     """Export messages to Parquet, partitioned by topic and date (Spark)."""
     from ..spark.jobs import export_parquet
 
     root, config = config_for(**_store_args(kwargs))
     start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
+    if not overwrite and os.path.isdir(out) and any(os.scandir(out)):  # before a JVM starts
+        raise Failure(f"{out} is not empty: pass --overwrite to replace what it holds")
     spark = _spark(master, ship_env, verbose)
     with progress_bar("export") as progress:
         count = export_parquet(root, out, spark=spark, topics=list(topics) or None, begin=start, end=stop,
-                               progress=progress, mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
+                               overwrite=overwrite, progress=progress,
+                               mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
     click.echo(f"exported {count} messages to {out}")
 
 

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("stores", nargs="+")
     export.add_argument("--out", required=True)
     export.add_argument("--topics", help="comma-separated topics")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once complete)")
     imp = jobs.add_parser("import", help="import a Parquet dataset of messages")
     imp.add_argument("store")
     imp.add_argument("--parquet", required=True)
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"index keys in {report.index_files} files from {report.records} records in {report.seconds:.1f} s")
         elif args.job == "export":
             topics = args.topics.split(",") if args.topics else None
-            count = job.export_parquet(args.stores, args.out, spark=spark, topics=topics, progress=progress)
+            count = job.export_parquet(args.stores, args.out, spark=spark, topics=topics, overwrite=args.overwrite,
+                                       progress=progress)
             print(f"exported {count} messages to {args.out}")
         elif args.job == "import":
             parquet = args.parquet if "://" in args.parquet else os.path.abspath(args.parquet)  # not the JVM's cwd

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import threading
 import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -26,7 +27,7 @@ import pyarrow.compute as pc
 
 from ..codec.properties import split_keys
 from ..config import StoreConfig, detect_config
-from ..errors import ConfigError, RocketStoreError
+from ..errors import ConfigError, RocketStoreError, StoreIOError
 from ..rebuild import DISPATCH_COLUMNS, DISPATCH_SCHEMA, RebuildReport, rebuild_from_log
 from ..store import MessageStore
 from .failures import in_task
@@ -198,20 +199,108 @@ def _dispatch_windows(spark, root: Path, low: int, end: int, config: StoreConfig
 
 # --- export and import ----------------------------------------------------------------------------
 
+EXPORT_DDL = MESSAGE_DDL + ", date date"  # what export writes: the message columns and the date partition column
+
+
+def read_export(spark, path: str | Path):
+    """An export (``export_parquet``'s output) as a DataFrame with its own column types. Spark would infer the
+    partition columns' types from the directory names: topic ``007`` came back as the integer 7 (and was
+    imported as topic ``7``)."""
+    path = str(path) if "://" in str(path) else os.path.abspath(path)
+    return spark.read.schema(EXPORT_DDL).parquet(path)
+
+
 def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = None,
                    topics: Iterable[str] | None = None, begin: int | None = None, end: int | None = None,
-                   mode: str = "overwrite", progress: Progress | None = None, **options: object) -> int:
-    """Write messages to Parquet under ``out``, partitioned by topic and (UTC) date; returns the row count."""
+                   overwrite: bool = False, progress: Progress | None = None, **options: object) -> int:
+    """Write messages to Parquet under ``out``, partitioned by topic and (UTC) date; returns the row count.
+
+    ``out`` must be missing or empty unless ``overwrite``; the export is written to a hidden sibling directory and
+    renamed to ``out`` only when complete, so a failed export leaves ``out`` as it was (an earlier export
+    included). An export matching nothing writes one empty Parquet file with the columns."""
     from pyspark.sql import functions as F
 
     spark = session(spark, master)
     out = str(out) if "://" in str(out) else os.path.abspath(out)  # a local path means the same on every host
+    target = _OutputDir(spark, out)
+    if target.holds_something() and not overwrite:
+        raise ConfigError(f"{out} is not empty: pass --overwrite (overwrite=True) to replace what it holds")
     df = read_store(spark, paths, topics=",".join(topics) if topics else None, startingTimestamp=begin,
                     endingTimestamp=end, **options)
     df = df.withColumn("date", F.to_date("storeTimestamp"))
-    with report_progress(spark, progress, "exporting to Parquet"):
-        df.write.mode(mode).partitionBy("topic", "date").parquet(out)
-    return spark.read.parquet(out).count()
+    staging = target.sibling()
+    try:
+        with report_progress(spark, progress, "exporting to Parquet"):
+            df.write.mode("errorifexists").partitionBy("topic", "date").parquet(staging)
+        count = read_export(spark, staging).count()
+        if not count:  # partitionBy writes no file for no rows: one empty file says what the columns are
+            spark.createDataFrame([], df.schema).coalesce(1).write.mode("overwrite").parquet(staging)
+        target.replace_with(staging)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            target.delete(staging)
+        raise
+    return count
+
+
+class _OutputDir:
+    """An output directory, local or a Hadoop file system's (``hdfs://``, ``s3a://``...), replaced by renames."""
+
+    def __init__(self, spark, path: str) -> None:
+        self.path = path
+        self.remote = "://" in path
+        if self.remote:
+            self.jvm = spark._jvm
+            self.fs = self.jvm.org.apache.hadoop.fs.Path(path).getFileSystem(spark._jsc.hadoopConfiguration())
+
+    def _hadoop(self, path: str):
+        return self.jvm.org.apache.hadoop.fs.Path(path)
+
+    def holds_something(self) -> bool:
+        if self.remote:
+            where = self._hadoop(self.path)
+            return bool(self.fs.exists(where) and (not self.fs.getFileStatus(where).isDirectory()
+                                                   or len(self.fs.listStatus(where))))
+        if os.path.isdir(self.path):
+            with os.scandir(self.path) as entries:
+                return any(True for _ in entries)
+        return os.path.lexists(self.path)
+
+    def sibling(self) -> str:
+        parent, _, name = self.path.rstrip("/").rpartition("/")
+        return f"{parent}/.{name}.export-{uuid.uuid4().hex[:12]}"
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(self._hadoop(path))) if self.remote else os.path.lexists(path)
+
+    def rename(self, source: str, target: str) -> None:
+        if not self.remote:
+            os.rename(source, target)
+        elif not self.fs.rename(self._hadoop(source), self._hadoop(target)):
+            raise StoreIOError(5, f"cannot rename {source} to {target}")
+
+    def delete(self, path: str) -> None:
+        if self.remote:
+            self.fs.delete(self._hadoop(path), True)
+        elif os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+    def replace_with(self, staging: str) -> None:
+        """``staging`` becomes ``path``; what ``path`` held goes (after the rename: never before it)."""
+        old = None
+        if self.exists(self.path):
+            old = self.sibling() + ".old"
+            self.rename(self.path, old)
+        try:
+            self.rename(staging, self.path)
+        except BaseException:
+            if old is not None:
+                self.rename(old, self.path)
+            raise
+        if old is not None:
+            self.delete(old)
 
 
 @dataclass(slots=True)
