@@ -204,7 +204,11 @@ def test_golden_commit_log_as_a_dataframe(spark, vectors, tmp_path):
 
 def test_corrupt_records_fail_or_are_skipped_never_returned(spark, vectors, tmp_path):
     root = copy_vector(vectors, "v6_commitlog_corrupt", tmp_path / "damaged")
-    assert [r.commitLogOffset for r in read_store(spark, root).collect()] == [0]  # recovery ends the log at 184
+    # recovery ends the log at 184, with intact records after it: the scan fails rather than leave them out ...
+    with pytest.raises(Exception, match=r"DamagedLogError: .* at offset 184 .*intact records from offset 415"):
+        read_store(spark, root).collect()
+    # ... or (skip) reads up to the damage
+    assert [r.commitLogOffset for r in read_store(spark, root, onCorrupt="skip").collect()] == [0]
     # the whole segment, past that end, through the partition reader
     with pytest.raises(CorruptDataError, match="past the record end"):
         _scan_whole_segment(root, "fail")
@@ -247,6 +251,42 @@ def test_damage_found_while_reading_fails_the_job_by_default(spark, tmp_path):
     report = corrupt_report(report_dir)
     assert [(item["offset"], item["bytes"]) for item in report] == [(victim.commit_log_offset, victim.store_size)]
     assert "CRC" in report[0]["reason"]
+
+
+def test_damage_in_the_last_segments_fails_the_export_instead_of_ending_the_log_there(spark, tmp_path):
+    """The planner's read-only recovery validates the newest segments and ends the log at damage: the export
+    succeeded without the damaged record and every intact one after it. It fails now, typed, naming the offset;
+    onCorrupt=skip reads up to the damage and says how much it left out."""
+    from click.testing import CliRunner
+
+    from rocketstore.cli.app import main
+    from rocketstore.errors import DamagedLogError
+    from rocketstore.spark.partitions import corrupt_report
+
+    results = build_store(tmp_path / "s", 150)
+    victim = results[120]
+    segment_size = CONFIG.mapped_file_size_commit_log
+    base = victim.commit_log_offset // segment_size * segment_size
+    assert len(list((tmp_path / "s" / "commitlog").iterdir())) <= 3  # all of them validated by the recovery
+    segment = tmp_path / "s" / "commitlog" / f"{base:020d}"
+    data = bytearray(segment.read_bytes())
+    data[data.index(b"body 0-120 ", victim.commit_log_offset - base)] ^= 0xFF  # a body byte: its CRC fails
+    segment.write_bytes(bytes(data))
+    with pytest.raises(DamagedLogError, match=f"at offset {victim.commit_log_offset} .*intact records") as caught:
+        export_parquet(tmp_path / "s", tmp_path / "out", spark=spark)
+    assert caught.value.offset == victim.commit_log_offset and not (tmp_path / "out").exists()
+    with pytest.raises(Exception, match="DamagedLogError"):
+        read_store(spark, tmp_path / "s").count()
+    done = CliRunner().invoke(main, ["export", "--store", str(tmp_path / "s"), "--out", str(tmp_path / "out"),
+                                     "--max-hash-slot-num", "97", "--max-index-num", "300"])
+    assert done.exit_code == 1 and done.output.count("\n") == 1 and "DamagedLog" not in done.output
+    assert done.output.startswith(f"error: the commit log of {tmp_path / 's'} ends at damage at offset "
+                                  f"{victim.commit_log_offset}")
+    count = export_parquet(tmp_path / "s", tmp_path / "out", spark=spark, onCorrupt="skip",
+                           corruptLog=str(tmp_path / "skipped"))
+    assert count == 120
+    (item,) = corrupt_report(tmp_path / "skipped")
+    assert item["offset"] == victim.commit_log_offset and item["bytes"] > 29 * victim.store_size
 
 
 def test_live_store_reads_a_consistent_prefix(spark, tmp_path):

@@ -169,5 +169,10 @@ class MisplacedRecordError(CorruptDataError):
     record, not one written here (every reader refuses it, so recovery ends the log before it)."""
 
 
+class DamagedLogError(CorruptDataError):
+    """A scan's read-only recovery ended a commit log at damage with intact records after it: reading the log to
+    that end would silently leave them out (``onCorrupt=skip`` does, and says how much)."""
+
+
 class UnsupportedFormatError(CorruptDataError):
     """Well-formed data this build cannot read (for example an LZ4 body without the lz4 package)."""

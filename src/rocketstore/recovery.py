@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
-from .codec.record import BLANK_RECORD_LEN, RecordLayout, read_layout
+from .codec.record import BLANK_MAGIC, BLANK_RECORD_LEN, RecordLayout, find_record_start, read_layout
 from .commitlog import CommitLog
 from .errors import CorruptDataError, FlushError, StoreIOError
 from .mapped.file import MappedFile, fsync_dir, unused_path
@@ -54,6 +54,10 @@ class RecoveryReport:
     # the checkpoint's last flushed store time when the recovered log ends before it (0: nothing flushed is
     # missing): messages a SYNC_FLUSH put acknowledged are gone, by a deleted segment or outside damage
     missing_flushed_until: int = 0
+    # read-only recoveries that stopped at damage (``stop_reason``): where the first intact record after it starts
+    # (None: none, a torn tail) and how many non-zero bytes follow the end (all left out of the log)
+    resumes_at: int | None = None
+    bytes_after_end: int = 0
 
 
 def choose_start_index(commit_log: CommitLog, checkpoint: StoreCheckpoint, *, abnormal: bool,
@@ -124,6 +128,8 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
     end_file, end_pos, blank = _walk_segments(commit_log, start, 0, report, visit)
     report.end_offset = end_file.file_from_offset + end_pos
     if commit_log.read_only:
+        if report.stop_reason:
+            _measure_after_end(commit_log, end_file, end_pos, report)
         _truncate_in_memory(commit_log, report.end_offset)
     else:
         _cut(commit_log, end_file, end_pos, root, report, at_blank=blank)
@@ -201,6 +207,26 @@ def _visit_trusted(mapped: MappedFile, visit: RecordVisitor) -> None:
             return
         visit(mapped, pos, layout)
         pos += layout.size
+
+
+def _measure_after_end(commit_log: CommitLog, end_file: MappedFile, end_pos: int, report: RecoveryReport) -> None:
+    """What a read-only recovery that stopped at damage leaves out: the non-zero bytes after the end, and where
+    the first intact record after it starts. A record a live writer was still writing is no damage: if the
+    record at the end validates now (its writer finished it), nothing is reported."""
+    files = commit_log.mapped_files.files
+    later = files[files.index(end_file) + 1:]
+    report.bytes_after_end = (_last_nonzero_end(end_file, end_pos) - end_pos
+                              + sum(_last_nonzero_end(mapped, 0) for mapped in later))
+    for mapped, pos in [(end_file, end_pos + 1), *((m, 0) for m in later)]:
+        at = find_record_start(mapped.buffer, pos, mapped.file_size, mapped.file_from_offset, mapped.file_size)
+        if at is not None and int.from_bytes(mapped.buffer[at + 4: at + 8], "big", signed=True) != BLANK_MAGIC:
+            report.resumes_at = mapped.file_from_offset + at
+            break
+    if report.resumes_at is not None:
+        with contextlib.suppress(CorruptDataError):
+            if read_layout(end_file.buffer, end_pos, end_file.file_size, check_crc=True, check_offset=True,
+                           base=end_file.file_from_offset) is not None:
+                report.resumes_at, report.bytes_after_end = None, 0  # a live append, complete by now
 
 
 def _is_zero_tail(buf, pos: int) -> bool:

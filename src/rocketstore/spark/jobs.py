@@ -38,6 +38,7 @@ from .partitions import (
     MESSAGE_DDL,
     ScanOptions,
     broker_name_of,
+    check_log_ends,
     ddl_fields,
     require_visible,
     resolve_roots,
@@ -65,8 +66,7 @@ def read_store(spark, paths: str | Path | Iterable[str | Path], *, columns: Iter
     same size. Paths (and globs) are made absolute here, in the driver's working directory: Spark plans in
     a worker process of the JVM, whose directory need not be this one.
     """
-    items = str(paths).split(",") if isinstance(paths, str | Path) else [str(p) for p in paths]
-    path = ",".join(os.path.abspath(os.path.expanduser(item.strip())) for item in items if item.strip())
+    path = ",".join(_path_list(paths))
     reader = spark.read.format("rocketmq")
     if columns is not None:
         names = [columns] if isinstance(columns, str) else list(columns)
@@ -80,10 +80,21 @@ def read_store(spark, paths: str | Path | Iterable[str | Path], *, columns: Iter
         options["packArrow"] = True
     if not any(key.lower() == "minpartitions" for key in options):
         options["minPartitions"] = _parallelism(spark)
-    for key, value in options.items():
-        if value is not None:
-            reader = reader.option(key, str(value).lower() if isinstance(value, bool) else str(value))
+    for key, value in _option_strings(options).items():
+        reader = reader.option(key, value)
     return reader.load(path)
+
+
+def _path_list(paths: str | Path | Iterable[str | Path]) -> list[str]:
+    """Store paths (a comma-separated string or an iterable, globs kept), absolute in this process."""
+    items = str(paths).split(",") if isinstance(paths, str | Path) else [str(p) for p in paths]
+    return [os.path.abspath(os.path.expanduser(item.strip())) for item in items if item.strip()]
+
+
+def _option_strings(options: dict) -> dict[str, str]:
+    """Keyword options as the source's strings (booleans lower case); None means not given."""
+    return {key: str(value).lower() if isinstance(value, bool) else str(value)
+            for key, value in options.items() if value is not None}
 
 
 def _parallelism(spark) -> int:
@@ -225,9 +236,11 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
     target = _OutputDir(spark, out)
     if target.holds_something() and not overwrite:
         raise ConfigError(f"{out} is not empty: pass --overwrite (overwrite=True) to replace what it holds")
-    df = read_store(spark, paths, topics=",".join(topics) if topics else None, startingTimestamp=begin,
-                    endingTimestamp=end, **options)
-    df = df.withColumn("date", F.to_date("storeTimestamp"))
+    scan = {"topics": ",".join(topics) if topics else None, "startingTimestamp": begin, "endingTimestamp": end,
+            **options}
+    # a log ending at damage fails here, typed (the planner's own check would reach us wrapped in Spark's error)
+    check_log_ends(_path_list(paths), ScanOptions.from_options(_option_strings(scan)))
+    df = read_store(spark, paths, **scan).withColumn("date", F.to_date("storeTimestamp"))
     staging = target.sibling()
     try:
         with report_progress(spark, progress, "exporting to Parquet"):

@@ -43,7 +43,7 @@ from ..codec.record import MAX_TIME_MS, find_record_start, message_from_layout, 
 from ..commitlog import COMMITLOG_DIR, CommitLog
 from ..config import StoreConfig, detect_segment_size
 from ..dispatch import index_topic_of, tags_code_of
-from ..errors import ConfigError, StoreIOError, StoreNotVisibleError
+from ..errors import ConfigError, DamagedLogError, StoreIOError, StoreNotVisibleError
 from ..index.bulk import index_key_hashes
 from ..index.service import build_key, index_keys
 from ..lifecycle import ABORT_FILE
@@ -246,11 +246,13 @@ def broker_name_of(root: Path) -> str:
 
 
 def log_bounds(root: Path, segment_size: int, validated_end: int | None = None,
-               follow_from: int | None = None) -> tuple[CommitLog, int, int]:
+               follow_from: int | None = None, options: ScanOptions | None = None) -> tuple[CommitLog, int, int]:
     """Open a commit log read-only and recover its end in memory: (log, min offset, end offset). With
     ``validated_end`` (a rebuild's, from its recovery under the store's lock) that is the end: no second
     recovery, which walks the last segments again (~100 ms a window for a 392 MB log, seconds for 1 GiB ones).
-    With ``follow_from`` (an end found before: a stream's last) only the records after it are validated."""
+    With ``follow_from`` (an end found before: a stream's last) only the records after it are validated.
+    A recovery that ends the log at damage with intact records after it fails with ``DamagedLogError`` (the
+    scan would silently leave them out), or with ``options.on_corrupt == "skip"`` says how much is left out."""
     config = StoreConfig(mapped_file_size_commit_log=segment_size)
     commit_log = CommitLog(root, config, read_only=True)
     commit_log.load()
@@ -266,7 +268,48 @@ def log_bounds(root: Path, segment_size: int, validated_end: int | None = None,
         return commit_log, commit_log.min_offset, validated_end
     checkpoint = StoreCheckpoint.load(root / "checkpoint", read_only=True)
     report = recover_commit_log(commit_log, checkpoint, root, abnormal=(root / ABORT_FILE).exists())
+    if report.resumes_at is not None:
+        try:
+            _damaged_end(root, segment_size, report, options or ScanOptions())
+        except BaseException:
+            commit_log.close()
+            raise
     return commit_log, commit_log.min_offset, report.end_offset
+
+
+def _damaged_end(root: Path, segment_size: int, report, options: ScanOptions) -> None:
+    """The log's end is damage with intact records after it: fail, or (skip) log and note what is left out."""
+    text = (f"the commit log of {root} ends at damage at offset {report.end_offset} ({report.stop_reason}); "
+            f"{report.bytes_after_end} bytes after it, with intact records from offset {report.resumes_at} on,")
+    if options.on_corrupt == "fail":
+        error = DamagedLogError(f"{text} would be left out (onCorrupt=skip reads up to the damage)")
+        error.offset = report.end_offset
+        raise error
+    log.warning("%s are left out (onCorrupt=skip)", text)
+    if options.corrupt_log:
+        segment = root / COMMITLOG_DIR / f"{report.end_offset // segment_size * segment_size:020d}"
+        r = LogRange(str(root), "", str(segment), 0, segment_size, report.end_offset, report.end_offset,
+                     report.end_offset)
+        _write_corrupt_log(options.corrupt_log, r, [{"segment": str(segment), "offset": report.end_offset,
+                                                     "bytes": report.bytes_after_end,
+                                                     "reason": f"the log ends here: {report.stop_reason}"}])
+
+
+def check_log_ends(paths: str | list[str], options: ScanOptions) -> None:
+    """On the driver, before a job: the check ``log_bounds`` makes when Spark plans, raised here as the typed
+    ``DamagedLogError`` (a planner's error reaches the driver wrapped in Spark's)."""
+    if options.validated_log_end is not None:
+        return
+    recovery_log = logging.getLogger("rocketstore.recovery")
+    quiet = logging.Filter("-")  # recovery's own warning about the end: the error (or skip's warning) says it
+    recovery_log.addFilter(quiet)
+    try:
+        for root in resolve_roots(paths):
+            size = options.commit_log_file_size or detect_segment_size(root)
+            if size is not None:
+                log_bounds(root, size, options=options)[0].close()
+    finally:
+        recovery_log.removeFilter(quiet)
 
 
 def plan_ranges(roots: list[Path], options: ScanOptions) -> list[list[LogRange]]:
@@ -283,7 +326,7 @@ def plan_ranges(roots: list[Path], options: ScanOptions) -> list[list[LogRange]]
         size = options.commit_log_file_size or detect_segment_size(root)
         if size is None:
             continue  # an empty store
-        commit_log, low, log_end = log_bounds(root, size, options.validated_log_end)
+        commit_log, low, log_end = log_bounds(root, size, options.validated_log_end, options=options)
         try:
             low = max(low, options.starting_offset or 0)
             end = log_end if options.ending_offset is None else min(log_end, options.ending_offset)

@@ -164,7 +164,7 @@ class RocketMQStreamReader(DataSourceStreamReader):
             if size is None:
                 bounds[str(root)] = (0, 0)
                 continue
-            commit_log, low, end = log_bounds(root, size, follow_from=self._ends.get(str(root)))
+            commit_log, low, end = log_bounds(root, size, follow_from=self._ends.get(str(root)), options=self.options)
             commit_log.close()
             bounds[str(root)] = (low, end)
             self._ends[str(root)] = end
