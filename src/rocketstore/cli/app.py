@@ -851,7 +851,7 @@ Examples:
 @fails_cleanly
 def import_command(master, ship_env, verbose, parquet, **kwargs) -> None:
     """Append a Parquet dataset of messages to a store (created if missing), each row exactly once (Spark)."""
-    from ..spark.jobs import import_messages
+    from ..spark.jobs import import_messages, read_parquet
 
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     source = parquet if "://" in parquet else os.path.abspath(parquet)  # the JVM's working directory differs
@@ -859,7 +859,7 @@ def import_command(master, ship_env, verbose, parquet, **kwargs) -> None:
         raise Failure(f"{parquet} does not exist")
     spark = _spark(master, ship_env, verbose)
     with progress_bar("import") as progress:
-        report = import_messages(spark.read.parquet(source), root, config=config, progress=progress,
+        report = import_messages(read_parquet(spark, source), root, config=config, progress=progress,
                                  explicit=GEOMETRY)
     click.echo(f"imported {report.rows} messages in {report.batches} batches into {root}")
 

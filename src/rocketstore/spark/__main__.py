@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exported {count} messages to {args.out}")
         elif args.job == "import":
             parquet = args.parquet if "://" in args.parquet else os.path.abspath(args.parquet)  # not the JVM's cwd
-            report = job.import_messages(spark.read.parquet(parquet), Path(args.store), config=_config(args),
+            report = job.import_messages(job.read_parquet(spark, parquet), Path(args.store), config=_config(args),
                                          progress=progress)
             print(f"imported {report.rows} messages in {report.batches} batches")
         elif args.job == "find-keys":

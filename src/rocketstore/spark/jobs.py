@@ -221,6 +221,25 @@ def read_export(spark, path: str | Path):
     return spark.read.schema(EXPORT_DDL).parquet(path)
 
 
+PARTITION_TYPE_INFERENCE = "spark.sql.sources.partitionColumnTypeInference.enabled"
+
+
+def read_parquet(spark, path: str | Path):
+    """A Parquet dataset (an export, or any with topic and body columns) with partition columns read as the
+    strings their directory names are: Spark's type inference made ``topic=007`` the integer 7 and ``topic=1e3``
+    a double, so an export -> import round trip renamed such topics."""
+    path = str(path) if "://" in str(path) else os.path.abspath(path)
+    before = spark.conf.get(PARTITION_TYPE_INFERENCE, None)
+    spark.conf.set(PARTITION_TYPE_INFERENCE, "false")
+    try:
+        return spark.read.parquet(path)  # the partition schema is fixed here, when the files are listed
+    finally:
+        if before is None:
+            spark.conf.unset(PARTITION_TYPE_INFERENCE)
+        else:
+            spark.conf.set(PARTITION_TYPE_INFERENCE, before)
+
+
 def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = None,
                    topics: Iterable[str] | None = None, begin: int | None = None, end: int | None = None,
                    overwrite: bool = False, progress: Progress | None = None, **options: object) -> int:
