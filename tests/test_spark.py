@@ -684,6 +684,24 @@ def test_topics_that_look_like_numbers_survive_an_export_and_import(spark, tmp_p
     assert spark.conf.get("spark.sql.sources.partitionColumnTypeInference.enabled") == "true"
 
 
+def test_scans_and_exports_of_nothing_are_empty_not_errors(spark, tmp_path):
+    """A scan that plans no task failed ('InputPartition' object has no attribute 'read'), an export matching
+    nothing with UNABLE_TO_INFER_SCHEMA: both are empty, and the empty export still says what its columns are."""
+    from rocketstore.spark.jobs import read_export
+
+    build_store(tmp_path / "s", 5)
+    (tmp_path / "empty" / "commitlog").mkdir(parents=True)
+    assert read_store(spark, tmp_path / "empty").count() == 0
+    assert read_store(spark, tmp_path / "s", startingOffset=1 << 40).count() == 0
+    assert read_store(spark, tmp_path / "s", columns=["topic"], packed=True, startingOffset=1 << 40).count() == 0
+    for n, options in enumerate([{"topics": ["Nope"]}, {"begin": 1, "end": 2}]):
+        out = tmp_path / f"out{n}"
+        assert export_parquet(tmp_path / "s", out, spark=spark, **options) == 0
+        assert read_export(spark, out).count() == 0
+        assert spark.read.parquet(str(out)).columns[:2] == ["topic", "queueId"]
+    assert export_parquet(tmp_path / "empty", tmp_path / "out2", spark=spark) == 0
+
+
 def test_import_stores_each_row_once_and_reads_back_equal(spark, tmp_path):
     rows = [(f"Imp{i % 2}", f"payload {i}".encode(), [f"ik{i}"], f"T{i % 3}", {"i": str(i)}, i % 3)
             for i in range(300)]

@@ -141,10 +141,14 @@ class RocketMQReader(DataSourceReader):
         self.options = options
 
     def partitions(self) -> list[RangePartition]:
-        return [RangePartition(ranges, self.options) for ranges in plan_ranges(self.roots, self.options)]
+        # nothing to read (an empty log, a window past its end): one empty task, not none. Given none, Spark
+        # hands read() a bare InputPartition of its own ("'InputPartition' object has no attribute 'read'")
+        return [RangePartition(ranges, self.options) for ranges in plan_ranges(self.roots, self.options)] or [
+            RangePartition([], self.options)]
 
     def read(self, partition: RangePartition):
-        yield from partition.read()
+        if isinstance(partition, RangePartition):
+            yield from partition.read()
 
 
 class RocketMQStreamReader(DataSourceStreamReader):
@@ -191,7 +195,8 @@ class RocketMQStreamReader(DataSourceStreamReader):
         return parts
 
     def read(self, partition: RangePartition):
-        yield from partition.read()
+        if isinstance(partition, RangePartition):
+            yield from partition.read()
 
     def commit(self, end: dict) -> None:
         """Nothing to acknowledge: the store is only read."""
