@@ -761,6 +761,16 @@ def test_find_keys_across_stores(spark, tmp_path):
     assert len(by_query[("Topic0", "g3")]) == expected_g3
 
 
+def test_find_keys_answers_once_for_a_store_or_key_named_twice(spark, tmp_path):
+    a = build_store(tmp_path / "broker-a" / "store", 30)
+    (tmp_path / "link").symlink_to(tmp_path / "broker-a")
+    stores = [tmp_path / "broker-a" / "store", str(tmp_path / "*" / "store"), tmp_path / "link" / "store"]
+    found = find_keys(stores, [("Topic0", "k0-0"), ("Topic0", "k0-0")], spark=spark, config=CONFIG).collect()
+    assert [r.msgId for r in found] == [a[0].msg_id]
+    keys = spark.createDataFrame([("Topic0", "k0-0")] * 2, "topic string, key string")
+    assert [r.msgId for r in find_keys(stores, keys, spark=spark, config=CONFIG).collect()] == [a[0].msg_id]
+
+
 def test_summary_per_topic_and_minute(spark, tmp_path):
     build_store(tmp_path / "s", 90)
     per_topic, per_minute = messages_per_topic_and_minute(read_store(spark, tmp_path / "s"))

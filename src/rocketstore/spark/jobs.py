@@ -447,14 +447,19 @@ def find_keys(paths, keys, *, spark=None, master: str | None = None, begin: int 
 
     ``keys`` is a list of (topic, key) tuples or a DataFrame with columns ``topic`` and ``key``.
     Matching is exact (topic and key verified on the record). Returns a DataFrame with the
-    message columns plus ``queryTopic`` and ``queryKey``.
+    message columns plus ``queryTopic`` and ``queryKey``. A store named twice (by a glob and its path, through a
+    symbolic link) is searched once, and a pair given twice is looked up once.
     """
     spark = session(spark, master)
-    roots = [str(r) for r in resolve_roots(paths if isinstance(paths, str) else ",".join(map(str, paths)))]
+    # each store and each pair once: a store named twice (a glob and its path) or a key given twice answered twice
+    unique = {os.path.realpath(r): str(r) for r in reversed(
+        resolve_roots(paths if isinstance(paths, str) else ",".join(map(str, paths))))}
+    roots = list(reversed(unique.values()))  # the first name of each, in order
     if isinstance(keys, list | tuple):
-        keys_df = spark.createDataFrame([(str(t), str(k)) for t, k in keys], "topic string, key string")
+        pairs_given = list(dict.fromkeys((str(t), str(k)) for t, k in keys))
+        keys_df = spark.createDataFrame(pairs_given, "topic string, key string")
     else:
-        keys_df = keys.select("topic", "key")
+        keys_df = keys.select("topic", "key").distinct()
     stores = spark.createDataFrame([(r,) for r in roots], "root string")
     pairs = stores.crossJoin(keys_df).repartition(partitions or max(2, spark.sparkContext.defaultParallelism))
     base = config or StoreConfig()
