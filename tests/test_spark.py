@@ -720,6 +720,23 @@ def test_import_stores_each_row_once_and_reads_back_equal(spark, tmp_path):
         import_messages(bad, tmp_path / "s", config=CONFIG)
 
 
+def test_export_and_import_carry_flag_born_timestamp_and_born_host(spark, tmp_path):
+    from rocketstore.spark.jobs import read_export
+
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.put_message(Message("A", b"one", keys=["k1"], tags="t1", properties={"color": "red"}, flag=7,
+                                  born_timestamp=1_600_000_000_123, born_host="10.1.2.3:4567", queue_id=2))
+        store.put_message(Message("A", b"two", queue_id=1))
+    export_parquet(tmp_path / "s", tmp_path / "out", spark=spark)
+    import_messages(read_export(spark, tmp_path / "out"), tmp_path / "t", config=CONFIG)
+    fields = ("topic", "queue_id", "body", "keys", "tags", "flag", "born_timestamp", "born_host", "uniq_key")
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as a, \
+            MessageStore.open(tmp_path / "t", CONFIG, read_only=True) as b:
+        before, after = ([(*(getattr(m, f) for f in fields), m.properties.get("color"))
+                          for m in sorted(s.iter_messages(), key=lambda m: m.body)] for s in (a, b))
+    assert after == before and after[0][5:7] == (7, 1_600_000_000_123) and str(after[0][7]) == "10.1.2.3:4567"
+
+
 def test_import_names_the_bad_row_of_a_batch_and_keeps_the_batches_before(spark, tmp_path):
     """Rows go in as one put_batch per Arrow batch (here 64 rows): a bad row is named by its place in the
     DataFrame, nothing of its batch is stored, every batch before it is. String bodies and keys work."""

@@ -847,7 +847,7 @@ Examples:
 @store_options
 @master_option
 @click.option("--parquet", required=True, help="a Parquet dataset: topic and body columns; keys, tags, "
-              "properties and queueId when present (what export writes)")
+              "properties, queueId, flag, bornTimestamp and bornHost when present (what export writes)")
 @fails_cleanly
 def import_command(master, ship_env, verbose, parquet, **kwargs) -> None:
     """Append a Parquet dataset of messages to a store (created if missing), each row exactly once (Spark)."""

@@ -343,7 +343,7 @@ class ImportReport:
     last_offset: int | None = None
 
 
-IMPORT_COLUMNS = ("topic", "body", "keys", "tags", "properties", "queueId")
+IMPORT_COLUMNS = ("topic", "body", "keys", "tags", "properties", "queueId", "flag", "bornTimestamp", "bornHost")
 IMPORT_CHUNK_BYTES = 64 << 20  # one Arrow chunk sent to the driver holds at most about this much
 _ROW = re.compile(r"row (\d+): ")  # how put_batch names the first bad row of its table
 
@@ -353,8 +353,9 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     """Append every row of ``df`` to the store through its single writer, each exactly once.
 
     Columns: ``topic`` and ``body`` (binary or string) are required; ``keys`` (array or
-    space-separated string), ``tags``, ``properties`` (map) and ``queueId`` are optional, others are
-    not read. Rows reach the driver as Arrow batches (Spark's Arrow batch size, at most
+    space-separated string), ``tags``, ``properties`` (map), ``queueId``, ``flag``, ``bornTimestamp`` (a
+    timestamp or epoch ms) and ``bornHost`` (``host:port``) are optional (null: the store's defaults), others
+    are not read. Rows reach the driver as Arrow batches (Spark's Arrow batch size, at most
     ``IMPORT_CHUNK_BYTES`` each), one partition ahead, in partition order; each batch is one
     ``put_batch`` (all or nothing). A bad row stops the import with an error naming its place in
     the DataFrame; the batches before it stay stored (the report says how many rows). ``explicit``: the geometry
@@ -413,6 +414,15 @@ def _batch_columns(chunk: pa.Table) -> pa.Table:
             data["properties"] = chunk.column("properties").cast(pa.map_(pa.string(), pa.string()))
         if "queueId" in names:
             data["queue_id"] = pc.fill_null(chunk.column("queueId").cast(pa.int32()), 0)
+        if "flag" in names:
+            data["flag"] = chunk.column("flag").cast(pa.int32())
+        if "bornTimestamp" in names:  # a timestamp (what export writes) or epoch ms
+            born = chunk.column("bornTimestamp")
+            if pa.types.is_timestamp(born.type):
+                born = pc.divide(born.cast(pa.timestamp("us", born.type.tz)).cast(pa.int64()), 1000)
+            data["born_timestamp"] = born.cast(pa.int64())
+        if "bornHost" in names:
+            data["born_host"] = chunk.column("bornHost").cast(pa.string())
     except (pa.ArrowException, TypeError, ValueError) as exc:
         raise ConfigError(f"import columns cannot be read as messages: {exc}") from None
     return pa.table(data)
