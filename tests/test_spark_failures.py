@@ -166,3 +166,19 @@ def test_quiet_logging_turns_off_task_failures_and_the_shutdown_race_but_verbose
         key = next(line.split("=")[0].strip() for line in lines if line.endswith(f"= {name}"))
         assert f"{key.removesuffix('.name')}.level = off" in lines
         assert f"= {name}\n" not in verbose
+
+
+def test_a_failed_export_prints_one_line_and_no_stack_trace(tmp_path):
+    """A write task that fails is logged again by Spark's write path ("ERROR Utils: Aborting task", the output
+    committer's cleanup) with Java stack traces: 129 lines on stderr before the error. Only the error is left."""
+    results = build_store(tmp_path / "s", 700)
+    segment = tmp_path / "s" / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[results[10].commit_log_offset + 100] ^= 0xFF  # a body byte of an old segment: the task fails (CRC)
+    segment.write_bytes(bytes(data))
+    done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "export", "--store", str(tmp_path / "s"),
+                           "--out", str(tmp_path / "out"), "--master", "local[1]", "--max-hash-slot-num", "97",
+                           "--max-index-num", "300"], capture_output=True, text=True, timeout=180, check=False)
+    lines = [line for line in done.stderr.splitlines() if "jdk.incubator.vector" not in line]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("error: ChecksumError: body CRC") and "(in partition 0 of stage" in lines[0]

@@ -36,7 +36,11 @@ logger.native.level = error
 # anyway, where the CLI turns it into one line (``failures.one_line``). Shown with --verbose.
 TASK_FAILURE_LOGGERS = ("org.apache.spark.scheduler.TaskSetManager", "org.apache.spark.executor.Executor",
                         "org.apache.spark.scheduler.TaskSchedulerImpl", "org.apache.spark.api.python",
-                        "org.apache.spark.sql.execution.datasources", "org.apache.spark.internal.io")
+                        "org.apache.spark.sql.execution.datasources", "org.apache.spark.internal.io",
+                        # a failed write task: "ERROR Utils: Aborting task" and the committer's cleanup, with traces
+                        "org.apache.spark.util.Utils", "org.apache.hadoop.mapreduce.lib.output.FileOutputCommitter",
+                        "org.apache.spark.mapred.SparkHadoopMapRedUtil", "org.apache.spark.sql.execution.python",
+                        "org.apache.parquet.hadoop")
 # An executor's status update reaching a driver whose scheduler just stopped (a failed command exiting) is logged
 # at ERROR with a stack trace, "Could not find CoarseGrainedScheduler": a shutdown race, under the command's own
 # one-line error (seen in one CI-form run in two of the cluster's failing export). ``--verbose`` still shows it.
