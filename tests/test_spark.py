@@ -826,6 +826,15 @@ def test_bad_options_are_clear_errors(spark, tmp_path):
         read_store(spark, tmp_path / "s", startingTimestamp="yesterday").count()
     with pytest.raises(CorruptDataError):
         _scan_whole_segment_of_garbage(tmp_path)
+    # unknown and misspelt options were ignored: a scan of everything; a size of 0 meant the default
+    for name, value, message in [("topic", "A", "no option 'topic' .*did you mean 'topics'"),
+                                 ("startTimestamp", "1", "did you mean 'startingTimestamp'"),
+                                 ("maxBytesPerPartition", "0", "at least 1024, not 0"),
+                                 ("mappedFileSizeCommitLog", "-1", "at least 1024, not -1")]:
+        with pytest.raises(Exception, match=message):
+            spark.read.format("rocketmq").option(name, value).load(str(tmp_path / "s")).count()
+    # names ignore case, as Spark's do
+    assert spark.read.format("rocketmq").option("TOPICS", "Topic0").load(str(tmp_path / "s")).count() == 2
 
 
 def _scan_whole_segment_of_garbage(tmp_path: Path) -> None:

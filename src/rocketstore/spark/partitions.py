@@ -71,6 +71,12 @@ BATCH_ROWS = 8192
 DEFAULT_MAX_BYTES_PER_PARTITION = 64 << 20
 
 
+SOURCE_OPTIONS = ("topics", "startingTimestamp", "endingTimestamp", "startingOffset", "endingOffset",
+                  "validatedLogEnd", "maxBytesPerPartition", "minPartitions", "checkCRC", "onCorrupt", "corruptLog",
+                  "includeBody", "brokerName", "mappedFileSizeCommitLog", "dispatchInfo", "columns", "packArrow",
+                  "path", "paths")
+
+
 @dataclass(frozen=True, slots=True)
 class ScanOptions:
     """Reader options, parsed and checked once on the driver."""
@@ -96,8 +102,18 @@ class ScanOptions:
 
     @classmethod
     def from_options(cls, raw: dict[str, str]) -> ScanOptions:
-        """Parse reader options; names are case-insensitive, as Spark's are."""
+        """Parse reader options; names are case-insensitive, as Spark's are. A name the source does not know is
+        refused (a misspelt filter was silently a scan of everything), with the nearest known one."""
         options = _Caseless(raw)
+        known = {name.lower(): name for name in SOURCE_OPTIONS}
+        for name in raw:
+            if str(name).lower() not in known:
+                import difflib
+
+                near = difflib.get_close_matches(str(name).lower(), known, n=1, cutoff=0.6)
+                hint = f" (did you mean {known[near[0]]!r}?)" if near else ""
+                raise ConfigError(f"the rocketmq source has no option {name!r}{hint}; its options are "
+                                  f"{', '.join(o for o in SOURCE_OPTIONS if o not in ('path', 'paths'))}")
 
         def flag(name: str, default: bool) -> bool:
             value = options.get(name)
@@ -120,9 +136,13 @@ class ScanOptions:
         on_corrupt = options.get("onCorrupt", "fail").lower()
         if on_corrupt not in ("fail", "skip"):
             raise ConfigError(f"option onCorrupt must be fail or skip, not {on_corrupt!r}")
-        max_bytes = number("maxBytesPerPartition") or DEFAULT_MAX_BYTES_PER_PARTITION
+        max_bytes = number("maxBytesPerPartition")
+        max_bytes = DEFAULT_MAX_BYTES_PER_PARTITION if max_bytes is None else max_bytes
         if max_bytes < 1024:
-            raise ConfigError("option maxBytesPerPartition must be at least 1024")
+            raise ConfigError(f"option maxBytesPerPartition must be at least 1024, not {max_bytes}")
+        segment_size = number("mappedFileSizeCommitLog")
+        if segment_size is not None and segment_size < 1024:
+            raise ConfigError(f"option mappedFileSizeCommitLog must be at least 1024, not {segment_size}")
         min_partitions = number("minPartitions")
         min_partitions = 1 if min_partitions is None else min_partitions
         if min_partitions < 1:
@@ -134,7 +154,7 @@ class ScanOptions:
             validated_log_end=number("validatedLogEnd"),
             max_bytes_per_partition=max_bytes, check_crc=flag("checkCRC", True),
             include_body=flag("includeBody", True), on_corrupt=on_corrupt, broker_name=options.get("brokerName"),
-            commit_log_file_size=number("mappedFileSizeCommitLog"), dispatch_info=flag("dispatchInfo", False),
+            commit_log_file_size=segment_size, dispatch_info=flag("dispatchInfo", False),
             corrupt_log=options.get("corruptLog"), min_partitions=min_partitions,
             packed=flag("packArrow", False),
         )._with_column_option(options.get("columns"))

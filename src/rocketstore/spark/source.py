@@ -19,7 +19,7 @@ with a schema naming them, in any order (``.schema("topic string, storeTimestamp
 ``read_store(spark, path, columns=[...])``): only those are decoded and handed to Spark (a count per topic
 runs ~3x faster than over every column).
 
-Options (all optional):
+Options (all optional; names ignore case; a name not listed here is refused, with the nearest one named):
 
 ==========================  ===================================================================
 ``topics``                  comma-separated topics to keep
