@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -357,8 +358,11 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     timestamp or epoch ms) and ``bornHost`` (``host:port``) are optional (null: the store's defaults), others
     are not read. Rows reach the driver as Arrow batches (Spark's Arrow batch size, at most
     ``IMPORT_CHUNK_BYTES`` each), one partition ahead, in partition order; each batch is one
-    ``put_batch`` (all or nothing). A bad row stops the import with an error naming its place in
-    the DataFrame; the batches before it stay stored (the report says how many rows). ``explicit``: the geometry
+    ``put_batch`` (all or nothing). One Spark pass first checks what needs no store (null topics and
+    bodies, topic rules, sizes, negative queue ids): a bad row found there stores nothing, and a new store's
+    directory is not left behind. A bad row only ``put_batch`` finds stops the import with an error naming its
+    place in the DataFrame; the batches before it stay stored, and the error says how many rows that is and
+    from which row to resume (there is no marker in the store). ``explicit``: the geometry
     settings of ``config`` the files must not replace (``detect_config``'s).
     """
     present = set(df.columns)
@@ -368,13 +372,97 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
         raise ConfigError(f"import needs columns topic and body; missing {sorted(missing)}")
     report = ImportReport()
     root = Path(root)
-    config = detect_config(root, config, explicit=explicit) if (root / "commitlog").is_dir() \
-        else (config or StoreConfig())
-    with MessageStore.open(root, config) as store:
-        for chunk in _arrow_chunks(df.select(*columns)):
-            if chunk.num_rows:
-                _put(store, _batch_columns(chunk), report, progress)
+    fresh = not (root / "commitlog").is_dir()
+    config = (config or StoreConfig()) if fresh else detect_config(root, config, explicit=explicit)
+    rows = df.select(*columns)
+    _check_rows(rows, config)  # a pass over the rows before the first is stored: most bad rows store nothing
+    before = set(os.listdir(root)) if root.is_dir() else None
+    try:
+        with MessageStore.open(root, config) as store:
+            for chunk in _arrow_chunks(rows):
+                if chunk.num_rows:
+                    _put(store, _batch_columns(chunk), report, progress)
+    except BaseException:
+        if fresh and not report.rows:  # an import into a new path that stored nothing leaves no store skeleton
+            if before is None:
+                shutil.rmtree(root, ignore_errors=True)
+            else:
+                for name in set(os.listdir(root)) - before:
+                    with contextlib.suppress(OSError):
+                        (shutil.rmtree if (root / name).is_dir() else os.unlink)(root / name)
+        raise
     return report
+
+
+_RECORD_FIXED_BYTES = 91  # a record's bytes besides body, topic and properties (IPv4 hosts): a lower bound
+
+
+def _check_rows(df, config: StoreConfig) -> None:
+    """What can be checked without the store, in one Spark pass before anything is stored: null topics and
+    bodies, topic rules, bodies over max_message_size, records that cannot fit a commit-log segment, negative
+    queue ids. The first bad row (by its place in the DataFrame, as the import reads it) is a typed error."""
+    from ..encoder import check_sendable, validate_topic
+    from ..errors import InvalidQueueError, InvalidTopicError, MessageIllegalError, MessageTooLargeError
+
+    max_body, segment = config.max_message_size, config.mapped_file_size_commit_log
+    max_record = min(max_body + 65536, segment - 8)
+    kinds = {"topic": InvalidTopicError, "body": MessageIllegalError, "size": MessageTooLargeError,
+             "queue": InvalidQueueError}
+
+    def first_bad(table: pa.Table) -> tuple[int, str, str] | None:
+        topic, body = table.column("topic"), table.column("body")
+        found: list[tuple[int, str, str]] = []
+        for column, name in ((topic, "topic"), (body, "body")):
+            if column.null_count:
+                found.append((int(pc.index(pc.is_null(column), True).as_py()), name, f"{name} is null"))
+        topics = pc.unique(pc.drop_null(topic.cast(pa.string()))).to_pylist()
+        for name in topics:
+            try:
+                validate_topic(name)
+                check_sendable(name)
+            except InvalidTopicError as exc:
+                found.append((int(pc.index(topic.cast(pa.string()), name).as_py()), "topic", str(exc)))
+        bodies = pc.fill_null(pc.binary_length(body.cast(pa.binary())), 0).to_numpy(zero_copy_only=False)
+        over = np.flatnonzero(bodies > max_body)
+        if len(over):
+            found.append((int(over[0]), "size", f"body is {bodies[over[0]]} bytes; max_message_size is {max_body}"))
+        names = pc.fill_null(pc.binary_length(topic.cast(pa.binary())), 0).to_numpy(zero_copy_only=False)
+        big = np.flatnonzero(bodies + names + _RECORD_FIXED_BYTES > max_record)
+        if len(big):
+            found.append((int(big[0]), "size", f"a record of at least {bodies[big[0]] + names[big[0]] + 91} bytes "
+                                               f"does not fit a commit-log segment of {segment} bytes"))
+        if "queueId" in table.column_names:
+            queues = pc.fill_null(table.column("queueId").cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+            negative = np.flatnonzero(queues < 0)
+            if len(negative):
+                found.append((int(negative[0]), "queue", f"queueId {queues[negative[0]]} is negative"))
+        return min(found) if found else None
+
+    def check(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        rows, bad = 0, None
+        for batch in batches:
+            if bad is None:
+                found = first_bad(pa.Table.from_batches([batch]))
+                if found is not None:
+                    bad = (rows + found[0], found[1], found[2])
+            rows += batch.num_rows
+        context = TaskContext.get()
+        yield pa.RecordBatch.from_pydict({
+            "part": [context.partitionId() if context else 0], "rows": [rows], "bad": [-1 if bad is None else bad[0]],
+            "kind": [bad[1] if bad else ""], "reason": [bad[2] if bad else ""]})
+        settle_after_task()
+
+    columns = [c for c in ("topic", "body", "queueId") if c in df.columns]
+    parts = sorted(df.select(*columns).mapInArrow(check, "part bigint, rows bigint, bad bigint, kind string, "
+                                                         "reason string").collect())
+    before = 0
+    for part in parts:
+        if part.bad >= 0:
+            raise kinds[part.kind](f"row {before + part.bad}: {part.reason} (nothing imported: the rows are checked "
+                                   "before the first is stored)")
+        before += part.rows
 
 
 def _arrow_chunks(df) -> Iterator[pa.Table]:
@@ -437,7 +525,8 @@ def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: P
         where = (f"row {report.rows + int(found[1])}: {text[found.end():]}" if found else
                  f"rows {report.rows}..{report.rows + table.num_rows - 1}: {text}")
         raise type(exc)(f"{where} (nothing of rows {report.rows}..{report.rows + table.num_rows - 1} stored; "
-                        f"the {report.rows} rows before them are)") from exc
+                        f"the {report.rows} rows before them are: to finish, import from row {report.rows} on)"
+                        ) from exc
     report.rows += table.num_rows
     report.batches += 1
     offsets = result.commit_log_offsets
