@@ -182,3 +182,31 @@ def test_a_failed_export_prints_one_line_and_no_stack_trace(tmp_path):
     lines = [line for line in done.stderr.splitlines() if "jdk.incubator.vector" not in line]
     assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
     assert lines[0].startswith("error: ChecksumError: body CRC") and "(in partition 0 of stage" in lines[0]
+
+
+def test_a_bad_master_is_one_line_naming_it_before_a_jvm_starts(tmp_path):
+    """An unknown scheme printed a Java stack trace and "Java gateway process exited"; a standalone master nobody
+    answers failed after ~65 s with "Cannot call methods on a stopped SparkContext", not naming it."""
+    import socket
+    import time
+
+    from rocketstore.errors import ConfigError
+    from rocketstore.spark.session import check_master
+
+    build_store(tmp_path / "s", 5)
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    check_master("local[2]")
+    check_master("yarn")
+    for master, text in [("bogus://x", "'bogus://x' is not a master URL"),
+                         (f"spark://127.0.0.1:{port}", f"cannot reach the Spark master spark://127.0.0.1:{port} ")]:
+        with pytest.raises(ConfigError, match=text):
+            check_master(master)
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "rebuild", "--store", str(tmp_path / "s"),
+                               "--master", master, "--max-hash-slot-num", "97", "--max-index-num", "300"],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 1 and done.stderr.splitlines() == [f"error: {done.stderr[7:].strip()}"]
+        assert text in done.stderr and time.monotonic() - started < 30
+        assert (tmp_path / "s" / "consumequeue").is_dir() and (tmp_path / "s" / "index").is_dir()

@@ -13,8 +13,10 @@ import contextlib
 import fcntl
 import functools
 import os
+import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -119,6 +121,36 @@ def is_local(master: str) -> bool:
     return master.startswith("local")
 
 
+_MASTER = re.compile(r"local(\[(\*|\d+)(,\s*\d+)?\])?|local-cluster\[\d+,\s*\d+,\s*\d+\]|spark://.+|yarn"
+                     r"|k8s://.+")
+MASTER_CONNECT_TIMEOUT_S = 5.0
+
+
+def check_master(master: str, timeout: float = MASTER_CONNECT_TIMEOUT_S) -> None:
+    """Refuse a master URL Spark cannot use, before a JVM starts, in one line naming it: Spark printed a Java stack
+    trace and "Java gateway process exited" for an unknown scheme, and for a standalone master nobody answers
+    retried for ~60 s (its registration timeout is not configurable) and then failed with "Cannot call methods on a
+    stopped SparkContext". A ``spark://`` master (each of an HA list) gets a TCP connect first."""
+    from ..errors import ConfigError
+
+    if not _MASTER.fullmatch(master):
+        raise ConfigError(f"Spark master {master!r} is not a master URL: use local[*], local[N], spark://HOST:PORT, "
+                          "yarn or k8s://HOST:PORT")
+    if not master.startswith("spark://"):
+        return
+    errors = []
+    for address in master[len("spark://"):].split(","):
+        host, _, port = address.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"Spark master {master!r}: {address!r} is not HOST:PORT")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+            return
+        except OSError as exc:
+            errors.append(f"{address}: {exc.strerror or exc}")
+    raise ConfigError(f"cannot reach the Spark master {master} ({'; '.join(errors)})")
+
+
 def spark_session(master: str | None = None, app_name: str = "rocketstore", *, driver_memory: str = "2g",
                   shuffle_partitions: int | None = None, extra_conf: dict[str, str] | None = None,
                   ship_env: bool = False, verbose: bool = False):
@@ -130,12 +162,15 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
     ``ship_env`` ships this whole virtual environment instead (see ``shipping``). The stores must be
     at the same path on every worker. ``verbose`` lets Spark's warnings and executors' stack traces through.
     """
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     from . import classcache, shipping
 
     master = master or DEFAULT_MASTER
     local = is_local(master)
+    if SparkContext._gateway is None or SparkContext._active_spark_context is None:
+        check_master(master)  # a session to reuse has one already
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if local:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # a cluster's executors must reach the driver
@@ -144,8 +179,6 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
     with open(log_config, "w") as f:
         f.write(log4j2_properties(verbose))
     java_opts = f"-Dlog4j2.configurationFile=file:{log_config} -Djava.io.tmpdir={scratch}"
-    from pyspark import SparkContext
-
     launching = SparkContext._gateway is None  # else getOrCreate reuses a JVM already running
     driver_opts = f"{java_opts} {classcache.java_options()}".rstrip() if launching else java_opts
     cores = os.cpu_count() or 2
