@@ -27,7 +27,13 @@ import grpc
 from ..brokerconfig import PERM_READ, PERM_WRITE, TopicConfig
 from ..codec.hosts import Host
 from ..codec.properties import PropertyName
-from ..encoder import _TOPIC_CHARS, DLQ_GROUP_TOPIC_PREFIX, RETRY_GROUP_TOPIC_PREFIX, SCHEDULE_TOPIC, validate_topic
+from ..encoder import (
+    _TOPIC_CHARS,
+    DLQ_GROUP_TOPIC_PREFIX,
+    NOT_SENDABLE_TOPICS,
+    RETRY_GROUP_TOPIC_PREFIX,
+    validate_topic,
+)
 from ..errors import (
     IllegalDeliveryTimeError,
     InvalidPropertyError,
@@ -44,7 +50,7 @@ from ..errors import (
 from ..message import Message, MessageExt, PutMessageStatus
 from ..sqlfilter import InvalidFilterError, SqlFilter, compile_sql92
 from ..store import MessageStore
-from ..transaction import CHECK_MAX_TOPIC, HALF_TOPIC, OP_TOPIC, TransactionLog, UnknownTransactionError
+from ..transaction import TransactionLog, UnknownTransactionError
 from .auth import Accounts
 from .longpoll import LongPolls, call_soon
 from .pop import DeadLetterError, InvalidReceiptHandleError, PopGroups
@@ -69,8 +75,8 @@ CONSUMER_TYPES = (pb.ClientType.PUSH_CONSUMER, pb.ClientType.SIMPLE_CONSUMER, pb
 # TopicValidator's system topics (and its rmq_sys_ prefix; RMQ_SYS_ too: every RocketMQ topic so named is one).
 # The proxy answers ILLEGAL_TOPIC to any call that names one: a client's message there would be taken for the
 # broker's own (a delay, a half message, a timer), and a route would auto-create it with a client's queue count.
-SYSTEM_TOPICS = frozenset({"TBW102", SCHEDULE_TOPIC, "BenchmarkTest", HALF_TOPIC, "RMQ_SYS_TRACE_TOPIC", OP_TOPIC,
-                           CHECK_MAX_TOPIC, "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT", "CHECKPOINT_TOPIC"})
+# The store refuses sends to the ones only it writes (NOT_SENDABLE_TOPICS); the proxy's list is longer.
+SYSTEM_TOPICS = NOT_SENDABLE_TOPICS | {"TBW102", "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC", "CHECKPOINT_TOPIC"}
 SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_")
 # topics the server writes for a group: readable (a group's dead letters), not sendable
 GROUP_TOPIC_PREFIXES = (RETRY_GROUP_TOPIC_PREFIX, DLQ_GROUP_TOPIC_PREFIX)
