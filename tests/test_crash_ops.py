@@ -354,17 +354,25 @@ def test_an_idle_queue_keeps_its_offsets_after_retention_and_a_reopen(tmp_path):
         assert store.put_message(Message("Idle", b"new")).queue_offset == 10, "queue offsets were reused"
 
 
-def test_dispatch_resumes_after_retention_deletes_segments_it_had_not_read(tmp_path):
+def test_retention_keeps_segments_dispatch_has_not_read(tmp_path):
+    """An expired segment the dispatcher has not read to its end stays (its messages would reach no queue and no
+    index); once dispatch has read it, the next pass deletes it."""
     with MessageStore.open(tmp_path, SMALL) as store:
         assert store.dispatcher is not None
         with store.dispatcher._round_lock:  # hold dispatch back (the seam a slow round gives) while retention runs
-            for i in range(100):
-                store.put_message(Message("T", f"m{i}".encode() * 100, keys=[f"k{i}"]))
-            store.delete_expired_files(now_ms=FAR_FUTURE_MS, immediately=True)
-        low = store.min_phy_offset
-        assert low > 0
+            results = [store.put_message(Message("T", f"m{i}".encode() * 100, keys=[f"k{i}"])) for i in range(100)]
+            held = store.dispatcher.reput_from_offset
+            report = store.delete_expired_files(now_ms=FAR_FUTURE_MS, immediately=True)
+            assert store.min_phy_offset <= held, "retention deleted a segment dispatch had not read"
+            assert all(int(name) + SMALL.mapped_file_size_commit_log <= held for name in report.commit_log_files)
         assert store.wait_for_dispatch(2), "dispatch never resumed"
-        newest = [m for m in store.iter_messages()]
+        for i, result in enumerate(results):  # every message reached its queue and the index
+            assert [m.commit_log_offset for m in store.query_message("T", f"k{i}")] == [result.commit_log_offset]
+            assert store.get_message("T", 0, result.queue_offset, 1).messages[0].commit_log_offset \
+                == result.commit_log_offset
+        report = store.delete_expired_files(now_ms=FAR_FUTURE_MS, immediately=True)
+        assert report.commit_log_files and store.min_phy_offset > 0, "dispatched segments were not deleted"
+        newest = list(store.iter_messages())
         assert newest and all(store.query_message("T", m.keys[0]) for m in newest)
 
 

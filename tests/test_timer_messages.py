@@ -14,7 +14,7 @@ import pytest
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.brokerconfig import parse_fastjson
 from rocketstore.encoder import TIMER_TOPIC
-from rocketstore.errors import IllegalDeliveryTimeError, StoreIOError
+from rocketstore.errors import ConfigFileError, IllegalDeliveryTimeError, StoreIOError
 from rocketstore.verify import verify_store
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
@@ -74,15 +74,42 @@ def test_a_restart_delivers_every_timer_message_not_yet_delivered(tmp_path):
             store.put_message(Message("Pay", f"m{i}".encode(), properties={"TIMER_DELIVER_MS": str(base + ahead)}))
         store.wait_for_dispatch()
         assert store.schedule.deliver_due(now_ms=base + 250_000) == 2  # m0 (offset 0) and m2 (offset 2)
-    offsets = parse_fastjson((tmp_path / "config" / "timerOffset.json").read_text())["offsetTable"]
-    assert offsets == {0: 1}, "the committed offset stops below the first one still waiting"
+    saved = parse_fastjson((tmp_path / "config" / "timerOffset.json").read_text())
+    assert saved["offsetTable"] == {0: 1}, "the committed offset stops below the first one still waiting"
+    assert saved["deliveredAbove"] == [[2, 1]], "m2, delivered out of queue order, is remembered"
     with MessageStore.open(tmp_path, CONFIG) as store:
         store.wait_for_dispatch()
-        assert store.schedule.deliver_due(now_ms=base + 500_000) == 3  # m1, m3, and m2 again (at least once)
+        assert store.schedule.deliver_due(now_ms=base + 500_000) == 2  # m1 and m3; m2 not again
         store.wait_for_dispatch()
-        assert bodies(store, "Pay") == [b"m0", b"m1", b"m2", b"m2", b"m3"]
-    offsets = parse_fastjson((tmp_path / "config" / "timerOffset.json").read_text())["offsetTable"]
-    assert offsets == {0: 4}
+        assert bodies(store, "Pay") == [b"m0", b"m1", b"m2", b"m3"]
+    saved = parse_fastjson((tmp_path / "config" / "timerOffset.json").read_text())
+    assert saved["offsetTable"] == {0: 4} and "deliveredAbove" not in saved
+
+
+def test_delivered_timers_are_remembered_as_runs_and_a_bad_list_is_refused(tmp_path):
+    base = now_ms()
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.put_message(Message("Pay", b"late", properties={"TIMER_DELIVER_MS": str(base + 900_000)}))
+        for i in range(6):
+            store.put_message(Message("Pay", f"m{i}".encode(),
+                                      properties={"TIMER_DELIVER_MS": str(base + (100_000 if i != 3 else 800_000))}))
+        store.wait_for_dispatch()
+        assert store.schedule.deliver_due(now_ms=base + 200_000) == 5
+    path = tmp_path / "config" / "timerOffset.json"
+    saved = parse_fastjson(path.read_text())
+    assert saved["offsetTable"] == {0: 0} and saved["deliveredAbove"] == [[1, 3], [5, 2]]
+    with MessageStore.open(tmp_path, CONFIG) as store:  # a restart delivers each of the two left once
+        store.wait_for_dispatch()
+        assert store.schedule.deliver_due(now_ms=base + 850_000) == 1
+        assert store.schedule.deliver_due(now_ms=base + 950_000) == 1
+        store.wait_for_dispatch()
+        assert bodies(store, "Pay") == sorted([b"late"] + [f"m{i}".encode() for i in range(6)])
+    text = path.read_text()
+    path.with_name(path.name + ".bak").unlink(missing_ok=True)  # a good backup would be loaded instead
+    for bad in ('[[5, 1], [1, 3]]', '[[1, 0]]', '[[1, 3], [2, 1]]', '"1-3"', '[[-1, 2]]'):
+        path.write_text(text.replace('"offsetTable"', f'"deliveredAbove":{bad},"offsetTable"', 1))
+        with pytest.raises(ConfigFileError, match="deliveredAbove"):
+            MessageStore.open(tmp_path, CONFIG).close()
 
 
 def test_timer_message_rules(tmp_path):

@@ -37,7 +37,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -278,7 +278,23 @@ SUBSCRIPTION_GROUPS_SCHEMA = record({
 })
 CONSUMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(name_key, mapping(int_key(0, _I32_MAX), _OFFSET))})
 DELAY_OFFSETS_SCHEMA = record({"offsetTable": mapping(int_key(1, _I32_MAX), _OFFSET)})
-TIMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(int_key(0, 0), _OFFSET)})
+def offset_runs(value: object, where: str) -> list[list[int]]:
+    """A list of ``[first, count]`` runs of queue offsets, ascending and apart."""
+    if not isinstance(value, list):
+        raise _Invalid(where, f"must be a list of [first offset, count] runs, not {_show(value)}")
+    end = -1
+    for i, run in enumerate(value):
+        at = f"{where}[{i}]"
+        if not (isinstance(run, list) and len(run) == 2):
+            raise _Invalid(at, f"must be a [first offset, count] run, not {_show(run)}")
+        first, count = _OFFSET(run[0], at), integer(1, _I64_MAX)(run[1], at)
+        if first <= end or first + count > _I64_MAX:
+            raise _Invalid(at, "runs must be ascending, apart and below 2^63")
+        end = first + count
+    return value
+
+
+TIMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(int_key(0, 0), _OFFSET), "deliveredAbove": offset_runs})
 
 
 # --- reading and writing a file ------------------------------------------------------------------------
@@ -700,6 +716,32 @@ class TimerOffsetManager(DelayOffsetManager):
 
     FILE = "timerOffset.json"
     SCHEMA = staticmethod(TIMER_OFFSETS_SCHEMA)
+    MAX_RUNS = 65_536  # beyond, the runs farthest ahead are dropped: those messages come again after a restart
+
+    def delivered_above(self) -> set[int]:
+        """Queue offsets above the committed one already delivered (timers fire out of queue order): a clean
+        restart must not deliver them again."""
+        with self._lock:
+            runs = self.extra.get("deliveredAbove", [])
+            return {offset for first, count in runs for offset in range(first, first + count)}
+
+    def set_progress(self, committed: int, done: Iterable[int]) -> None:
+        """The committed offset and the offsets above it delivered so far, kept as runs."""
+        runs: list[list[int]] = []
+        for offset in sorted(done):
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1][1] += 1
+            elif len(runs) < self.MAX_RUNS:
+                runs.append([offset, 1])
+            else:
+                break
+        with self._lock:
+            self.table[0] = committed
+            if runs:
+                self.extra["deliveredAbove"] = runs
+            else:
+                self.extra.pop("deliveredAbove", None)
+            self.dirty = True
 
 
 class SubscriptionGroupManager(ConfigFile):

@@ -3,7 +3,8 @@
 A segment expires ``file_reserved_time`` hours after its last modification, and is deleted at
 the hour ``delete_when`` names (RocketMQ's ``deleteWhen``, default 04) or at once when the disk
 holding the log is fuller than ``disk_max_used_space_ratio`` percent (then the oldest go first,
-expired or not). The segment being written is never deleted.
+expired or not). The segment being written is never deleted, nor one the dispatcher has not read to its end:
+its messages would reach no consume queue and no index (RocketMQ deletes it anyway).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def disk_used_ratio(path: str | os.PathLike) -> float:
 
 def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index: IndexService | None,
                          config: StoreConfig, *, now_ms: int | None = None, immediately: bool = False,
-                         used_ratio: float | None = None) -> RetentionReport:
-    """``deleteExpiredFiles`` for the whole store; ``immediately`` ignores ``delete_when``."""
+                         used_ratio: float | None = None, dispatched: int | None = None) -> RetentionReport:
+    """``deleteExpiredFiles`` for the whole store; ``immediately`` ignores ``delete_when``. Segments that end
+    past ``dispatched`` (the dispatcher's read position; the caller holds dispatch paused) are kept."""
     now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     report = RetentionReport()
     if not commit_log.mapped_files.files:
@@ -53,6 +55,11 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
         files = commit_log.mapped_files.files
         doomed = 0
         for mapped in files[:-1]:
+            if dispatched is not None and mapped.file_from_offset + mapped.file_size > dispatched:
+                if disk_full or at_delete_hour:
+                    log.warning("retention keeps %s and later: dispatch has read only to offset %d",
+                                mapped.path.name, dispatched)
+                break
             expired = os.stat(mapped.path).st_mtime * 1000 + reserved_ms <= now
             if (expired and at_delete_hour) or disk_full:
                 doomed += 1

@@ -115,11 +115,16 @@ class TimerWheel:
             return 0
         if self._read_to is None or self._read_to < queue.min_offset_in_queue:
             self._committed = self._read_to = max(self.offsets.get(0), queue.min_offset_in_queue)
+            # read again from there (after retention, from the queue's new start): what waits is read again too
+            self._waiting = []
+            self._done = {offset for offset in self._done | self.offsets.delivered_above() if offset >= self._committed}
+            self._advance()
         while self._read_to < queue.max_offset_in_queue:
             unit = queue.get_unit(self._read_to)
             if unit is None:
                 break
-            heapq.heappush(self._waiting, (unit[2], self._read_to, unit[0]))
+            if self._read_to not in self._done:  # delivered before a restart, out of queue order
+                heapq.heappush(self._waiting, (unit[2], self._read_to, unit[0]))
             self._read_to += 1
         count = self.deliveries.delivered
         while self._waiting and self._waiting[0][0] <= now:
@@ -132,11 +137,15 @@ class TimerWheel:
                     heapq.heappush(self._waiting, entry)  # delivered on a later tick
                     raise
             self._done.add(entry[1])
-            while self._committed in self._done:
-                self._done.discard(self._committed)
-                self._committed += 1
-            self.offsets.set(0, self._committed)
+            self._advance()
         return self.deliveries.delivered - count
+
+    def _advance(self) -> None:
+        """Commit up to the first offset not delivered; the ones delivered above it are kept in the file too."""
+        while self._committed in self._done:
+            self._done.discard(self._committed)
+            self._committed += 1
+        self.offsets.set_progress(self._committed, self._done)
 
 
 class ScheduleMessageService:

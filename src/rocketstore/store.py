@@ -815,9 +815,11 @@ class MessageStore:
         self._check_open(write=True)
         if now_ms is not None:
             now_ms = check_int("now_ms", now_ms)
-        with self.dispatcher.paused() if self.dispatcher is not None else contextlib.nullcontext():
+        dispatcher = self.dispatcher
+        with dispatcher.paused() if dispatcher is not None else contextlib.nullcontext():
             return delete_expired_files(self.commit_log, self.queues, self.index, self.config, now_ms=now_ms,
-                                        immediately=immediately)
+                                        immediately=immediately,
+                                        dispatched=None if dispatcher is None else dispatcher.reput_from_offset)
 
     def look_message_by_offset(self, phy_offset: int, *, decompress: bool = False) -> MessageExt:
         """The message whose record starts at ``phy_offset`` (``lookMessageByOffset``).
