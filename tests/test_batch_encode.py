@@ -551,6 +551,39 @@ def test_one_unusual_message_is_encoded_or_refused_as_encode_does(field, value):
     same_outcome(single, many, msgs, 100)
 
 
+@st.composite
+def one_message(draw):
+    """A plain message, or one with one unusual field: ``put_message``'s single-message pass or ``encode``."""
+    msg = draw(plain_message)
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(sorted(unusual)))
+        setattr(msg, field, draw(unusual[field]))
+    return msg
+
+
+@pytest.mark.parametrize("store_host", ["127.0.0.1:10911", "[::1]:10911"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msg=one_message(), prop_crc=st.booleans(), counter=st.sampled_from([None, 0xFFFF]))
+def test_one_message_is_encoded_as_encode_does(msg, prop_crc, counter, store_host):
+    single, many = encoders(StoreConfig(enabled_append_prop_crc=prop_crc, store_host=store_host))
+    same_outcome(single, many, [msg], single.uniq_keys._counter if counter is None else counter)
+
+
+def test_a_plain_single_put_takes_the_one_message_pass():
+    """The equivalence test above would pass with the single-message pass never taken."""
+    encoder = MessageEncoder(StoreConfig())
+    encoder.encode(Message("T", b"", born_host="10.0.0.7:4000"))
+    plain = [Message("T", b"x" * 3, tags="TagA", keys=["k1"], queue_id=2), Message("T", b"", born_timestamp=5),
+             Message("T", b"y", keys=[], tags="", born_host="10.0.0.7:4000"), Message("T", b"z", keys=None)]
+    with mock.patch.object(MessageEncoder, "encode", side_effect=AssertionError("per-message path taken")):
+        for msg in plain:
+            pending = encoder.encode_many([msg])
+            assert pending.queue_checks == [("T", msg.queue_id)] and len(pending.data) == pending.sizes[0]
+        for msg in (Message("T", b"x", keys=["a", "b"]), Message("T", b"x", properties={"a": "b"})):
+            with pytest.raises(AssertionError, match="per-message"):
+                encoder.encode_many([msg])
+
+
 def test_plain_messages_take_the_compiled_pass(tmp_path):
     """Known topics, tags and keys, no user properties: no per-message ``encode`` at all (the equivalence test
     above would pass with the batch pass never taken)."""

@@ -138,6 +138,20 @@ class CommitLog:
             pos = mapped.wrote_position
             first = mapped.file_from_offset + pos
             offsets = self.queue_offsets
+            if len(pending.sizes) == 1:  # put_message: no bookkeeping of several records
+                key = (pending.topics[0], pending.queue_ids[0])
+                queue_offset = offsets.get(key, 0) if pending.takes_queue_offset[0] else 0
+                pack = _I64.pack_into
+                pack(data, QUEUE_OFFSET_POS, queue_offset)
+                pack(data, PHY_OFFSET_POS, first)
+                pack(data, pending.store_ts_pos[0], store_ts)
+                if seal:
+                    seal_property_crc(data, 0, total)
+                self._commit(mapped, pos, data)
+                if pending.takes_queue_offset[0]:
+                    offsets[key] = queue_offset + 1
+                self._appended(first + total, store_ts)
+                return first, [queue_offset], store_ts
             assigned: dict[tuple[str, int], int] = {}
             queue_offsets = []
             for key, takes in zip(zip(pending.topics, pending.queue_ids, strict=True), pending.takes_queue_offset,
@@ -170,18 +184,25 @@ class CommitLog:
                         seal_property_crc(data, start, size)
                     phy += size
                     start += size
-            # everything but the first 8 bytes, then those 8 bytes: the commit point (a process killed
-            # between the two leaves a zero size, the end of the log, never half a record)
-            view = memoryview(data)
-            mapped.write(pos + 8, view[8:])
-            mapped.write(pos, view[:8])
-            mapped.wrote_position = pos + total
+            self._commit(mapped, pos, data)
             offsets.update(assigned)
-            self.last_store_timestamp = store_ts
-            self.last_append = (first + total, store_ts)
-            if self.warmer is not None:
-                self.warmer.nudge(first + total)
+            self._appended(first + total, store_ts)
         return first, queue_offsets, store_ts
+
+    @staticmethod
+    def _commit(mapped, pos: int, data: bytearray) -> None:
+        """Everything but the first 8 bytes, then those 8 bytes: the commit point (a process killed between the
+        two leaves a zero size, the end of the log, never half a record)."""
+        view = memoryview(data)
+        mapped.write(pos + 8, view[8:])
+        mapped.write(pos, view[:8])
+        mapped.wrote_position = pos + len(data)
+
+    def _appended(self, end: int, store_ts: int) -> None:
+        self.last_store_timestamp = store_ts
+        self.last_append = (end, store_ts)
+        if self.warmer is not None:
+            self.warmer.nudge(end)
 
     def _stamp(self, data, sizes, store_ts_pos, queue_offsets, phy: int, store_ts: int) -> int:
         stamp = self._stamp_kernel

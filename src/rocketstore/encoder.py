@@ -12,6 +12,7 @@ import itertools
 import re
 import struct
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from .codec.record import (
     MAX_TIME_MS,
     MAX_TOPIC_LEN_V1,
     encode_record,
+    encode_v4_record,
     record_length,
     store_timestamp_pos,
 )
@@ -61,6 +63,10 @@ _PLAIN_STORE_TS_POS = BORN_HOST_POS + 8
 # and \x02; then "TAGS\x01" or "KEYS\x01", the value and \x02 for each present
 _PLAIN_PROPS_FIXED = len(f"{PropertyName.UNIQ_KEY}\x01") + 4 + 1
 _PLAIN_PROP_OVERHEAD = len(f"{PropertyName.TAGS}\x01") + 1
+_UNIQ_KEY_PREFIX = f"{PropertyName.UNIQ_KEY}\x01"
+_UNIQ_KEY_FIELD_LEN = len(_UNIQ_KEY_PREFIX) + 4 + 1  # and the id's head (``head_hex_len``): its 4 counter digits, \x02
+_TAGS_PREFIX = f"{PropertyName.TAGS}\x01"
+_KEYS_PREFIX = f"{PropertyName.KEYS}\x01"
 _MESSAGE_TYPE = {Message}
 _INT_TYPE = {int}
 _STR_TYPE = {str}
@@ -341,10 +347,76 @@ class MessageEncoder:
         keys, no user properties, IPv4 hosts) is checked in one pass and written by the compiled record loop
         ``put_batch`` uses; a smaller put, or one with anything else, goes through ``encode`` message by
         message, which also names what is wrong."""
-        pending = self._encode_plain(msgs) if self._plain_layout and len(msgs) >= BATCH_PASS_MIN else None
+        if len(msgs) == 1:
+            pending = None if system or not self._plain_layout else self._encode_plain_one(msgs[0])
+        else:
+            pending = self._encode_plain(msgs) if self._plain_layout and len(msgs) >= BATCH_PASS_MIN else None
         if pending is None:
             pending = PendingRecords.of(msgs, [self.encode(m, system) for m in msgs])
         return pending
+
+    def _encode_plain_one(self, msg: Message) -> PendingRecords | None:
+        """``encode_many`` of one plain message (what ``_encode_plain`` takes, one at a time: ``put_message``),
+        or None (nothing taken): ``encode``'s checks for that case and the record in one pass, without the
+        property dictionary, the general properties writer and the single-record bookkeeping (a fifth of a put).
+        """
+        if type(msg) is not Message or msg.properties:
+            return None
+        topic, body, queue_id, flag = msg.topic, msg.body, msg.queue_id, msg.flag
+        sys_flag, reconsume, prepared = msg.sys_flag, msg.reconsume_times, msg.prepared_transaction_offset
+        if not (type(topic) is str and type(body) is bytes and type(queue_id) is int and type(flag) is int
+                and type(sys_flag) is int and type(reconsume) is int and type(prepared) is int
+                and not (sys_flag or reconsume or prepared) and 0 <= queue_id <= _INT32[1]
+                and _INT32[0] <= flag <= _INT32[1] and len(body) <= self.config.max_message_size):
+            return None
+        topic_bytes = self._v1_topics.get(topic)
+        if topic_bytes is None or self.config.enabled_append_prop_crc:
+            return None
+        born_ts, host = msg.born_timestamp, msg.born_host
+        if born_ts is None:
+            born_ts = time.time_ns() // 1_000_000
+        elif not (type(born_ts) is int and _BORN_TIME[0] <= born_ts <= _BORN_TIME[1]):
+            return None
+        if host is None:
+            born_host = self.store_host_raw
+        else:
+            known = self._born_hosts.get(host) if type(host) is str else None
+            if known is None or known[1]:  # not seen yet, or IPv6: ``encode`` parses it
+                return None
+            born_host = known[0]
+        tags, keys = msg.tags, msg.keys
+        text = ""
+        if tags:
+            if type(tags) is not str or "\x01" in tags or "\x02" in tags:
+                return None
+            text = f"{_TAGS_PREFIX}{tags}\x02"
+        elif tags is not None and tags != "":
+            return None
+        if keys:
+            if type(keys) is not list or len(keys) != 1:
+                return None
+            key = keys[0]
+            if type(key) is not str or not key or KEY_SEPARATOR in key or "\x01" in key or "\x02" in key:
+                return None
+            text += f"{_KEYS_PREFIX}{key}\x02"
+        elif type(keys) not in _KEY_TYPES:
+            return None
+        try:
+            tail = text.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        props_len = _UNIQ_KEY_FIELD_LEN + self.uniq_keys.head_hex_len + len(tail)
+        size = _PLAIN_FIXED_LEN + len(body) + len(topic_bytes) + props_len
+        if props_len > MAX_PROPERTIES_LEN or size > self.max_record_len:
+            return None
+        uniq_key = self.uniq_keys.next()  # the last step: a message sent the long way takes the next id there
+        data = encode_v4_record(size, zlib.crc32(body) & 0x7FFFFFFF, queue_id, flag, 0, born_ts, born_host,
+                                self.store_host_raw, body, topic_bytes,
+                                f"{_UNIQ_KEY_PREFIX}{uniq_key}\x02".encode("ascii") + tail)
+        if len(data) != size:  # the id's length disagrees with head_hex_len: a bug, never a wrong TOTALSIZE
+            raise AssertionError(f"a {len(data)}-byte record sized {size}")
+        return PendingRecords(data, (size,), (topic,), (queue_id,), (_PLAIN_STORE_TS_POS,), (True,), (uniq_key,),
+                              True, [(topic, queue_id)])
 
     def _encode_plain(self, msgs: list[Message]) -> PendingRecords | None:
         """``encode_many`` for puts that need none of ``encode``'s rarer rules, or None (nothing taken).

@@ -83,6 +83,23 @@ def record_length(body_len: int, topic_len: int, props_len: int, sys_flag: int, 
 
 # --- encoding ---------------------------------------------------------------------------------
 
+def encode_v4_record(size: int, crc: int, queue_id: int, flag: int, sys_flag: int, born_timestamp: int,
+                     born_host: bytes, store_host: bytes, body: bytes, topic: bytes, properties: bytes,
+                     reconsume_times: int = 0, prepared_transaction_offset: int = 0, queue_offset: int = 0,
+                     phy_offset: int = 0, store_timestamp: int = 0) -> bytearray:
+    """``encode_record`` for a version-1 record with two IPv4 hosts and a ``size`` already computed: one pack
+    and four appends, with positional arguments (a single put builds its record here)."""
+    out = bytearray(_V4_FIXED.pack(size, MAGIC_V1, crc, queue_id, flag, queue_offset, phy_offset, sys_flag,
+                                   born_timestamp, born_host, store_timestamp, store_host, reconsume_times,
+                                   prepared_transaction_offset, len(body)))
+    out += body
+    out.append(len(topic))
+    out += topic
+    out += _I16.pack(len(properties))
+    out += properties
+    return out
+
+
 def encode_record(
     *,
     topic: bytes,
@@ -109,15 +126,9 @@ def encode_record(
     """
     size = record_length(len(body), len(topic), len(properties), sys_flag, version)
     if len(born_host) == 8 and len(store_host) == 8 and version == MAGIC_V1:  # the common case: one pack
-        out = bytearray(_V4_FIXED.pack(size, version, body_crc(body) if crc is None else crc, queue_id, flag,
-                                       queue_offset, phy_offset, sys_flag, born_timestamp, born_host, store_timestamp,
-                                       store_host, reconsume_times, prepared_transaction_offset, len(body)))
-        out += body
-        out.append(len(topic))
-        out += topic
-        out += _I16.pack(len(properties))
-        out += properties
-        return out
+        return encode_v4_record(size, body_crc(body) if crc is None else crc, queue_id, flag, sys_flag,
+                                born_timestamp, born_host, store_host, body, topic, properties, reconsume_times,
+                                prepared_transaction_offset, queue_offset, phy_offset, store_timestamp)
     out = bytearray(size)
     _HEAD.pack_into(out, 0, size, version, body_crc(body) if crc is None else crc, queue_id, flag,
                     queue_offset, phy_offset, sys_flag, born_timestamp)
