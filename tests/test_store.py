@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -515,6 +516,30 @@ def test_read_only_open_of_missing_store(tmp_path):
     with pytest.raises(StoreNotFoundError):
         MessageStore.open(tmp_path / "nothing-here", read_only=True)
     assert not (tmp_path / "nothing-here").exists()
+
+
+def test_a_close_during_a_maintenance_pass_logs_no_error(tmp_path, small_config, caplog):
+    """The maintenance thread may be inside a pass (here a checkpoint) when ``close`` marks the store closed: the
+    pass ends quietly (close flushes and checkpoints itself), no "store maintenance failed" traceback."""
+    config = dataclasses.replace(small_config, flush_consume_queue_thorough_interval=20)
+    store = MessageStore.open(tmp_path, config)
+    entered, closing = threading.Event(), threading.Event()
+    real = store.checkpoint_now
+
+    def checkpoint_while_closing() -> None:
+        entered.set()
+        closing.wait(5)
+        while not store.closed:
+            time.sleep(0.001)
+        real()  # raises StoreClosedError, as any pass that starts its work after close began
+
+    store.checkpoint_now = checkpoint_while_closing
+    assert entered.wait(5)
+    closing.set()
+    store.close()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    with MessageStore.open(tmp_path, config) as again:
+        assert again.recovery is not None and not again.recovery.abnormal
 
 
 def test_closed_store_refuses_use(tmp_path, small_config):

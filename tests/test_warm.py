@@ -196,6 +196,7 @@ def test_a_segment_rolled_and_deleted_under_the_warmer_does_not_stop_it(tmp_path
             if len(calls) == 1:  # meanwhile: a roll, and retention deletes the segment being warmed
                 while len(store.commit_log.mapped_files.files) < 2:
                     store.put_messages([Message("T", b"y" * 60000) for _ in range(16)])
+                assert store.wait_for_dispatch()  # retention keeps what dispatch has not read
                 assert store.delete_expired_files(immediately=True).commit_log_files == ["00000000000000000000"]
             return warmed
 

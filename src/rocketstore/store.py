@@ -398,6 +398,8 @@ class MessageStore:
                     self.timer_offsets.persist()
                 if "retention" in due:
                     self.delete_expired_files()
+            except StoreClosedError:  # close() came while a pass ran: it does that work itself
+                return
             except Exception:  # never let housekeeping kill the store; the next pass retries
                 log.exception("store maintenance failed")
             for task in due:
