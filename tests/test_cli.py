@@ -580,6 +580,34 @@ def test_import_and_find_keys_commands(store, tmp_path, spark):
     assert done.exit_code == 1 and "does not exist" in done.output and not (tmp_path / "x").exists()
 
 
+def test_find_keys_takes_the_index_geometry_of_brokers_whose_files_do_not_tell_it(tmp_path, spark):
+    """400 entries on 97 slots is not RocketMQ's 4 entries a slot: the index file's size does not tell the
+    geometry, so find-keys is told it, by flags or a broker.conf (as every other store command is)."""
+    from click.testing import CliRunner
+
+    from rocketstore.cli.app import main
+
+    odd = StoreConfig(mapped_file_size_commit_log=16 << 10, mapped_file_size_consume_queue=20 * 100,
+                      max_hash_slot_num=97, max_index_num=400)
+    root = tmp_path / "broker-x" / "store"
+    with MessageStore.open(root, odd) as s:
+        for i in range(30):
+            s.put_message(Message("T", f"m{i}".encode(), keys=[f"k{i}"]))
+        s.wait_for_dispatch()
+    run = CliRunner().invoke
+    done = run(main, ["find-keys", "--store", str(root), "--master", "local[2]", "-k", "T:k7"])
+    assert done.exit_code == 1 and "Traceback" not in done.output, done.output
+    assert "ConfigError" in done.output and "pass the broker's maxHashSlotNum" in done.output
+    conf = tmp_path / "broker.conf"
+    conf.write_text("maxHashSlotNum=97\nmaxIndexNum=400\n")
+    for geometry in (["--max-hash-slot-num", "97", "--max-index-num", "400"], ["--broker-conf", str(conf)]):
+        done = run(main, ["find-keys", "--store", str(root), "--master", "local[2]", *geometry, "-k", "T:k7",
+                          "--json"])
+        assert done.exit_code == 0, done.output
+        rows = [json.loads(line) for line in done.output.splitlines()]
+        assert [(r["queryKey"], base64.b64decode(r["body"])) for r in rows] == [("k7", b"m7")]
+
+
 def test_demo_command_runs(tmp_path):
     out = cli("demo", "--store", str(tmp_path / "d"), "--messages", "300", "--no-spark").stdout
     assert "wrote" in out and "all identical" in out

@@ -871,6 +871,12 @@ Examples:
   rocketstore find-keys --store /shared/a/store --keys-file orders.txt --master spark://host:7077 --json
 """)
 @click.option("--store", "stores", multiple=True, required=True, help="a store root or a glob (repeatable)")
+@click.option("--broker-conf", type=click.Path(dir_okay=False, exists=True),
+              help="read settings (maxHashSlotNum, ...) from a broker.conf, for every store")
+@click.option("--max-hash-slot-num", type=click.IntRange(1, 100_000_000), default=None,
+              help="the brokers' maxHashSlotNum (default: from the index files' size)")
+@click.option("--max-index-num", type=click.IntRange(2, 100_000_000), default=None,
+              help="the brokers' maxIndexNum (default: from the index files' size)")
 @master_option
 @click.option("-k", "--key", "pairs", multiple=True, metavar="TOPIC:KEY", help="a topic and key (repeatable)")
 @click.option("--keys-file", type=click.File("r", encoding="utf-8"),
@@ -878,8 +884,12 @@ Examples:
 @key_window_options("most messages per key and store")
 @json_option
 @fails_cleanly
-def find_keys_command(stores, master, ship_env, verbose, pairs, keys_file, begin, end, max_num, as_json) -> None:
-    """Messages by key across many stores, matched exactly, through their indexes (Spark)."""
+def find_keys_command(stores, broker_conf, max_hash_slot_num, max_index_num, master, ship_env, verbose, pairs,
+                      keys_file, begin, end, max_num, as_json) -> None:
+    """Messages by key across many stores, matched exactly, through their indexes (Spark).
+
+    Index geometry comes from the files' size when it follows RocketMQ's 4 entries per slot; a broker with other
+    settings names them with --broker-conf or the flags (they apply to every store)."""
     from ..spark.jobs import find_keys
     from ..spark.partitions import resolve_roots
 
@@ -894,8 +904,12 @@ def find_keys_command(stores, master, ship_env, verbose, pairs, keys_file, begin
         queries.append((topic, key))
     roots = [str(root) for root in resolve_roots(list(stores))]  # globs too; a missing store fails before Spark
     start, stop = parse_time(begin, "--begin") or 0, parse_time(end, "--end")
+    values = broker_conf_values(broker_conf) if broker_conf else {}
+    values.update((k, v) for k, v in (("max_hash_slot_num", max_hash_slot_num), ("max_index_num", max_index_num))
+                  if v is not None)
+    config = StoreConfig(**values)  # type: ignore[arg-type]  # a setting it names is kept over the files' sizes
     spark = _spark(master, ship_env, verbose)
-    found = find_keys(roots, queries, spark=spark, begin=start, end=stop, max_num=max_num) \
+    found = find_keys(roots, queries, spark=spark, begin=start, end=stop, max_num=max_num, config=config) \
         .orderBy("queryTopic", "queryKey", "brokerName", "commitLogOffset").toArrow()
     _print_found(found, as_json, many_stores=True)
 
