@@ -37,7 +37,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -718,6 +718,10 @@ class TimerOffsetManager(DelayOffsetManager):
     SCHEMA = staticmethod(TIMER_OFFSETS_SCHEMA)
     MAX_RUNS = 65_536  # beyond, the runs farthest ahead are dropped: those messages come again after a restart
 
+    def __init__(self, root: Path, *, read_only: bool = False) -> None:
+        super().__init__(root, read_only=read_only)
+        self._delivered: set[int] | None = None
+
     def delivered_above(self) -> set[int]:
         """Queue offsets above the committed one already delivered (timers fire out of queue order): a clean
         restart must not deliver them again."""
@@ -725,23 +729,32 @@ class TimerOffsetManager(DelayOffsetManager):
             runs = self.extra.get("deliveredAbove", [])
             return {offset for first, count in runs for offset in range(first, first + count)}
 
-    def set_progress(self, committed: int, done: Iterable[int]) -> None:
-        """The committed offset and the offsets above it delivered so far, kept as runs."""
-        runs: list[list[int]] = []
-        for offset in sorted(done):
-            if runs and runs[-1][0] + runs[-1][1] == offset:
-                runs[-1][1] += 1
-            elif len(runs) < self.MAX_RUNS:
-                runs.append([offset, 1])
-            else:
-                break
+    def set_progress(self, committed: int, done: set[int]) -> None:
+        """The committed offset, and the wheel's live set of offsets delivered above it: turned into runs when
+        the file is written, not at every delivery (a long timer holding the committed offset back while many
+        short ones fire would make that quadratic)."""
         with self._lock:
             self.table[0] = committed
-            if runs:
-                self.extra["deliveredAbove"] = runs
-            else:
-                self.extra.pop("deliveredAbove", None)
+            self._delivered = done
             self.dirty = True
+
+    def persist(self, force: bool = False) -> None:
+        delivered = self._delivered
+        if delivered is not None and not self.read_only and (self.dirty or force):
+            runs: list[list[int]] = []
+            for offset in sorted(list(delivered)):  # list() copies in one step under the GIL, while the wheel runs
+                if runs and runs[-1][0] + runs[-1][1] == offset:
+                    runs[-1][1] += 1
+                elif len(runs) < self.MAX_RUNS:
+                    runs.append([offset, 1])
+                else:
+                    break
+            with self._lock:
+                if runs:
+                    self.extra["deliveredAbove"] = runs
+                else:
+                    self.extra.pop("deliveredAbove", None)
+        super().persist(force)
 
 
 class SubscriptionGroupManager(ConfigFile):
