@@ -55,13 +55,12 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
         files = commit_log.mapped_files.files
         doomed = 0
         for mapped in files[:-1]:
-            if dispatched is not None and mapped.file_from_offset + mapped.file_size > dispatched:
-                if disk_full or at_delete_hour:
-                    log.warning("retention keeps %s and later: dispatch has read only to offset %d",
-                                mapped.path.name, dispatched)
-                break
             expired = os.stat(mapped.path).st_mtime * 1000 + reserved_ms <= now
             if (expired and at_delete_hour) or disk_full:
+                if dispatched is not None and mapped.file_from_offset + mapped.file_size > dispatched:
+                    log.warning("retention keeps %s and later: dispatch has read only to offset %d",
+                                mapped.path.name, dispatched)
+                    break
                 doomed += 1
                 if disk_full and not expired:
                     break  # under disk pressure, one unexpired segment per pass
