@@ -186,11 +186,25 @@ def chain_offsets(buf, slot_num, index_num, count, begin_ts, hashes, limits, beg
     return sorted_q, sorted_phy
 
 
-@njit(cache=True, nogil=True)
+# A kernel of a single lookup runs for microseconds; giving the GIL away for that is all cost: two threads calling
+# it in a loop starved every other thread of the process (an open store's dispatcher, a producer's sleep(0.01)),
+# because each re-took the GIL before a woken waiter could, and the waiter's switch interval began again. A
+# round of 30 one-message puts beside two such readers took 16-28 s instead of 0.4 s. Lookups of one key keep the
+# GIL (``key_candidates``, ``chain_offsets_held``); batches (``chain_offsets`` of many keys, dispatch) give it up.
+GIL_HELD = ("key_candidates", "chain_offsets_held")
+
+
+@njit(cache=True)  # keeps the GIL: see ``GIL_HELD``
+def chain_offsets_held(buf, slot_num, index_num, count, begin_ts, hashes, limits, begin, end, time_filter):
+    """``chain_offsets`` for one query's few hashes."""
+    return chain_offsets(buf, slot_num, index_num, count, begin_ts, hashes, limits, begin, end, time_filter)
+
+
+@njit(cache=True)  # keeps the GIL: see ``GIL_HELD``
 def key_candidates(key, buf, slot_num, index_num, count, begin_ts, begin):
     """One query's candidates from the UTF-8 of its ``topic#key``: (entries with its hash, the newest one's
     phyOffset, the hash). A key query usually has one candidate, so this answer is three integers, not an
-    array (boxing one is half the cost of a call); with more, ``chain_offsets`` lists them."""
+    array (boxing one is half the cost of a call); with more, ``chain_offsets_held`` lists them."""
     h = index_key_hash_utf8(key)
     entries_at = 40 + slot_num * 4
     n = _chain_head(buf, slot_num, count, h)

@@ -188,9 +188,9 @@ def key_candidates(index: IndexFile, key_utf8: bytes, begin: int) -> list[int]:
     matches, newest, key_hash = walk(*args)
     if matches <= 1:
         return [newest] if matches else []
-    return _k.chain_offsets(buf, index.hash_slot_num, index.index_num, index.index_count, index.begin_timestamp,
-                            np.array([key_hash], dtype=np.int64), np.array([INT_MAX], dtype=np.int64), begin, 0,
-                            False)[1].tolist()
+    return _k.chain_offsets_held(buf, index.hash_slot_num, index.index_num, index.index_count,
+                                 index.begin_timestamp, np.array([key_hash], dtype=np.int64),
+                                 np.array([INT_MAX], dtype=np.int64), begin, 0, False)[1].tolist()
 
 
 def candidates_batch(index: IndexFile, key_hashes: np.ndarray, begin: int) -> tuple[np.ndarray, np.ndarray]:
