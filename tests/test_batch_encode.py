@@ -569,8 +569,9 @@ def test_one_message_is_encoded_as_encode_does(msg, prop_crc, counter, store_hos
     same_outcome(single, many, [msg], single.uniq_keys._counter if counter is None else counter)
 
 
-def test_a_plain_single_put_takes_the_one_message_pass():
-    """The equivalence test above would pass with the single-message pass never taken."""
+def test_a_plain_put_of_few_messages_takes_the_one_pass_form():
+    """The equivalence tests above would pass with the one-pass form never taken (one message, and two or three:
+    below the compiled pass's minimum)."""
     encoder = MessageEncoder(StoreConfig())
     encoder.encode(Message("T", b"", born_host="10.0.0.7:4000"))
     plain = [Message("T", b"x" * 3, tags="TagA", keys=["k1"], queue_id=2), Message("T", b"", born_timestamp=5),
@@ -579,9 +580,15 @@ def test_a_plain_single_put_takes_the_one_message_pass():
         for msg in plain:
             pending = encoder.encode_many([msg])
             assert pending.queue_checks == [("T", msg.queue_id)] and len(pending.data) == pending.sizes[0]
+        for few in (plain[:2], plain[1:4]):
+            pending = encoder.encode_many(few)
+            assert len(pending) == len(few) and len(pending.data) == sum(pending.sizes)
+            assert pending.queue_checks == [("T", max(m.queue_id for m in few))]
         for msg in (Message("T", b"x", keys=["a", "b"]), Message("T", b"x", properties={"a": "b"})):
             with pytest.raises(AssertionError, match="per-message"):
                 encoder.encode_many([msg])
+            with pytest.raises(AssertionError, match="per-message"):  # one message the long way: all of them
+                encoder.encode_many([plain[0], msg])
 
 
 def test_plain_messages_take_the_compiled_pass(tmp_path):

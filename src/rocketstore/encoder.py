@@ -347,19 +347,55 @@ class MessageEncoder:
         keys, no user properties, IPv4 hosts) is checked in one pass and written by the compiled record loop
         ``put_batch`` uses; a smaller put, or one with anything else, goes through ``encode`` message by
         message, which also names what is wrong."""
-        if len(msgs) == 1:
-            pending = None if system or not self._plain_layout else self._encode_plain_one(msgs[0])
-        else:
-            pending = self._encode_plain(msgs) if self._plain_layout and len(msgs) >= BATCH_PASS_MIN else None
+        pending = None
+        if self._plain_layout:
+            if len(msgs) >= BATCH_PASS_MIN:
+                pending = self._encode_plain(msgs)
+            elif not system:
+                pending = self._encode_plain_few(msgs)
         if pending is None:
             pending = PendingRecords.of(msgs, [self.encode(m, system) for m in msgs])
         return pending
 
-    def _encode_plain_one(self, msg: Message) -> PendingRecords | None:
-        """``encode_many`` of one plain message (what ``_encode_plain`` takes, one at a time: ``put_message``),
-        or None (nothing taken): ``encode``'s checks for that case and the record in one pass, without the
-        property dictionary, the general properties writer and the single-record bookkeeping (a fifth of a put).
-        """
+    def _encode_plain_few(self, msgs: list[Message]) -> PendingRecords | None:
+        """``encode_many`` of fewer than ``BATCH_PASS_MIN`` plain messages (``put_message`` above all), or None
+        (nothing taken): ``encode``'s checks for that case and each record in one pass, without the property
+        dictionary, the general properties writer and the per-record bookkeeping (a fifth of a put). Every message
+        is checked before any takes its UNIQ_KEY, so a put sent the long way takes the ids it would have."""
+        if len(msgs) == 1:
+            msg = msgs[0]
+            part = self._plain_parts(msg)
+            if part is None:
+                return None
+            data, uniq_key = self._plain_record(*part)
+            return PendingRecords(data, (len(data),), (msg.topic,), (msg.queue_id,), (_PLAIN_STORE_TS_POS,), (True,),
+                                  (uniq_key,), True, [(msg.topic, msg.queue_id)])
+        parts = list(map(self._plain_parts, msgs))
+        if None in parts:
+            return None
+        records = [self._plain_record(*part) for part in parts]
+        checks: dict[str, int] = {}
+        for msg in msgs:
+            checks[msg.topic] = max(checks.get(msg.topic, 0), msg.queue_id)
+        n = len(msgs)
+        return PendingRecords(bytearray(b"".join([data for data, _ in records])), [len(data) for data, _ in records],
+                              [m.topic for m in msgs], [m.queue_id for m in msgs], [_PLAIN_STORE_TS_POS] * n,
+                              [True] * n, [uniq_key for _, uniq_key in records], True, list(checks.items()))
+
+    def _plain_record(self, size: int, body: bytes, topic_bytes: bytes, queue_id: int, flag: int, born_ts: int,
+                      born_host: bytes, tail: bytes) -> tuple[bytearray, str]:
+        """The record of ``_plain_parts``' answer, with the next UNIQ_KEY: (record, UNIQ_KEY)."""
+        uniq_key = self.uniq_keys.next()
+        data = encode_v4_record(size, zlib.crc32(body) & 0x7FFFFFFF, queue_id, flag, 0, born_ts, born_host,
+                                self.store_host_raw, body, topic_bytes,
+                                f"{_UNIQ_KEY_PREFIX}{uniq_key}\x02".encode("ascii") + tail)
+        if len(data) != size:  # the id's length disagrees with head_hex_len: a bug, never a wrong TOTALSIZE
+            raise AssertionError(f"a {len(data)}-byte record sized {size}")
+        return data, uniq_key
+
+    def _plain_parts(self, msg: Message) -> tuple | None:
+        """What ``_encode_plain_few`` needs of a plain message, checked as ``encode`` checks it (size, body,
+        topic bytes, queue id, flag, born time, born host, the properties after UNIQ_KEY), or None."""
         if type(msg) is not Message or msg.properties:
             return None
         topic, body, queue_id, flag = msg.topic, msg.body, msg.queue_id, msg.flag
@@ -409,14 +445,7 @@ class MessageEncoder:
         size = _PLAIN_FIXED_LEN + len(body) + len(topic_bytes) + props_len
         if props_len > MAX_PROPERTIES_LEN or size > self.max_record_len:
             return None
-        uniq_key = self.uniq_keys.next()  # the last step: a message sent the long way takes the next id there
-        data = encode_v4_record(size, zlib.crc32(body) & 0x7FFFFFFF, queue_id, flag, 0, born_ts, born_host,
-                                self.store_host_raw, body, topic_bytes,
-                                f"{_UNIQ_KEY_PREFIX}{uniq_key}\x02".encode("ascii") + tail)
-        if len(data) != size:  # the id's length disagrees with head_hex_len: a bug, never a wrong TOTALSIZE
-            raise AssertionError(f"a {len(data)}-byte record sized {size}")
-        return PendingRecords(data, (size,), (topic,), (queue_id,), (_PLAIN_STORE_TS_POS,), (True,), (uniq_key,),
-                              True, [(topic, queue_id)])
+        return size, body, topic_bytes, queue_id, flag, born_ts, born_host, tail
 
     def _encode_plain(self, msgs: list[Message]) -> PendingRecords | None:
         """``encode_many`` for puts that need none of ``encode``'s rarer rules, or None (nothing taken).
