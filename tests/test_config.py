@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from rocketstore import FlushDiskType, StoreConfig
@@ -152,6 +154,71 @@ def test_a_lone_segment_is_the_geometry_only_at_a_size_a_broker_is_configured_wi
     done = cli("inspect", "--store", str(root), "--mapped-file-size-commit-log", "16384", check=False)
     assert done.returncode == 1 and "segment is 5000 bytes but the configured size is 16384" in done.stderr
     assert tree(root) == before
+
+
+def test_a_queue_file_cut_short_is_not_the_queue_geometry(tmp_path):
+    """The most common queue file size was the geometry whatever it was: a store's only queue file cut short took
+    a size no broker can have (4,096 bytes: every command failed, even with the size named), and one cut short beside
+    one intact file won the tie as the smaller size (the intact queue was then set aside and rebuilt at the cut
+    size). The configured size now wins such a tie, and a size that is no whole number of entries is refused until
+    named, after which the short file is handled as damaged."""
+    import os
+
+    from rocketstore import Message, MessageStore
+    from rocketstore.config import detect_config
+
+    lone = tmp_path / "lone"
+    for sizes, taken in (({("T", 0, 0): 4096}, None), ({("T", 0, 0): 1200}, 1200), ({("T", 0, 2400): 1200}, 1200),
+                         ({("T", 0, 0): 6_000_000, ("T", 1, 0): 1200}, 6_000_000),
+                         ({("T", 0, 0): 1200, ("T", 1, 0): 6_000_000}, 6_000_000),
+                         ({("T", 0, 0): 1200, ("T", 1, 0): 1200, ("U", 0, 0): 6_000_000}, 1200),
+                         ({("T", 0, 0): 1200, ("T", 0, 1200): 1000, ("U", 0, 0): 6_000_000}, 1200),
+                         ({("T", 0, 0): 4096, ("U", 0, 0): 6_000_000}, 6_000_000),
+                         ({("T", 0, 0): 4096, ("U", 0, 0): 4096}, None)):
+        for topic, queue, start in sizes:
+            path = lone / "consumequeue" / topic / str(queue) / f"{start:020d}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+            os.truncate(path, sizes[topic, queue, start])
+        if taken is None:
+            with pytest.raises(ConfigError, match="no whole number of 20-byte entries: it looks cut short"):
+                detect_config(lone)
+        else:
+            assert detect_config(lone).mapped_file_size_consume_queue == taken, sizes
+        shutil.rmtree(lone / "consumequeue")
+
+    root = tmp_path / "s"
+    with MessageStore.open(root) as store:
+        store.put_message(Message("T", b"first"))
+    queue_file = root / "consumequeue" / "T" / "0" / f"{0:020d}"
+    os.truncate(queue_file, 4096)
+    before = tree(root)
+    for command in (["inspect"], ["put", "-t", "T", "-b", "x"]):
+        done = cli(*command, "--store", str(root), check=False)
+        assert done.returncode == 1 and done.stderr.startswith(f"error: consume-queue file {queue_file} is 4096 bytes")
+        assert "--mapped-file-size-consume-queue" in done.stderr and "Traceback" not in done.stderr
+    assert tree(root) == before
+    cli("put", "--store", str(root), "--mapped-file-size-consume-queue", "6000000", "-t", "T", "-q", "1",
+        "-b", "second")
+    with MessageStore.open(root, read_only=True) as store:
+        assert [m.body for m in store.get_message("T", 0, 0).messages] == [b"first"]
+        assert [m.body for m in store.get_message("T", 1, 0).messages] == [b"second"]
+    sizes = {p.relative_to(root / "consumequeue").as_posix(): p.stat().st_size
+             for p in (root / "consumequeue").rglob("*") if p.is_file()}
+    assert sizes == {f"T/0/{0:020d}": 6_000_000, f"T/1/{0:020d}": 6_000_000}
+
+
+def test_a_queue_file_size_is_rounded_up_to_whole_entries_as_a_broker_does(tmp_path):
+    """A broker reads mappedFileSizeConsumeQueue rounded up to a multiple of 20; a broker.conf it takes was refused."""
+    conf = tmp_path / "broker.conf"
+    conf.write_text("mappedFileSizeConsumeQueue=1001\n")
+    assert StoreConfig.from_broker_conf(conf).mapped_file_size_consume_queue == 1020
+    root = tmp_path / "s"
+    for option in (["--broker-conf", str(conf)], ["--mapped-file-size-consume-queue", "1001"]):
+        cli("put", "--store", str(root), *option, "-t", "T", "-b", "x")
+        assert (root / "consumequeue" / "T" / "0" / f"{0:020d}").stat().st_size == 1020
+    with pytest.raises(ConfigError, match="multiple of 20"):  # the Python API takes the size as given
+        StoreConfig(mapped_file_size_consume_queue=1001)
 
 
 def test_rebuild_keeps_a_segment_size_the_command_line_named_even_rocketmqs_default(tmp_path):

@@ -156,6 +156,15 @@ def broker_conf_values(path: str | Path) -> dict[str, object]:
         if f is None:
             continue
         values[f.name] = _coerce(f, value)
+    return broker_sizes(values)
+
+
+def broker_sizes(values: dict[str, object]) -> dict[str, object]:
+    """``values`` with mappedFileSizeConsumeQueue read as a broker reads it: rounded up to whole entries
+    (``MessageStoreConfig.getMappedFileSizeConsumeQueue``), so a broker.conf that a broker takes is taken."""
+    size = values.get("mapped_file_size_consume_queue")
+    if type(size) is int and size > 0:
+        values["mapped_file_size_consume_queue"] = -(-size // CQ_UNIT) * CQ_UNIT
     return values
 
 
@@ -186,10 +195,13 @@ def detect_config(root: str | Path, base: StoreConfig | None = None, *,
             changes["mapped_file_size_commit_log"] = segment_size
     queues = root / "consumequeue"
     if queues.is_dir():
-        runs = [run for dirpath, _dirs, _files in os.walk(queues)
-                if (run := _sized_files(Path(dirpath), lambda name: name.isdigit()))]
+        found = [(Path(dirpath), run) for dirpath, _dirs, _files in os.walk(queues)
+                 if (run := _sized_files(Path(dirpath), lambda name: name.isdigit()))]
+        runs = [run for _directory, run in found]
         if "mapped_file_size_consume_queue" not in explicit:
             size = _common_size(runs, multiple=CQ_UNIT)
+            if size and size != config.mapped_file_size_consume_queue:
+                size = _confirmed_queue_size(size, found, config.mapped_file_size_consume_queue)
             if size:
                 changes["mapped_file_size_consume_queue"] = size
         else:  # a writer sets a disagreeing queue aside: not every queue because the setting is wrong
@@ -220,14 +232,42 @@ def detect_config(root: str | Path, base: StoreConfig | None = None, *,
 CQ_UNIT = 20
 
 
+def _confirmed_queue_size(size: int, found: list[tuple[Path, list[tuple[str, int]]]], configured: int) -> int:
+    """The most common consume-queue file size, unless it is not a whole number of entries, or only one file has
+    it, no file name confirms it (neighbours that far apart, a non-zero start it divides) and a file has the
+    configured size: then the configured size if a file has it, else a ``ConfigError`` until the size is named.
+
+    One file cut short (a bad copy, a full disk) beside one intact queue file won the tie as the smaller size: the
+    intact queue was then set aside and rebuilt at the cut size, and every new queue file written at it, which a
+    broker refuses to load. A store's only queue file at a size that is a whole number of entries stays its geometry
+    (a small store made with that setting looks the same as one cut there)."""
+    sizes = [n for _directory, run in found for _name, n in run]
+    has_configured = configured in sizes
+    starts = [[int(name) for name, _ in run] for _directory, run in found]
+    confirmed = not size % CQ_UNIT and (
+        not has_configured or sizes.count(size) > 1
+        or any(b - a == size for run in starts for a, b in itertools.pairwise(run))
+        or any(start > 0 and start % size == 0 for run in starts for start in run))
+    if confirmed:
+        return size
+    if has_configured:
+        return configured
+    path = next(directory / name for directory, run in found for name, n in run if n == size)
+    raise ConfigError(
+        f"consume-queue file {path} is {size} bytes, no whole number of {CQ_UNIT}-byte entries: it looks cut short. "
+        "Name the broker's mappedFileSizeConsumeQueue (--mapped-file-size-consume-queue or --broker-conf); a queue "
+        "file of another size is then handled as damaged")
+
+
 def _refuse_a_setting_most_files_disagree_with(what: str, where: Path, sizes: Counter, configured: int,
                                                setting: str) -> None:
     """An explicit size that more files disagree on (in one size) than agree with is a wrong setting, not that
-    many damaged files: refused before anything is opened, so no file is set aside for it."""
+    many damaged files: refused before anything is opened, so no file is set aside for it. One file proves
+    nothing either way: a lone file cut short is what naming the size is for."""
     agreeing = sizes.get(configured, 0)
     common, count = max(((size, n) for size, n in sizes.items() if size != configured), key=lambda item: item[1],
                         default=(0, 0))
-    if count > agreeing:
+    if count > agreeing and count > 1:
         raise ConfigError(f"{what} in {where} are {common} bytes ({count} of {sum(sizes.values())}), not the "
                           f"{configured} that the configured {setting} give: pass the broker's settings")
 

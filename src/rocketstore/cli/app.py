@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from .. import Message, MessageStore, StoreConfig
-from ..config import GEOMETRY, broker_conf_values, detect_config
+from ..config import GEOMETRY, broker_conf_values, broker_sizes, detect_config
 from ..errors import MessageNotFoundError, RocketStoreError
 from ..reads import GetMessageStatus
 from .render import (
@@ -75,6 +75,9 @@ def store_options(command):
     command = click.option("--mapped-file-size-commit-log", type=click.IntRange(1024, (1 << 31) - 1), default=None,
                            help="the broker's mappedFileSizeCommitLog (default: the segments' size; 1073741824)"
                            )(command)
+    command = click.option("--mapped-file-size-consume-queue", type=click.IntRange(20, (1 << 31) - 1), default=None,
+                           help="the broker's mappedFileSizeConsumeQueue (default: the queue files' size; 6000000)"
+                           )(command)
     command = click.option("--max-index-num", type=click.IntRange(2, 100_000_000), default=None,
                            help="the broker's maxIndexNum (default 20000000)")(command)
     command = click.option("--max-hash-slot-num", type=click.IntRange(1, 100_000_000), default=None,
@@ -100,15 +103,18 @@ def json_option(command):
 
 
 def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int | None,
-               max_index_num: int | None, mapped_file_size_commit_log: int | None = None, *,
-               must_exist: bool = True) -> tuple[Path, StoreConfig]:
+               max_index_num: int | None, mapped_file_size_commit_log: int | None = None,
+               mapped_file_size_consume_queue: int | None = None, *, must_exist: bool = True
+               ) -> tuple[Path, StoreConfig]:
     root = Path(store_dir).expanduser()
     if must_exist and not (root / "commitlog").is_dir():
         raise Failure(f"{root} holds no store (no commitlog directory); pass --store DIR")
     values = broker_conf_values(broker_conf) if broker_conf else {}
     values.update((k, v) for k, v in (("max_hash_slot_num", max_hash_slot_num), ("max_index_num", max_index_num),
-                                      ("mapped_file_size_commit_log", mapped_file_size_commit_log)) if v is not None)
-    base = StoreConfig(**values)  # type: ignore[arg-type]
+                                      ("mapped_file_size_commit_log", mapped_file_size_commit_log),
+                                      ("mapped_file_size_consume_queue", mapped_file_size_consume_queue))
+                  if v is not None)
+    base = StoreConfig(**broker_sizes(values))  # type: ignore[arg-type]
     # what the broker.conf and the flags name wins over what the files suggest
     return root, detect_config(root, base, explicit=values) if root.exists() else base
 
@@ -122,7 +128,7 @@ def read_only_store(options: dict) -> Iterator[MessageStore]:
 
 def _store_args(kwargs: dict) -> dict:
     return {k: kwargs.pop(k) for k in ("store_dir", "broker_conf", "max_hash_slot_num", "max_index_num",
-                                       "mapped_file_size_commit_log")}
+                                       "mapped_file_size_commit_log", "mapped_file_size_consume_queue")}
 
 
 @contextlib.contextmanager
