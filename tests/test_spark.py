@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
-from rocketstore.errors import CorruptDataError
+from rocketstore.errors import ConfigError, CorruptDataError
+from test_cli import cli
 
 pytest.importorskip("pyspark")
 
@@ -760,6 +761,33 @@ def test_import_names_the_bad_row_of_a_batch_and_keeps_the_batches_before(spark,
     with MessageStore.open(tmp_path / "t", CONFIG) as store:
         assert sorted(m.body for m in store.iter_messages()) == sorted(f"text {i}".encode() for i in range(100)
                                                                         if i != 70)
+
+
+def test_an_import_that_stopped_finishes_from_the_row_its_error_names(spark, tmp_path):
+    """The error of an import that stopped said "import from row N on", which nothing could do: ``skip_rows``
+    (``--from-row``) reads the rows before N and stores the rest, so every row is stored once, in order."""
+    rows = [(f"Imp{i % 2}", f"text {i}", "not a host" if i == 70 else None) for i in range(100)]
+    schema = "topic string, body string, bornHost string"
+    old = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "32")
+    try:
+        df = spark.createDataFrame(rows, schema).coalesce(1)
+        with pytest.raises(Exception, match=r"to finish, import from row 64 on, --from-row 64\)"):
+            import_messages(df, tmp_path / "s", config=CONFIG)
+        fixed = spark.createDataFrame([(t, b, None) for t, b, _h in rows], schema).coalesce(1)
+        with pytest.raises(ConfigError, match="cannot import from row 101 on: the dataset has 100 rows"):
+            import_messages(fixed, tmp_path / "s", config=CONFIG, skip_rows=101)
+        with pytest.raises(Exception, match=r"rows 64\.\.95: .*not a host.*import from row 64 on"):  # rows named as before
+            import_messages(df, tmp_path / "s", config=CONFIG, skip_rows=64)
+        report = import_messages(fixed, tmp_path / "s", config=CONFIG, skip_rows=70)
+    finally:
+        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", old)
+    assert (report.rows, report.skipped) == (30, 70)
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
+        assert [m.body for m in store.iter_messages()] == [f"text {i}".encode() for i in range(64)] + \
+            [f"text {i}".encode() for i in range(70, 100)]
+    done = cli("import", "--store", str(tmp_path / "s"), "--parquet", str(tmp_path), "--from-row", "-1", check=False)
+    assert done.returncode == 2 and "--from-row" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_import_checks_the_rows_before_storing_any_and_leaves_no_skeleton(spark, tmp_path):

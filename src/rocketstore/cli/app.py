@@ -854,8 +854,10 @@ Examples:
 @master_option
 @click.option("--parquet", required=True, help="a Parquet dataset: topic and body columns; keys, tags, "
               "properties, queueId, flag, bornTimestamp and bornHost when present (what export writes)")
+@click.option("--from-row", type=click.IntRange(0), default=0, show_default=True,
+              help="store the rows from this one on (an import that stopped says where to resume)")
 @fails_cleanly
-def import_command(master, ship_env, verbose, parquet, **kwargs) -> None:
+def import_command(master, ship_env, verbose, parquet, from_row, **kwargs) -> None:
     """Append a Parquet dataset of messages to a store (created if missing), each row exactly once (Spark)."""
     from ..spark.jobs import import_messages, read_parquet
 
@@ -866,8 +868,9 @@ def import_command(master, ship_env, verbose, parquet, **kwargs) -> None:
     spark = _spark(master, ship_env, verbose)
     with progress_bar("import") as progress:
         report = import_messages(read_parquet(spark, source), root, config=config, progress=progress,
-                                 explicit=GEOMETRY)
-    click.echo(f"imported {report.rows} messages in {report.batches} batches into {root}")
+                                 explicit=GEOMETRY, skip_rows=from_row)
+    click.echo(f"imported {report.rows} messages in {report.batches} batches into {root}"
+               + (f" (rows {from_row} on)" if from_row else ""))
 
 
 @main.command("find-keys", epilog="""\b

@@ -338,8 +338,9 @@ class _OutputDir:
 
 @dataclass(slots=True)
 class ImportReport:
-    rows: int = 0
+    rows: int = 0  # stored by this import
     batches: int = 0
+    skipped: int = 0  # the rows before ``skip_rows``, not read into the store
     first_offset: int | None = None
     last_offset: int | None = None
 
@@ -350,7 +351,7 @@ _ROW = re.compile(r"row (\d+): ")  # how put_batch names the first bad row of it
 
 
 def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, progress: Progress | None = None,
-                    explicit: Iterable[str] | None = None) -> ImportReport:
+                    explicit: Iterable[str] | None = None, skip_rows: int = 0) -> ImportReport:
     """Append every row of ``df`` to the store through its single writer, each exactly once.
 
     Columns: ``topic`` and ``body`` (binary or string) are required; ``keys`` (array or
@@ -362,26 +363,35 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     bodies, topic rules, sizes, negative queue ids): a bad row found there stores nothing, and a new store's
     directory is not left behind. A bad row only ``put_batch`` finds stops the import with an error naming its
     place in the DataFrame; the batches before it stay stored, and the error says how many rows that is and
-    from which row to resume (there is no marker in the store). ``explicit``: the geometry
-    settings of ``config`` the files must not replace (``detect_config``'s).
+    from which row to resume (there is no marker in the store): ``skip_rows`` starts there, the rows before it
+    are read and checked but not stored (the same dataset read the same way comes in the same order, as a
+    Parquet dataset does; a shuffle without a sort may not). ``explicit``: the geometry settings of ``config``
+    the files must not replace (``detect_config``'s).
     """
+    if type(skip_rows) is not int or skip_rows < 0:
+        raise ConfigError(f"skip_rows must be a non-negative integer, not {skip_rows!r}")
     present = set(df.columns)
     columns = [c for c in IMPORT_COLUMNS if c in present]
     missing = {"topic", "body"} - present
     if missing:
         raise ConfigError(f"import needs columns topic and body; missing {sorted(missing)}")
-    report = ImportReport()
+    report = ImportReport(skipped=skip_rows)
     root = Path(root)
     fresh = not (root / "commitlog").is_dir()
     config = (config or StoreConfig()) if fresh else detect_config(root, config, explicit=explicit)
     rows = df.select(*columns)
-    _check_rows(rows, config)  # a pass over the rows before the first is stored: most bad rows store nothing
+    total = _check_rows(rows, config)  # a pass over the rows before the first is stored: most bad rows store nothing
+    if skip_rows > total:
+        raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {total} rows")
     before = set(os.listdir(root)) if root.is_dir() else None
     try:
         with MessageStore.open(root, config) as store:
+            skip = skip_rows  # rows reach the driver in the same order every time: the first skip_rows go by
             for chunk in _arrow_chunks(rows):
-                if chunk.num_rows:
-                    _put(store, _batch_columns(chunk), report, progress)
+                dropped = min(skip, chunk.num_rows)
+                skip -= dropped
+                if chunk.num_rows > dropped:
+                    _put(store, _batch_columns(chunk.slice(dropped)), report, progress)
     except BaseException:
         if fresh and not report.rows:  # an import into a new path that stored nothing leaves no store skeleton
             if before is None:
@@ -397,10 +407,11 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
 _RECORD_FIXED_BYTES = 91  # a record's bytes besides body, topic and properties (IPv4 hosts): a lower bound
 
 
-def _check_rows(df, config: StoreConfig) -> None:
+def _check_rows(df, config: StoreConfig) -> int:
     """What can be checked without the store, in one Spark pass before anything is stored: null topics and
     bodies, topic rules, bodies over max_message_size, records that cannot fit a commit-log segment, negative
-    queue ids. The first bad row (by its place in the DataFrame, as the import reads it) is a typed error."""
+    queue ids. The first bad row (by its place in the DataFrame, as the import reads it) is a typed error; else the
+    number of rows."""
     from ..encoder import check_sendable, validate_topic
     from ..errors import InvalidQueueError, InvalidTopicError, MessageIllegalError, MessageTooLargeError
 
@@ -463,6 +474,7 @@ def _check_rows(df, config: StoreConfig) -> None:
             raise kinds[part.kind](f"row {before + part.bad}: {part.reason} (nothing imported: the rows are checked "
                                    "before the first is stored)")
         before += part.rows
+    return before
 
 
 def _arrow_chunks(df) -> Iterator[pa.Table]:
@@ -522,11 +534,12 @@ def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: P
     except RocketStoreError as exc:
         text = str(exc)
         found = _ROW.match(text)
-        where = (f"row {report.rows + int(found[1])}: {text[found.end():]}" if found else
-                 f"rows {report.rows}..{report.rows + table.num_rows - 1}: {text}")
-        raise type(exc)(f"{where} (nothing of rows {report.rows}..{report.rows + table.num_rows - 1} stored; "
-                        f"the {report.rows} rows before them are: to finish, import from row {report.rows} on)"
-                        ) from exc
+        first = report.skipped + report.rows  # rows are named by their place in the DataFrame
+        where = (f"row {first + int(found[1])}: {text[found.end():]}" if found else
+                 f"rows {first}..{first + table.num_rows - 1}: {text}")
+        raise type(exc)(f"{where} (nothing of rows {first}..{first + table.num_rows - 1} stored; "
+                        f"the {first} rows before them are: to finish, import from row {first} on, "
+                        f"--from-row {first})") from exc
     report.rows += table.num_rows
     report.batches += 1
     offsets = result.commit_log_offsets
