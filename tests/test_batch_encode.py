@@ -246,6 +246,25 @@ def test_put_batch_queue_offsets_run_on_per_queue_across_puts(tmp_path_factory, 
         assert {q: store.next_queue_offset(*q) for q in expected_next} == expected_next
 
 
+@pytest.mark.parametrize("shape", ["one queue", "own queues", "mixed"])
+def test_put_messages_queue_offsets_run_on_per_queue(tmp_path, shape):
+    queues = {"one queue": [("TopicA", 2)] * 8, "own queues": [("TopicA", q) for q in range(8)],
+              "mixed": [("TopicA", 0), ("TopicB", 1), ("TopicA", 0), ("TopicA", 1)] * 2}[shape]
+    with MessageStore.open(tmp_path, SMALL) as store:
+        for put in range(3):
+            result = store.put_messages([Message(t, b"m", queue_id=q) for t, q in queues])
+            seen: dict[tuple[str, int], int] = {}
+            want = []
+            for queue in queues:
+                want.append(put * queues.count(queue) + seen.get(queue, 0))
+                seen[queue] = seen.get(queue, 0) + 1
+            assert [r.queue_offset for r in result] == want
+        store.wait_for_dispatch(10)
+        for topic, queue in set(queues):
+            got = store.get_message(topic, queue, 0, 100)
+            assert [m.queue_offset for m in got.messages] == list(range(3 * queues.count((topic, queue))))
+
+
 def store_bytes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("lock", "abort")}
