@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -572,7 +573,10 @@ def test_coverage_guided_fuzzing_of_the_decoders(tmp_path):
     """atheris (libFuzzer) for a bounded time; `python tests/fuzz/fuzz_decoders.py` runs it for longer."""
     pytest.importorskip("atheris")
     harness = Path(__file__).parent / "fuzz" / "fuzz_decoders.py"
-    done = subprocess.run([sys.executable, str(harness), "-max_total_time=10", "-rss_limit_mb=1024",
+    # libFuzzer's RSS check reads the peak RSS, which a child inherits from this process across fork and exec: a
+    # worker that had run a big test made the fuzzer report out-of-memory at 0 inputs. 1 GiB above that peak.
+    limit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024 + 1024
+    done = subprocess.run([sys.executable, str(harness), "-max_total_time=10", f"-rss_limit_mb={limit}",
                            f"-artifact_prefix={tmp_path}/"],  # a crash input lands here, not in the checkout
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
