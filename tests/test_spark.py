@@ -777,7 +777,7 @@ def test_an_import_that_stopped_finishes_from_the_row_its_error_names(spark, tmp
         fixed = spark.createDataFrame([(t, b, None) for t, b, _h in rows], schema).coalesce(1)
         with pytest.raises(ConfigError, match="cannot import from row 101 on: the dataset has 100 rows"):
             import_messages(fixed, tmp_path / "s", config=CONFIG, skip_rows=101)
-        with pytest.raises(Exception, match=r"rows 64\.\.95: .*not a host.*import from row 64 on"):  # rows named as before
+        with pytest.raises(Exception, match=r"rows 64\.\.95: .*not a host.*import from row 64 on"):  # as before
             import_messages(df, tmp_path / "s", config=CONFIG, skip_rows=64)
         report = import_messages(fixed, tmp_path / "s", config=CONFIG, skip_rows=70)
     finally:
