@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -108,3 +109,62 @@ def test_a_failing_dispatch_refuses_puts_and_clears_when_the_fault_goes(tmp_path
     assert [m.body for m in store.get_message("Broken", 0, 0).messages] == [b"x"]
     store.close()
     assert not (tmp_path / "abort").exists()
+
+
+class _Segment:
+    """What ``FileBudget`` needs of a mapped file."""
+
+    def __init__(self) -> None:
+        self.evicted = 0
+
+    def evict(self) -> None:
+        self.evicted += 1
+
+
+def test_the_file_budget_takes_uses_while_other_threads_open_and_close_files():
+    """A read that used a mapped file checked whether it was already the newest with ``next(reversed(dict))``
+    outside the lock: a file opened or closed by another thread in between raised "dictionary changed size during
+    iteration" at the reader (queue reads racing retention, 2 of 6 runs of that test under load)."""
+    import threading
+
+    from rocketstore.mapped.file import FileBudget
+
+    budget = FileBudget(limit=3)
+    a, b = _Segment(), _Segment()
+    budget.opened(a)
+    budget.opened(b)
+    stop, errors = threading.Event(), []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                budget.used(a)
+                budget.used(b)
+        except Exception as exc:  # the failure under test
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a thread switch between any two bytecodes
+    try:
+        thread = threading.Thread(target=reader)
+        thread.start()
+        others = [_Segment() for _ in range(4)]
+        deadline = time.monotonic() + 2
+        while not errors and time.monotonic() < deadline:
+            for other in others:
+                budget.opened(other)
+                budget.forget(other)
+        stop.set()
+        thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors[0]
+    budget.used(a)  # the least recently used goes first
+    assert budget.trim(keep=1) == 1 and b.evicted == 1 and a.evicted == 0 and budget.open_count == 1
+    c = _Segment()
+    budget.opened(c)
+    budget.forget(c)
+    budget.used(a)
+    budget.opened(b)
+    budget.used(a)
+    assert budget.trim(keep=1) == 1 and b.evicted == 2 and a.evicted == 0

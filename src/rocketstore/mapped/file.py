@@ -260,27 +260,36 @@ class FileBudget:
     def __init__(self, limit: int) -> None:
         self.limit = max(1, limit)
         self._open: dict[int, MappedFile] = {}  # insertion order = least recently used first
+        self._newest: int | None = None  # the last key of _open, read without the lock
         self._lock = threading.Lock()
         self.flush_error: StoreIOError | None = None  # an eviction whose flush failed (the store stops vouching)
 
     def opened(self, mapped: MappedFile) -> None:
         with self._lock:
             self._open[id(mapped)] = mapped
+            self._newest = id(mapped)
             over = len(self._open) > self.limit
         if over:
             self.trim()
 
     def used(self, mapped: MappedFile) -> None:
         key = id(mapped)
-        open_files = self._open
-        if next(reversed(open_files), None) != key:  # already the newest: nothing to do (the common case)
+        # already the newest: nothing to do (the common case). Not next(reversed(self._open)): another thread's
+        # open or close between making that iterator and reading it raised "dictionary changed size"
+        if self._newest != key:
             with self._lock:
-                if key in open_files:
-                    open_files[key] = open_files.pop(key)
+                if key in self._open:
+                    self._open[key] = self._open.pop(key)
+                    self._newest = key
 
     def forget(self, mapped: MappedFile) -> None:
         with self._lock:
             self._open.pop(id(mapped), None)
+            self._renewed()
+
+    def _renewed(self) -> None:
+        """Set ``_newest`` again after keys left ``_open`` (the lock is held)."""
+        self._newest = next(reversed(self._open), None)
 
     @property
     def open_count(self) -> int:
@@ -292,6 +301,7 @@ class FileBudget:
         with self._lock:
             excess = len(self._open) - target
             victims = [self._open.pop(k) for k in list(self._open)[:max(0, excess)]]
+            self._renewed()
         for victim in victims:
             try:
                 victim.evict()
