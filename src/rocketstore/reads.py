@@ -141,6 +141,9 @@ class StoreReader:
                 result.status = GetMessageStatus.MESSAGE_WAS_REMOVING
                 continue
             except (MessageNotFoundError, CorruptDataError) as exc:
+                if phy < self.commit_log.min_offset:  # retention deleted its segment since log_min was read
+                    result.status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                    continue
                 log.error("%s-%d offset %d: skipping the unreadable record at commit-log offset %d: %s", topic,
                           queue_id, offset + i, phy, exc)
                 result.unreadable.append(phy)
