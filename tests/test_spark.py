@@ -6,6 +6,9 @@ import base64
 import hashlib
 import json
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ import pytest
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.errors import ConfigError, CorruptDataError
 from test_cli import cli
+from test_cli import tree as files_of
 
 pytest.importorskip("pyspark")
 
@@ -788,6 +792,111 @@ def test_an_import_that_stopped_finishes_from_the_row_its_error_names(spark, tmp
             [f"text {i}".encode() for i in range(70, 100)]
     done = cli("import", "--store", str(tmp_path / "s"), "--parquet", str(tmp_path), "--from-row", "-1", check=False)
     assert done.returncode == 2 and "--from-row" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.fixture
+def small_arrow_batches(spark):
+    old = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "32")
+    yield
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", old)
+
+
+def _stored_bodies(root: Path) -> list[bytes]:
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        return [m.body for m in store.iter_messages()]
+
+
+@pytest.mark.parametrize("stop", ["after the append", "before the append"])
+def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, tmp_path, small_arrow_batches,
+                                                                        monkeypatch, stop):
+    """An import stopped between batches (a crash, a refused row) had no record of what it had stored: run again
+    it stored every row again, and the error's row was all there was to go on. The store's journal of the
+    import now lets the same import run again go on from the first row the store does not hold, whether the
+    batch being written when it stopped reached the log or not."""
+    rows = [(f"Imp{i % 3}", f"row {i}".encode(), [f"k{i}"]) for i in range(200)]
+    df = spark.createDataFrame(rows, "topic string, body binary, keys array<string>").coalesce(1)
+    real_put, calls = MessageStore.put_batch, []
+
+    def put_then_stop(store, table):
+        calls.append(table.num_rows)
+        if len(calls) == 3:
+            if stop == "after the append":
+                real_put(store, table)
+            raise KeyboardInterrupt  # nothing after this line of the import runs, as after a kill
+        return real_put(store, table)
+
+    monkeypatch.setattr(MessageStore, "put_batch", put_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        import_messages(df, tmp_path / "s", config=CONFIG)
+    monkeypatch.setattr(MessageStore, "put_batch", real_put)
+    assert (tmp_path / "s" / "importProgress.json").exists()
+    assert len(_stored_bodies(tmp_path / "s")) == (96 if stop == "after the append" else 64)
+
+    other = spark.createDataFrame([("Other", b"o")], "topic string, body binary")
+    with pytest.raises(ConfigError, match="holds an unfinished import of a DataFrame of 200 rows"):
+        import_messages(other, tmp_path / "s", config=CONFIG)
+    report = import_messages(df, tmp_path / "s", config=CONFIG)
+    assert (report.skipped, report.rows) == ((96, 104) if stop == "after the append" else (64, 136))
+    assert _stored_bodies(tmp_path / "s") == [body for _t, body, _k in rows]
+    assert not (tmp_path / "s" / "importProgress.json").exists()
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
+        assert [m.body for m in store.query_message("Imp2", "k95")] == [b"row 95"]
+    import_messages(other, tmp_path / "s", config=CONFIG)  # nothing unfinished: another dataset goes in
+    assert _stored_bodies(tmp_path / "s")[-1] == b"o"
+
+
+def test_a_damaged_import_journal_is_a_typed_error_and_changes_nothing(spark, tmp_path):
+    df = spark.createDataFrame([("A", b"a")], "topic string, body binary")
+    import_messages(df, tmp_path / "s", config=CONFIG)
+    for damage in ("{not json", '{"source": {}, "rows_done": -1, "log_end": 0}', '{"source": {}}'):
+        (tmp_path / "s" / "importProgress.json").write_text(damage)
+        before = files_of(tmp_path / "s")
+        with pytest.raises(ConfigError, match=r"import journal .*importProgress\.json is damaged"):
+            import_messages(df, tmp_path / "s", config=CONFIG)
+        assert files_of(tmp_path / "s") == before
+    report = import_messages(df, tmp_path / "s", config=CONFIG, skip_rows=0)  # named: the journal is replaced
+    assert report.rows == 1 and _stored_bodies(tmp_path / "s") == [b"a", b"a"]
+    assert not (tmp_path / "s" / "importProgress.json").exists()
+
+
+KILLED_IMPORT = """
+import os, signal, sys
+from rocketstore import MessageStore, StoreConfig
+from rocketstore.spark import spark_session
+from rocketstore.spark.jobs import import_messages, read_parquet
+
+real_put, calls = MessageStore.put_batch, []
+
+def put_then_die(store, table):
+    result = real_put(store, table)
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+MessageStore.put_batch = put_then_die
+spark = spark_session("local[1]", "killed-import", driver_memory="512m", shuffle_partitions=1,
+                      extra_conf={"spark.sql.execution.arrow.maxRecordsPerBatch": "32"})
+config = StoreConfig(mapped_file_size_commit_log=32 << 10, mapped_file_size_consume_queue=20 * 100,
+                     max_hash_slot_num=97, max_index_num=300)
+import_messages(read_parquet(spark, sys.argv[1]), sys.argv[2], config=config)
+"""
+
+
+def test_an_import_killed_mid_way_finishes_each_row_once_when_run_again(spark, tmp_path, small_arrow_batches):
+    """SIGKILL right after the third batch reached the log: run again, the import stores the other rows once."""
+    from rocketstore.spark.jobs import read_parquet
+
+    rows = [(f"Imp{i % 3}", f"row {i}".encode()) for i in range(150)]
+    spark.createDataFrame(rows, "topic string, body binary").coalesce(1).write.parquet(str(tmp_path / "src"))
+    done = subprocess.run([sys.executable, "-c", KILLED_IMPORT, str(tmp_path / "src"), str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert (tmp_path / "s" / "abort").exists() and (tmp_path / "s" / "importProgress.json").exists()
+    report = import_messages(read_parquet(spark, tmp_path / "src"), tmp_path / "s", config=CONFIG)
+    assert (report.skipped, report.rows) == (96, 54)
+    assert sorted(_stored_bodies(tmp_path / "s")) == sorted(body for _t, body in rows)
 
 
 def test_import_checks_the_rows_before_storing_any_and_leaves_no_skeleton(spark, tmp_path):

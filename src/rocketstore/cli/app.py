@@ -854,8 +854,9 @@ Examples:
 @master_option
 @click.option("--parquet", required=True, help="a Parquet dataset: topic and body columns; keys, tags, "
               "properties, queueId, flag, bornTimestamp and bornHost when present (what export writes)")
-@click.option("--from-row", type=click.IntRange(0), default=0, show_default=True,
-              help="store the rows from this one on (an import that stopped says where to resume)")
+@click.option("--from-row", type=click.IntRange(0), default=None,
+              help="store the rows from this one on (default: 0, or where an unfinished import of the same dataset "
+              "stopped)")
 @fails_cleanly
 def import_command(master, ship_env, verbose, parquet, from_row, **kwargs) -> None:
     """Append a Parquet dataset of messages to a store (created if missing), each row exactly once (Spark)."""
@@ -870,7 +871,7 @@ def import_command(master, ship_env, verbose, parquet, from_row, **kwargs) -> No
         report = import_messages(read_parquet(spark, source), root, config=config, progress=progress,
                                  explicit=GEOMETRY, skip_rows=from_row)
     click.echo(f"imported {report.rows} messages in {report.batches} batches into {root}"
-               + (f" (rows {from_row} on)" if from_row else ""))
+               + (f" (rows {report.skipped} on)" if report.skipped else ""))
 
 
 @main.command("find-keys", epilog="""\b

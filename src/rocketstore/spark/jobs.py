@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ import pyarrow.compute as pc
 from ..codec.properties import split_keys
 from ..config import StoreConfig, detect_config
 from ..errors import ConfigError, RocketStoreError, StoreIOError
+from ..importjournal import ImportJournal, ImportProgress, rows_stored
 from ..rebuild import DISPATCH_COLUMNS, DISPATCH_SCHEMA, RebuildReport, rebuild_from_log
 from ..store import MessageStore
 from .failures import in_task
@@ -351,7 +353,7 @@ _ROW = re.compile(r"row (\d+): ")  # how put_batch names the first bad row of it
 
 
 def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, progress: Progress | None = None,
-                    explicit: Iterable[str] | None = None, skip_rows: int = 0) -> ImportReport:
+                    explicit: Iterable[str] | None = None, skip_rows: int | None = None) -> ImportReport:
     """Append every row of ``df`` to the store through its single writer, each exactly once.
 
     Columns: ``topic`` and ``body`` (binary or string) are required; ``keys`` (array or
@@ -363,35 +365,54 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     bodies, topic rules, sizes, negative queue ids): a bad row found there stores nothing, and a new store's
     directory is not left behind. A bad row only ``put_batch`` finds stops the import with an error naming its
     place in the DataFrame; the batches before it stay stored, and the error says how many rows that is and
-    from which row to resume (there is no marker in the store): ``skip_rows`` starts there, the rows before it
-    are read and checked but not stored (the same dataset read the same way comes in the same order, as a
-    Parquet dataset does; a shuffle without a sort may not). ``explicit``: the geometry settings of ``config``
-    the files must not replace (``detect_config``'s).
+    from which row to resume. The store keeps a journal of the import while it runs (``importjournal``): the same
+    import run again after a crash or a refused row goes on from the first row the store does not hold, and an
+    import of another dataset is refused while one is unfinished. ``skip_rows`` names the first row to store
+    instead; the rows before it are read and checked but not stored (the same dataset read the same way comes in
+    the same order, as a Parquet dataset does; a shuffle without a sort may not). ``explicit``: the geometry
+    settings of ``config`` the files must not replace (``detect_config``'s).
     """
-    if type(skip_rows) is not int or skip_rows < 0:
+    if skip_rows is not None and (type(skip_rows) is not int or skip_rows < 0):
         raise ConfigError(f"skip_rows must be a non-negative integer, not {skip_rows!r}")
     present = set(df.columns)
     columns = [c for c in IMPORT_COLUMNS if c in present]
     missing = {"topic", "body"} - present
     if missing:
         raise ConfigError(f"import needs columns topic and body; missing {sorted(missing)}")
-    report = ImportReport(skipped=skip_rows)
+    report = ImportReport()
     root = Path(root)
+    journal = ImportJournal(root)
     fresh = not (root / "commitlog").is_dir()
     config = (config or StoreConfig()) if fresh else detect_config(root, config, explicit=explicit)
     rows = df.select(*columns)
     total = _check_rows(rows, config)  # a pass over the rows before the first is stored: most bad rows store nothing
-    if skip_rows > total:
+    if skip_rows is not None and skip_rows > total:
         raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {total} rows")
+    source = _source_of(df, total)
+    unfinished = None if fresh or skip_rows is not None else journal.load()  # a named row replaces it
     before = set(os.listdir(root)) if root.is_dir() else None
     try:
         with MessageStore.open(root, config) as store:
-            skip = skip_rows  # rows reach the driver in the same order every time: the first skip_rows go by
+            if skip_rows is not None:
+                report.skipped = skip_rows
+            elif unfinished is not None and unfinished.source == source:
+                report.skipped = rows_stored(store, unfinished)
+            elif unfinished is not None:
+                raise ConfigError(
+                    f"{root} holds an unfinished import of {_describe(unfinished.source)} ({unfinished.rows_done} "
+                    f"rows or more stored): run that import again to finish it, or name the row to start this one "
+                    "from (--from-row) to leave it unfinished")
+            skip = report.skipped  # rows reach the driver in the same order every time: the first skip go by
             for chunk in _arrow_chunks(rows):
                 dropped = min(skip, chunk.num_rows)
                 skip -= dropped
                 if chunk.num_rows > dropped:
-                    _put(store, _batch_columns(chunk.slice(dropped)), report, progress)
+                    table = _batch_columns(chunk.slice(dropped))
+                    journal.record(ImportProgress(
+                        source, report.skipped + report.rows, store.commit_log.max_offset, table.num_rows,
+                        table.column("topic")[0].as_py(), ImportProgress.body_crc(table.column("body")[0].as_py())))
+                    _put(store, table, report, progress)
+            journal.clear()
     except BaseException:
         if fresh and not report.rows:  # an import into a new path that stored nothing leaves no store skeleton
             if before is None:
@@ -402,6 +423,22 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
                         (shutil.rmtree if (root / name).is_dir() else os.unlink)(root / name)
         raise
     return report
+
+
+def _source_of(df, rows: int) -> dict:
+    """What an import reads, as its journal names it: the dataset's files (their number, a digest of their names
+    and the first) and row count, or for a DataFrame without files the hash of its plan."""
+    files = sorted(df.inputFiles())
+    if not files:
+        return {"plan": df.semanticHash(), "rows": rows}
+    digest = hashlib.sha256("\n".join(files).encode()).hexdigest()[:32]
+    return {"first": files[0], "files": len(files), "digest": digest, "rows": rows}
+
+
+def _describe(source: dict) -> str:
+    if "first" in source:
+        return f"{source['files']} file(s) from {source['first']} ({source['rows']} rows)"
+    return f"a DataFrame of {source.get('rows')} rows"
 
 
 _RECORD_FIXED_BYTES = 91  # a record's bytes besides body, topic and properties (IPv4 hosts): a lower bound

@@ -1,0 +1,124 @@
+"""Where an import into a store stands, so that one stopped by a crash finishes with each row stored once.
+
+An import appends a dataset's rows in batches, one ``put_batch`` each. Before each batch it records, durably, how
+many rows are stored, where the log ends and what the batch's first row is. A crash leaves none of a batch, all of
+it or a prefix (it is one crash-atomic append per segment it spans; after an OS crash the page cache may have
+reached the disk in part), all stamped with one store time. The journal and the log together then tell how many
+rows are stored: the rows it records, plus those of the batch it was about to write found after the recorded end.
+The journal goes when the import finishes; a store with one is a store with an unfinished import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError, StoreIOError
+from .mapped.file import fsync_dir
+
+if TYPE_CHECKING:
+    from .store import MessageStore
+
+JOURNAL_FILE = "importProgress.json"
+_REAL_TOPIC = "REAL_TOPIC"  # a delayed or timer row is stored under a system topic, its own topic here
+
+
+@dataclass(frozen=True, slots=True)
+class ImportProgress:
+    source: dict  # what is imported: its files and row count (or its plan's hash), as ``import_messages`` names it
+    rows_done: int  # rows of the source stored before the pending batch
+    log_end: int  # the commit log's end before the pending batch
+    batch_rows: int = 0  # the pending batch (0: none)
+    batch_topic: str = ""  # its first row's topic
+    batch_body_crc: int = 0  # and body CRC, as the record's BODYCRC holds it
+
+    @staticmethod
+    def body_crc(body: bytes) -> int:
+        return zlib.crc32(body) & 0x7FFFFFFF
+
+
+class ImportJournal:
+    """The journal file of one store (``importProgress.json`` in its root; a broker ignores it)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.path = Path(root) / JOURNAL_FILE
+
+    def load(self) -> ImportProgress | None:
+        """The recorded progress, None without a journal; a journal that does not parse is a ``ConfigError``."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the import journal {self.path}: {exc}") from None
+        try:
+            raw = json.loads(text)
+            progress = ImportProgress(**raw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"the import journal {self.path} is damaged ({exc}): import with --from-row set to "
+                              "the rows the store holds (the journal is then replaced)") from None
+        numbers = (progress.rows_done, progress.log_end, progress.batch_rows, progress.batch_body_crc)
+        if not isinstance(progress.source, dict) or not isinstance(progress.batch_topic, str) \
+                or any(type(n) is not int or n < 0 for n in numbers):
+            raise ConfigError(f"the import journal {self.path} is damaged (a field of the wrong type): import with "
+                              "--from-row set to the rows the store holds (the journal is then replaced)")
+        return progress
+
+    def record(self, progress: ImportProgress) -> None:
+        """Replace the journal durably: a temporary file, fsync, rename, directory fsync."""
+        tmp = self.path.with_name(f".{JOURNAL_FILE}.tmp")
+        data = json.dumps(asdict(progress), sort_keys=True).encode()
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            fsync_dir(self.path.parent)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StoreIOError(exc.errno, f"cannot write the import journal {self.path}: {exc.strerror}") from exc
+
+    def clear(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot remove the import journal {self.path}: {exc.strerror}") from exc
+        fsync_dir(self.path.parent)
+
+
+def rows_stored(store: MessageStore, progress: ImportProgress) -> int:
+    """How many rows of the journal's source the store holds: those it records, and those of its pending batch
+    found after the recorded end: from the first record with the batch's first topic and body CRC on, the records
+    stored with it (one store time for the whole batch), at most the batch's rows. Records before that one are
+    the store's own (a delayed message delivered meanwhile)."""
+    if not progress.batch_rows:
+        return progress.rows_done
+    log = store.commit_log
+    start = max(progress.log_end, log.min_offset)
+    if start >= log.max_offset:
+        return progress.rows_done
+    found, stamp = 0, None
+    for msg in store.iter_messages(start):
+        if stamp is None:
+            topic = msg.topic if msg.topic == progress.batch_topic else msg.get_property(_REAL_TOPIC)
+            if topic == progress.batch_topic and msg.body_crc == progress.batch_body_crc:
+                stamp, found = msg.store_timestamp, 1
+        elif msg.store_timestamp == stamp and found < progress.batch_rows:
+            found += 1
+        else:
+            break
+        if found == progress.batch_rows:
+            break
+    return progress.rows_done + found
+
