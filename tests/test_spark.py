@@ -831,7 +831,11 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, 
         import_messages(df, tmp_path / "s", config=CONFIG)
     monkeypatch.setattr(MessageStore, "put_batch", real_put)
     assert (tmp_path / "s" / "importProgress.json").exists()
-    assert len(_stored_bodies(tmp_path / "s")) == (96 if stop == "after the append" else 64)
+    stored = 96 if stop == "after the append" else 64
+    assert len(_stored_bodies(tmp_path / "s")) == stored
+    geometry = ("--max-hash-slot-num", "97", "--max-index-num", "300")
+    shown = cli("inspect", "--store", str(tmp_path / "s"), *geometry).stdout
+    assert f"unfinished import of a DataFrame of 200 rows: {stored} rows stored" in shown
 
     other = spark.createDataFrame([("Other", b"o")], "topic string, body binary")
     with pytest.raises(ConfigError, match="holds an unfinished import of a DataFrame of 200 rows"):
@@ -840,6 +844,8 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, 
     assert (report.skipped, report.rows) == ((96, 104) if stop == "after the append" else (64, 136))
     assert _stored_bodies(tmp_path / "s") == [body for _t, body, _k in rows]
     assert not (tmp_path / "s" / "importProgress.json").exists()
+    assert json.loads(cli("inspect", "--store", str(tmp_path / "s"), *geometry, "--json").stdout)[
+        "unfinishedImport"] is None
     with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
         assert [m.body for m in store.query_message("Imp2", "k95")] == [b"row 95"]
     import_messages(other, tmp_path / "s", config=CONFIG)  # nothing unfinished: another dataset goes in

@@ -97,6 +97,13 @@ class ImportJournal:
         fsync_dir(self.path.parent)
 
 
+def describe_source(source: dict) -> str:
+    """An import's source as an operator recognises it (``import_messages`` names it by its files)."""
+    if "first" in source:
+        return f"{source.get('files')} file(s) from {source['first']} ({source.get('rows')} rows)"
+    return f"a DataFrame of {source.get('rows')} rows"
+
+
 def rows_stored(store: MessageStore, progress: ImportProgress) -> int:
     """How many rows of the journal's source the store holds: those it records, and those of its pending batch
     found after the recorded end: from the first record with the batch's first topic and body CRC on, the records

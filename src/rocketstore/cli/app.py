@@ -587,6 +587,10 @@ def inspect(as_json, **kwargs) -> None:
         click.echo(json.dumps(info, indent=2, ensure_ascii=False))
         return
     click.echo(f"store {info['root']}: {info['state']}")
+    unfinished = info["unfinishedImport"]
+    if unfinished is not None:
+        click.echo(unfinished.get("error") or f"unfinished import of {unfinished['source']}: "
+                   f"{unfinished['rowsStored']} rows stored (the same import run again finishes it)")
     _table("commit log", ["segment", "start", "end", "first store time"],
            [[s["name"], s["start"], s["end"], s["firstStoreTime"]] for s in info["segments"]])
     _table("consume queues", ["topic", "queue", "min", "max", "earliest", "latest"],

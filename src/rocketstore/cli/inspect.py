@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import StoreConfig
+from ..errors import ConfigError
+from ..importjournal import ImportJournal, describe_source, rows_stored
 from ..lifecycle import ABORT_FILE, is_locked
 from ..store import MessageStore
 from .render import human_time
@@ -44,8 +46,15 @@ def inspect_store(root: Path, config: StoreConfig) -> dict:
                   "beginPhyOffset": f.begin_phy_offset, "endPhyOffset": f.end_phy_offset,
                   "hashSlotCount": f.hash_slot_count, "indexCount": f.index_count}
                  for f in store.index.files]
+        try:
+            progress = ImportJournal(root).load()
+            unfinished = None if progress is None else {
+                "source": describe_source(progress.source), "rowsStored": rows_stored(store, progress)}
+        except ConfigError as exc:
+            unfinished = {"error": str(exc)}
         cp = store.checkpoint
         return {
+            "unfinishedImport": unfinished,
             "root": str(root), "state": state, "locked": locked, "abort": abort.exists(),
             "minOffset": log.min_offset, "maxOffset": log.max_offset,
             "recovery": {"endOffset": store.recovery.end_offset, "stopReason": store.recovery.stop_reason},

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from ..codec.properties import split_keys
 from ..config import StoreConfig, detect_config
 from ..errors import ConfigError, RocketStoreError, StoreIOError
-from ..importjournal import ImportJournal, ImportProgress, rows_stored
+from ..importjournal import ImportJournal, ImportProgress, describe_source, rows_stored
 from ..rebuild import DISPATCH_COLUMNS, DISPATCH_SCHEMA, RebuildReport, rebuild_from_log
 from ..store import MessageStore
 from .failures import in_task
@@ -399,9 +399,9 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
                 report.skipped = rows_stored(store, unfinished)
             elif unfinished is not None:
                 raise ConfigError(
-                    f"{root} holds an unfinished import of {_describe(unfinished.source)} ({unfinished.rows_done} "
-                    f"rows or more stored): run that import again to finish it, or name the row to start this one "
-                    "from (--from-row) to leave it unfinished")
+                    f"{root} holds an unfinished import of {describe_source(unfinished.source)} "
+                    f"({unfinished.rows_done} rows or more stored): run that import again to finish it, or name the "
+                    "row to start this one from (--from-row) to leave it unfinished")
             skip = report.skipped  # rows reach the driver in the same order every time: the first skip go by
             for chunk in _arrow_chunks(rows):
                 dropped = min(skip, chunk.num_rows)
@@ -433,12 +433,6 @@ def _source_of(df, rows: int) -> dict:
         return {"plan": df.semanticHash(), "rows": rows}
     digest = hashlib.sha256("\n".join(files).encode()).hexdigest()[:32]
     return {"first": files[0], "files": len(files), "digest": digest, "rows": rows}
-
-
-def _describe(source: dict) -> str:
-    if "first" in source:
-        return f"{source['files']} file(s) from {source['first']} ({source['rows']} rows)"
-    return f"a DataFrame of {source.get('rows')} rows"
 
 
 _RECORD_FIXED_BYTES = 91  # a record's bytes besides body, topic and properties (IPv4 hosts): a lower bound
