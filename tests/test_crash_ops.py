@@ -377,7 +377,8 @@ def test_retention_keeps_segments_dispatch_has_not_read(tmp_path):
 
 
 def test_readers_racing_retention_get_answers_never_errors_or_wrong_messages(tmp_path, caplog):
-    """Queue reads, key queries and offset lookups while retention deletes the files they read: a vanished file
+    """Queue reads (one by one and as Arrow), key queries and offset lookups while retention deletes the files they
+    read (a queue file went before the queue's minimum moved past it: the Arrow read raised): a vanished file
     is 'too small'/'was removing'/not found, never an I/O error, a closed-mapping ValueError or a wrong message,
     nor a record logged as unreadable (a queue read logged each record whose segment went after the read began)."""
     with MessageStore.open(tmp_path, SMALL) as store:
@@ -404,6 +405,12 @@ def test_readers_racing_retention_get_answers_never_errors_or_wrong_messages(tmp
                         served["offset"] += 1
                     except MessageNotFoundError:
                         pass
+                    for batch in store.queue_arrow("T", 0, i, i + 16):
+                        for queue_offset, phy in zip(batch.column("queueOffset").to_pylist(),
+                                                     batch.column("commitLogOffset").to_pylist(), strict=True):
+                            assert queue_offset >= i and (queue_offset >= len(first)
+                                                          or phy == first[queue_offset].commit_log_offset)
+                            served["arrow"] += 1
                 except Exception as exc:  # every other outcome is the failure under test
                     failures[f"{type(exc).__name__}: {exc}"] += 1
 
@@ -412,7 +419,8 @@ def test_readers_racing_retention_get_answers_never_errors_or_wrong_messages(tmp
             t.start()
         try:
             deadline = time.monotonic() + 60  # every kind of read answered once before retention starts (a loaded
-            while not (served["queue"] and served["key"] and served["offset"]) and time.monotonic() < deadline:
+            while not all(served[kind] for kind in ("queue", "key", "offset", "arrow")) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.001)  # machine gave the readers no turn before the first batch had gone)
             for _ in range(40):
                 store.put_message(Message("T", b"y" * 400))
@@ -427,7 +435,7 @@ def test_readers_racing_retention_get_answers_never_errors_or_wrong_messages(tmp
         assert not failures, failures.most_common(5)
         assert not [r.message for r in caplog.records if r.levelno >= logging.ERROR]
         assert store.min_phy_offset > first[-1].commit_log_offset, "retention did not run through the first batch"
-        assert served["queue"] and served["key"] and served["offset"]
+        assert served["queue"] and served["key"] and served["offset"] and served["arrow"]
 
 
 # --- two writers through different paths -------------------------------------------------------------------------

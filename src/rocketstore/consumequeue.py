@@ -428,7 +428,8 @@ class ConsumeQueue:
                 doomed += 1
             else:
                 break
-        if doomed:
+        if doomed:  # readers move past the files before they go: one that meets a deleted file finds a new minimum
+            self.min_logic_offset = max(self.min_logic_offset, files[doomed].file_from_offset)
             self.mapped_files.delete_first(doomed)
         self.correct_min_offset(log_min_offset)
         return doomed
