@@ -438,6 +438,78 @@ def test_readers_racing_retention_get_answers_never_errors_or_wrong_messages(tmp
         assert served["queue"] and served["key"] and served["offset"] and served["arrow"]
 
 
+def test_scans_and_lookups_racing_retention_answer_or_raise_a_typed_error(tmp_path):
+    """Scans from an offset, many-key and by-time lookups, ids and UNIQ_KEYs while retention deletes segments.
+    Retention destroyed a segment before taking it out of the file list, and the list's two arrays were replaced
+    one after the other: a read in between met a closed mapping ("ValueError: mmap closed or invalid" out of
+    scan_arrow and iter_messages) or the wrong segment, and a lookup by time raised SegmentDeletedError. Now a
+    scan may end with SegmentDeletedError when the segment it was started in goes; everything else answers."""
+    from rocketstore.errors import RocketStoreError, SegmentDeletedError
+
+    with MessageStore.open(tmp_path, SMALL) as store:
+        first = [store.put_message(Message("T", b"x" * 400, keys=[f"k{i}"], queue_id=i % 2)) for i in range(600)]
+        assert store.wait_for_dispatch()
+        stop, failures, served = threading.Event(), Counter(), Counter()
+        kinds = ("scan", "iter", "many", "by time", "by id", "by uniq key")
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                i, kind = rng.randrange(len(first)), kinds[rng.randrange(len(kinds))]
+                try:
+                    if kind == "scan":
+                        for batch in store.scan_arrow(begin=first[i].commit_log_offset, max_rows=16):
+                            assert batch.column("commitLogOffset")[0].as_py() >= first[i].commit_log_offset
+                            break
+                    elif kind == "iter":
+                        for n, msg in enumerate(store.iter_messages(first[i].commit_log_offset)):
+                            assert msg.commit_log_offset >= first[i].commit_log_offset
+                            if n == 16:
+                                break
+                    elif kind == "many":
+                        found = store.query_messages_arrow([("T", f"k{j}") for j in range(i, min(i + 16, 600))])
+                        assert set(found.column("commitLogOffset").to_pylist()) <= {
+                            r.commit_log_offset for r in first[i : i + 16]}
+                    elif kind == "by time":
+                        assert store.get_offset_in_queue_by_time("T", i % 2, first[i].store_timestamp) >= 0
+                    elif kind == "by id":
+                        with contextlib.suppress(MessageNotFoundError):
+                            assert store.view_message_by_id(first[i].msg_id).keys == [f"k{i}"]
+                    else:
+                        for msg in store.query_message_by_uniq_key("T", first[i].uniq_key):
+                            assert msg.commit_log_offset == first[i].commit_log_offset
+                    served[kind] += 1
+                except SegmentDeletedError as exc:
+                    if kind not in ("scan", "iter"):
+                        failures[f"{kind}: {type(exc).__name__}: {exc}"] += 1
+                except RocketStoreError as exc:
+                    failures[f"{kind}: {type(exc).__name__}: {exc}"] += 1
+                except Exception as exc:  # an untyped error, or a wrong answer
+                    failures[f"{kind}: {type(exc).__name__}: {exc}"] += 1
+
+        threads = [threading.Thread(target=reader, args=(n,)) for n in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not all(served[kind] for kind in kinds) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            for _ in range(40):
+                store.put_message(Message("T", b"y" * 400))
+                store.delete_expired_files(now_ms=FAR_FUTURE_MS, immediately=True)
+                time.sleep(0.003)
+            assert store.wait_for_dispatch()
+            store.delete_expired_files(now_ms=FAR_FUTURE_MS, immediately=True)
+            time.sleep(0.1)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not failures, failures.most_common(5)
+        assert all(served[kind] for kind in kinds), served
+        assert store.min_phy_offset > first[-1].commit_log_offset, "retention did not run through the first batch"
+
+
 # --- two writers through different paths -------------------------------------------------------------------------
 
 def path_forms(tmp_path: Path) -> dict[str, Path]:

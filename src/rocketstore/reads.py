@@ -266,8 +266,14 @@ class StoreReader:
         queue = self.queues.get(topic, queue_id)
         if queue is None:
             return 0
-        found = queue.offset_by_time(timestamp, boundary == "upper", self.commit_log.store_time,
-                                     self.commit_log.min_offset)
+        for attempt in range(3):
+            try:
+                found = queue.offset_by_time(timestamp, boundary == "upper", self.commit_log.store_time,
+                                             self.commit_log.min_offset)
+                break
+            except SegmentDeletedError:  # retention took a file this read used: read the queue as it is now
+                if attempt == 2:
+                    raise
         return min(max(found, queue.min_offset_in_queue), queue.max_offset_in_queue)
 
     def earliest_message_time(self, topic: str | None = None, queue_id: int | None = None) -> int:

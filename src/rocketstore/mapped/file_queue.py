@@ -92,12 +92,22 @@ class MappedFileQueue:
         return last.file_from_offset + last.wrote_position if last else 0
 
     def find(self, offset: int) -> MappedFile | None:
-        """The segment holding ``offset``, or None."""
+        """The segment holding ``offset``, or None.
+
+        ``_starts`` and ``files`` are replaced one after the other when segments go (retention, truncation): a
+        read between the two found a later segment for an offset, or none past the list's end. A file that does
+        not hold ``offset`` means the lists moved under this read: the files alone then answer."""
         i = bisect.bisect_right(self._starts, offset) - 1
         if i < 0:
             return None
-        mapped = self.files[i]
-        return mapped if offset < mapped.file_end_offset else None
+        files = self.files
+        if i < len(files):
+            mapped = files[i]
+            if mapped.file_from_offset <= offset < mapped.file_end_offset:
+                return mapped
+        starts = [mapped.file_from_offset for mapped in files]
+        i = bisect.bisect_right(starts, offset) - 1
+        return files[i] if i >= 0 and offset < files[i].file_end_offset else None
 
     def index_of(self, mapped: MappedFile) -> int:
         return bisect.bisect_left(self._starts, mapped.file_from_offset)
@@ -191,10 +201,10 @@ class MappedFileQueue:
         """Remove the ``count`` oldest segments (retention); never the last one."""
         count = min(count, len(self.files) - 1)
         gone = self.files[:count]
+        self.files = self.files[count:]  # out of the lists first: a read that starts now never meets them
+        self._starts = self._starts[count:]
         for mapped in gone:
             mapped.destroy()
-        self.files = self.files[count:]
-        self._starts = self._starts[count:]
         if gone:
             fsync_dir(self.directory)
         return gone
