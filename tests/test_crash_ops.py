@@ -442,15 +442,17 @@ def test_scans_and_lookups_racing_retention_answer_or_raise_a_typed_error(tmp_pa
     """Scans from an offset, many-key and by-time lookups, ids and UNIQ_KEYs while retention deletes segments.
     Retention destroyed a segment before taking it out of the file list, and the list's two arrays were replaced
     one after the other: a read in between met a closed mapping ("ValueError: mmap closed or invalid" out of
-    scan_arrow and iter_messages) or the wrong segment, and a lookup by time raised SegmentDeletedError. Now a
-    scan may end with SegmentDeletedError when the segment it was started in goes; everything else answers."""
+    scan_arrow and iter_messages) or the wrong segment, and a lookup by time raised SegmentDeletedError; index
+    files (67 entries each here) were destroyed before leaving theirs, so key lookups raised "index file is
+    closed" or a ValueError. Now a scan may end with SegmentDeletedError when the segment it was started in goes;
+    everything else answers."""
     from rocketstore.errors import RocketStoreError, SegmentDeletedError
 
-    with MessageStore.open(tmp_path, SMALL) as store:
+    with MessageStore.open(tmp_path, SMALL.replace(max_hash_slot_num=17, max_index_num=68)) as store:
         first = [store.put_message(Message("T", b"x" * 400, keys=[f"k{i}"], queue_id=i % 2)) for i in range(600)]
         assert store.wait_for_dispatch()
         stop, failures, served = threading.Event(), Counter(), Counter()
-        kinds = ("scan", "iter", "many", "by time", "by id", "by uniq key")
+        kinds = ("scan", "iter", "many", "by time", "by id", "by uniq key", "by key")
 
         def reader(seed: int) -> None:
             rng = random.Random(seed)
@@ -475,8 +477,11 @@ def test_scans_and_lookups_racing_retention_answer_or_raise_a_typed_error(tmp_pa
                     elif kind == "by id":
                         with contextlib.suppress(MessageNotFoundError):
                             assert store.view_message_by_id(first[i].msg_id).keys == [f"k{i}"]
-                    else:
+                    elif kind == "by uniq key":
                         for msg in store.query_message_by_uniq_key("T", first[i].uniq_key):
+                            assert msg.commit_log_offset == first[i].commit_log_offset
+                    else:
+                        for msg in store.query_message("T", f"k{i}"):
                             assert msg.commit_log_offset == first[i].commit_log_offset
                     served[kind] += 1
                 except SegmentDeletedError as exc:
@@ -508,6 +513,7 @@ def test_scans_and_lookups_racing_retention_answer_or_raise_a_typed_error(tmp_pa
         assert not failures, failures.most_common(5)
         assert all(served[kind] for kind in kinds), served
         assert store.min_phy_offset > first[-1].commit_log_offset, "retention did not run through the first batch"
+        assert store.index.files[0].begin_phy_offset > first[-1].commit_log_offset, "index files were not retired"
 
 
 # --- two writers through different paths -------------------------------------------------------------------------

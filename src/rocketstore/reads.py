@@ -27,6 +27,7 @@ from .errors import (
     InvalidQueryError,
     MessageNotFoundError,
     SegmentDeletedError,
+    StoreIOError,
 )
 from .index.service import IndexService, build_key
 from .message import MessageExt
@@ -378,7 +379,12 @@ class StoreReader:
         found_q, found_phy = [], []
         for index in reversed(files):  # newest first, as candidates
             if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
-                q, phy = candidates_batch(index, hashes, widened_begin)
+                try:
+                    q, phy = candidates_batch(index, hashes, widened_begin)
+                except (ValueError, StoreIOError):
+                    if index in self.index.files:
+                        raise
+                    continue  # retention deleted it under this query: its messages are gone with their segments
                 found_q.append(q)
                 found_phy.append(phy)
             if index.begin_timestamp < widened_begin:

@@ -290,7 +290,12 @@ class IndexService:
             if i == len(files) - 1:
                 last_ts, last_phy = index.end_timestamp, index.end_phy_offset
             if index.is_time_matched(begin, end):
-                index.select_phy_offsets(full_key, max_num, begin, end, into=offsets)
+                try:
+                    index.select_phy_offsets(full_key, max_num, begin, end, into=offsets)
+                except (ValueError, StoreIOError):
+                    if index in self.files:
+                        raise
+                    continue  # retention deleted it under this query: its messages are gone with their segments
             if index.begin_timestamp < begin or len(offsets) >= max_num:
                 break
         return offsets, last_ts, last_phy
@@ -344,9 +349,9 @@ class IndexService:
                     doomed += 1
                 else:
                     break
-            for index in self.files[:doomed]:
+            gone, self.files = self.files[:doomed], self.files[doomed:]  # out of the tuple first: a query that
+            for index in gone:  # meets a closed file it took before then finds it gone, and skips it
                 index.destroy()
-            self.files = self.files[doomed:]
             return doomed
 
     def close(self) -> None:
