@@ -10,16 +10,14 @@ The journal goes when the import finishes; a store with one is a store with an u
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError, StoreIOError
-from .mapped.file import fsync_dir
+from .errors import ConfigError
+from .mapped.file import remove_file, replace_file
 
 if TYPE_CHECKING:
     from .store import MessageStore
@@ -70,31 +68,11 @@ class ImportJournal:
         return progress
 
     def record(self, progress: ImportProgress) -> None:
-        """Replace the journal durably: a temporary file, fsync, rename, directory fsync."""
-        tmp = self.path.with_name(f".{JOURNAL_FILE}.tmp")
-        data = json.dumps(asdict(progress), sort_keys=True).encode()
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            fsync_dir(self.path.parent)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise StoreIOError(exc.errno, f"cannot write the import journal {self.path}: {exc.strerror}") from exc
+        """Replace the journal durably (a crash leaves the old one or the new)."""
+        replace_file(self.path, json.dumps(asdict(progress), sort_keys=True).encode())
 
     def clear(self) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise StoreIOError(exc.errno, f"cannot remove the import journal {self.path}: {exc.strerror}") from exc
-        fsync_dir(self.path.parent)
+        remove_file(self.path)
 
 
 def describe_source(source: dict) -> str:

@@ -184,27 +184,14 @@ class RedispatchMarker:
 
     def save(self, offset: int) -> None:
         """Durably, before the catch-up writes anything: a temporary file, fsync, rename, directory fsync."""
-        tmp = self.path.with_name(f".{REDISPATCH_FILE}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-            try:
-                os.write(fd, str(offset).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            raise StoreIOError(exc.errno, f"cannot write {self.path}: {exc.strerror}") from exc
-        _fsync_dir(self.path.parent)
+        from .mapped.file import replace_file
+
+        replace_file(self.path, str(offset).encode())
 
     def delete(self) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise StoreIOError(exc.errno, f"cannot remove {self.path}: {exc.strerror}") from exc
-        _fsync_dir(self.path.parent)
+        from .mapped.file import remove_file
+
+        remove_file(self.path)
 
 
 def _fsync_dir(directory: Path) -> None:

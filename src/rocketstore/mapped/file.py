@@ -427,6 +427,38 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Make ``data`` the content of ``path`` so that a crash leaves the old content or the new: a temporary file,
+    fsync, rename, directory fsync. A failure is a ``StoreIOError`` and leaves no temporary file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise StoreIOError(exc.errno, f"cannot write {path}: {exc.strerror}") from exc
+    fsync_dir(path.parent)
+
+
+def remove_file(path: Path) -> None:
+    """Delete ``path`` durably (directory fsync); a missing file is fine."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StoreIOError(exc.errno, f"cannot remove {path}: {exc.strerror}") from exc
+    fsync_dir(path.parent)
+
+
 def unused_path(parent: Path, stem: str, suffix: str = "") -> Path:
     """``parent/<stem><suffix>``, or ``<stem>-2<suffix>``, ``-3``...: the first name not taken (``parent`` is made).
 
