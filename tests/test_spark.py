@@ -819,6 +819,7 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, 
     real_put, calls = MessageStore.put_batch, []
 
     def put_then_stop(store, table):
+        assert store.commit_log.flushed_offset == store.commit_log.max_offset  # what the journal counts is on disk
         calls.append(table.num_rows)
         if len(calls) == 3:
             if stop == "after the append":
@@ -838,8 +839,10 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, 
     assert f"unfinished import of a DataFrame of 200 rows: {stored} rows stored" in shown
 
     other = spark.createDataFrame([("Other", b"o")], "topic string, body binary")
+    before = files_of(tmp_path / "s")
     with pytest.raises(ConfigError, match="holds an unfinished import of a DataFrame of 200 rows"):
         import_messages(other, tmp_path / "s", config=CONFIG)
+    assert files_of(tmp_path / "s") == before
     report = import_messages(df, tmp_path / "s", config=CONFIG)
     assert (report.skipped, report.rows) == ((96, 104) if stop == "after the append" else (64, 136))
     assert _stored_bodies(tmp_path / "s") == [body for _t, body, _k in rows]
@@ -864,6 +867,13 @@ def test_a_damaged_import_journal_is_a_typed_error_and_changes_nothing(spark, tm
     report = import_messages(df, tmp_path / "s", config=CONFIG, skip_rows=0)  # named: the journal is replaced
     assert report.rows == 1 and _stored_bodies(tmp_path / "s") == [b"a", b"a"]
     assert not (tmp_path / "s" / "importProgress.json").exists()
+    source = {"plan": df.semanticHash(), "rows": 1}  # a journal that counted rows past the log's end
+    (tmp_path / "s" / "importProgress.json").write_text(json.dumps({"source": source, "rows_done": 5,
+                                                                    "log_end": 1 << 20}))
+    before = files_of(tmp_path / "s")
+    with pytest.raises(ConfigError, match="before the 1048576 where the import's journal counted 5 rows"):
+        import_messages(df, tmp_path / "s", config=CONFIG)
+    assert files_of(tmp_path / "s") == before
 
 
 KILLED_IMPORT = """

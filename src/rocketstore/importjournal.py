@@ -87,9 +87,14 @@ def rows_stored(store: MessageStore, progress: ImportProgress) -> int:
     found after the recorded end: from the first record with the batch's first topic and body CRC on, the records
     stored with it (one store time for the whole batch), at most the batch's rows. Records before that one are
     the store's own (a delayed message delivered meanwhile)."""
+    log = store.commit_log
+    if log.max_offset < progress.log_end:  # the import flushed the log before recording: damage, or a hand
+        raise ConfigError(
+            f"the store's log ends at {log.max_offset}, before the {progress.log_end} where the import's journal "
+            f"counted {progress.rows_done} rows stored: some of them are gone. Count what the store holds and "
+            "import with --from-row")
     if not progress.batch_rows:
         return progress.rows_done
-    log = store.commit_log
     start = max(progress.log_end, log.min_offset)
     if start >= log.max_offset:
         return progress.rows_done

@@ -390,24 +390,25 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
         raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {total} rows")
     source = _source_of(df, total)
     unfinished = None if fresh or skip_rows is not None else journal.load()  # a named row replaces it
+    report.skipped = skip_rows or 0
+    if unfinished is not None:  # decided on a read-only view first: a refusal changes nothing
+        if unfinished.source != source:
+            raise ConfigError(
+                f"{root} holds an unfinished import of {describe_source(unfinished.source)} "
+                f"({unfinished.rows_done} rows or more stored): run that import again to finish it, or name the "
+                "row to start this one from (--from-row) to leave it unfinished")
+        with MessageStore.open(root, config, read_only=True) as view:
+            report.skipped = rows_stored(view, unfinished)
     before = set(os.listdir(root)) if root.is_dir() else None
     try:
         with MessageStore.open(root, config) as store:
-            if skip_rows is not None:
-                report.skipped = skip_rows
-            elif unfinished is not None and unfinished.source == source:
-                report.skipped = rows_stored(store, unfinished)
-            elif unfinished is not None:
-                raise ConfigError(
-                    f"{root} holds an unfinished import of {describe_source(unfinished.source)} "
-                    f"({unfinished.rows_done} rows or more stored): run that import again to finish it, or name the "
-                    "row to start this one from (--from-row) to leave it unfinished")
             skip = report.skipped  # rows reach the driver in the same order every time: the first skip go by
             for chunk in _arrow_chunks(rows):
                 dropped = min(skip, chunk.num_rows)
                 skip -= dropped
                 if chunk.num_rows > dropped:
                     table = _batch_columns(chunk.slice(dropped))
+                    store.flush()  # the rows the journal counts are on the disk before it says so (power loss)
                     journal.record(ImportProgress(
                         source, report.skipped + report.rows, store.commit_log.max_offset, table.num_rows,
                         table.column("topic")[0].as_py(), ImportProgress.body_crc(table.column("body")[0].as_py())))
