@@ -858,7 +858,8 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, 
 def test_a_damaged_import_journal_is_a_typed_error_and_changes_nothing(spark, tmp_path):
     df = spark.createDataFrame([("A", b"a")], "topic string, body binary")
     import_messages(df, tmp_path / "s", config=CONFIG)
-    for damage in ("{not json", '{"source": {}, "rows_done": -1, "log_end": 0}', '{"source": {}}'):
+    for damage in ("{not json", '{"source": {}, "rows_done": -1, "log_end": 0}', '{"source": {}}', "[" * 100_000,
+                   '{"source": {}, "rows_done": true, "log_end": 0}', "[1, 2]"):
         (tmp_path / "s" / "importProgress.json").write_text(damage)
         before = files_of(tmp_path / "s")
         with pytest.raises(ConfigError, match=r"import journal .*importProgress\.json is damaged"):

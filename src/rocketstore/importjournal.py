@@ -57,7 +57,7 @@ class ImportJournal:
         try:
             raw = json.loads(text)
             progress = ImportProgress(**raw)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nesting past the limit
             raise ConfigError(f"the import journal {self.path} is damaged ({exc}): import with --from-row set to "
                               "the rows the store holds (the journal is then replaced)") from None
         numbers = (progress.rows_done, progress.log_end, progress.batch_rows, progress.batch_body_crc)
