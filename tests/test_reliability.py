@@ -539,6 +539,35 @@ def test_permission_denied_is_a_clear_error(tmp_path):
 
 # --- safety -------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("marker", [
+    {"names": ["../../outside"], "aside": "recovery/x"},
+    {"names": ["consumequeue"], "aside": "../../outside/aside"},
+    {"names": ["consumequeue"], "aside": "/tmp"},
+    {"names": "consumequeue", "aside": "recovery/x"},
+    ["consumequeue"],
+    "[" * 100_000,
+], ids=["names up", "aside up", "aside absolute", "names a string", "a list", "nested deep"])
+def test_a_planted_rebuild_swap_marker_moves_nothing_outside_the_store(tmp_path, marker):
+    """A writer's open finishes a rebuild swap its marker describes, and the marker's names and aside directory
+    became paths under the root unchecked: a damaged or planted marker naming ``../`` renamed directories outside
+    the store (or raised an untyped TypeError/RecursionError). It is a typed error now, and nothing moves."""
+    import json
+
+    root = tmp_path / "a" / "store"
+    outside = tmp_path / "outside"
+    (outside / "aside").mkdir(parents=True)
+    (outside / "keep").write_text("untouched")
+    build(root, 20)
+    staged = root / ".staging" / "rebuild-20260101000000"
+    (staged / "consumequeue").mkdir(parents=True)
+    (staged / "swap").write_text(marker if isinstance(marker, str) else json.dumps(marker))
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(StoreIOError, match=r"cannot finish the rebuild swap .* not a swap marker"):
+        MessageStore.open(root, CONFIG)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert (outside / "keep").read_text() == "untouched"
+
+
 def test_hostile_keys_and_properties_never_leave_the_store_root(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()

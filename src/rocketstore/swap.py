@@ -58,10 +58,10 @@ def mark_complete(build: Path, root: Path, names: list[str], aside: Path) -> Non
 def swap_in(build: Path, root: Path) -> list[str]:
     """Finish the swap ``build``'s marker describes (idempotent); returns where old directories went. The staging
     directory goes last."""
-    marker = json.loads((build / SWAP_FILE).read_text(encoding="utf-8"))
-    aside = root / marker["aside"]
+    names, aside_name = _read_marker(build / SWAP_FILE)
+    aside = root / aside_name
     moved = []
-    for name in marker["names"]:
+    for name in names:
         staged = build / name
         if not staged.exists():
             continue  # swapped in before a kill
@@ -83,6 +83,24 @@ def swap_in(build: Path, root: Path) -> list[str]:
     fsync_dir(build)
     shutil.rmtree(build, ignore_errors=True)
     return moved
+
+
+def _read_marker(path: Path) -> tuple[list[str], str]:
+    """The marker's names and aside directory; ``ValueError`` for one a rebuild did not write. Its names become
+    paths under the store root: a damaged or planted marker naming ``../`` must not move anything outside it."""
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{path} is not a swap marker (nesting past the recursion limit)") from None
+    names = marker.get("names") if isinstance(marker, dict) else None
+    aside = marker.get("aside") if isinstance(marker, dict) else None
+    plain = isinstance(names, list) and all(isinstance(n, str) and n and n not in (".", "..") and "/" not in n
+                                            and os.sep not in n and "\0" not in n for n in names)
+    inside = isinstance(aside, str) and aside and "\0" not in aside and not os.path.isabs(aside) \
+        and not os.path.normpath(aside).startswith(("..", "."))
+    if not (plain and inside):
+        raise ValueError(f"{path} is not a swap marker a rebuild wrote: {str(marker)[:200]}")
+    return names, aside
 
 
 def finish_staged(staging: Path, root: Path) -> None:
