@@ -61,10 +61,20 @@ class Served:
             return rpc(request, timeout=timeout)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        """A signal by pid (SIGTERM: a graceful stop that closes the store); the exit code."""
+        """A signal by pid (SIGTERM: a graceful stop that closes the store); the exit code. A server that has not
+        stopped 30 s later is asked for its threads' stacks (SIGUSR1), killed, and reported with its log."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
-        return self.proc.wait(30)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            self.proc.kill()
+            self.proc.wait(30)
+            time.sleep(0.5)  # the drain thread reads the rest of stderr
+            raise AssertionError("serve did not stop within 30 s; its log and stacks:\n"
+                                 + "".join(self.lines)[-20000:]) from None
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -601,3 +601,21 @@ def test_sql92_subscriptions_select_by_properties_and_bad_ones_are_refused(serve
         assert replies[0].status.code == pb.Code.ILLEGAL_FILTER_EXPRESSION and not any(
             r.HasField("message") for r in replies), bad
     assert server.stop() == 0
+
+
+def test_sigusr1_writes_every_threads_stack_and_serving_goes_on(served):
+    """A serve that does not stop (a CI run waited 30 s for one) said nothing about what it waited for:
+    SIGUSR1 now writes every thread's stack to stderr (faulthandler), and the server serves on."""
+    import os
+    import signal
+
+    server = served()
+    os.kill(server.proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any("most recent call first" in line for line in server.lines):
+        time.sleep(0.05)
+    dump = "".join(server.lines)
+    assert "most recent call first" in dump and dump.count("Thread 0x") >= 2, dump[-2000:]
+    route = server.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Anything")), pb.QueryRouteResponse)
+    assert route.status.code in (pb.Code.OK, pb.Code.TOPIC_NOT_FOUND)
+    assert server.stop() == 0

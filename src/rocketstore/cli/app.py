@@ -996,6 +996,7 @@ Clients: an official RocketMQ 5 client with endpoints 127.0.0.1:8081 (no TLS).
 def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, access_key, secret_key, accounts_file,
           transaction_check_seconds, stats_interval, **kwargs) -> None:
     """Speak RocketMQ 5's gRPC protocol over the store: official clients send to it and consume from it."""
+    import faulthandler
     import signal
     import threading
     import time
@@ -1019,6 +1020,8 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
     # A send is ~0.1 ms of Python; under the default 5 ms GIL switch interval a handler waiting behind the
     # dispatcher or a long poll could wait 5 ms (p99 5.3 -> 1.6 ms for one producer thread here).
     sys.setswitchinterval(0.0005)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a serve that does not stop is waiting for
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     signals: list[int] = []
     stopping = threading.Event()
 
