@@ -342,7 +342,7 @@ class _OutputDir:
 class ImportReport:
     rows: int = 0  # stored by this import
     batches: int = 0
-    skipped: int = 0  # the rows before ``skip_rows``, not read into the store
+    skipped: int = 0  # rows not stored by this import: named by ``skip_rows``, or held from an unfinished one
     first_offset: int | None = None
     last_offset: int | None = None
 
