@@ -17,6 +17,7 @@ from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.errors import ConfigError, CorruptDataError
 from test_cli import cli
 from test_cli import tree as files_of
+from test_import import DIE_AFTER_THIRD_BATCH, stop_at_third_batch
 
 pytest.importorskip("pyspark")
 
@@ -689,6 +690,56 @@ def test_topics_that_look_like_numbers_survive_an_export_and_import(spark, tmp_p
     assert spark.conf.get("spark.sql.sources.partitionColumnTypeInference.enabled") == "true"
 
 
+def test_an_export_imported_keeps_every_queues_order(spark, tmp_path):
+    """Spark lists a dataset's files largest first: an export -> import round trip stored a topic's part files (one
+    per log range) out of log order, and every queue's messages with them. Both readers store them in name order."""
+    import pyarrow as pa
+
+    from rocketstore.importing import import_parquet
+    from rocketstore.spark.jobs import read_parquet
+
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        for start in range(0, 1200, 100):
+            n = range(start, start + 100)
+            store.put_batch(pa.table({"topic": [f"Q{i % 2}" for i in n], "body": [b"%d" % i for i in n],
+                                      "queue_id": pa.array([i // 2 % 2 for i in n], pa.int32())}))
+
+    def queues(root: Path) -> dict[tuple[str, int], list[bytes]]:
+        found: dict[tuple[str, int], list[bytes]] = {}
+        with MessageStore.open(root, CONFIG, read_only=True) as store:
+            for m in store.iter_messages():
+                found.setdefault((m.topic, m.queue_id), []).append(m.body)
+        return found
+
+    export_parquet(tmp_path / "s", tmp_path / "out", spark=spark, maxBytesPerPartition=16 << 10, minPartitions=8)
+    assert len(list((tmp_path / "out").rglob("*.parquet"))) >= 8
+    import_messages(read_parquet(spark, tmp_path / "out"), tmp_path / "spark", config=CONFIG)
+    import_parquet(tmp_path / "out", tmp_path / "here", config=CONFIG)
+    original = queues(tmp_path / "s")
+    assert queues(tmp_path / "spark") == original and queues(tmp_path / "here") == original
+
+
+def test_both_readers_name_a_bad_row_by_its_place_in_file_name_order(spark, tmp_path):
+    """The check pass counts rows in the order the import stores them: file name order, whatever the order of
+    Spark's partitions (larger files first, a file split over several)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rocketstore.errors import MessageIllegalError
+    from rocketstore.importing import import_parquet
+    from rocketstore.spark.jobs import read_parquet
+
+    for k, size in enumerate([3, 50, 7, 30]):
+        bodies = [None if (k, i) == (2, 4) else b"x" * (10 + 90 * (k == 1)) for i in range(size)]
+        pq.write_table(pa.table({"topic": ["A"] * size, "body": pa.array(bodies, pa.binary())}),
+                       tmp_path / f"part-{k}.parquet")
+    for run in (lambda: import_messages(read_parquet(spark, tmp_path), tmp_path / "s", config=CONFIG),
+                lambda: import_parquet(tmp_path, tmp_path / "s", config=CONFIG)):
+        with pytest.raises(MessageIllegalError, match=r"^row 57: body is null"):
+            run()
+    assert not (tmp_path / "s").exists()
+
+
 def test_scans_and_exports_of_nothing_are_empty_not_errors(spark, tmp_path):
     """A scan that plans no task failed ('InputPartition' object has no attribute 'read'), an export matching
     nothing with UNABLE_TO_INFER_SCHEMA: both are empty, and the empty export still says what its columns are."""
@@ -816,18 +867,7 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, 
     batch being written when it stopped reached the log or not."""
     rows = [(f"Imp{i % 3}", f"row {i}".encode(), [f"k{i}"]) for i in range(200)]
     df = spark.createDataFrame(rows, "topic string, body binary, keys array<string>").coalesce(1)
-    real_put, calls = MessageStore.put_batch, []
-
-    def put_then_stop(store, table):
-        assert store.commit_log.flushed_offset == store.commit_log.max_offset  # what the journal counts is on disk
-        calls.append(table.num_rows)
-        if len(calls) == 3:
-            if stop == "after the append":
-                real_put(store, table)
-            raise KeyboardInterrupt  # nothing after this line of the import runs, as after a kill
-        return real_put(store, table)
-
-    monkeypatch.setattr(MessageStore, "put_batch", put_then_stop)
+    real_put = stop_at_third_batch(monkeypatch, stop)
     with pytest.raises(KeyboardInterrupt):
         import_messages(df, tmp_path / "s", config=CONFIG)
     monkeypatch.setattr(MessageStore, "put_batch", real_put)
@@ -836,7 +876,7 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, 
     assert len(_stored_bodies(tmp_path / "s")) == stored
     geometry = ("--max-hash-slot-num", "97", "--max-index-num", "300")
     shown = cli("inspect", "--store", str(tmp_path / "s"), *geometry).stdout
-    assert f"unfinished import of a DataFrame of 200 rows: {stored} rows stored" in shown
+    assert f"unfinished import of a DataFrame of 200 rows, read by Spark: {stored} rows stored" in shown
 
     other = spark.createDataFrame([("Other", b"o")], "topic string, body binary")
     before = files_of(tmp_path / "s")
@@ -868,7 +908,8 @@ def test_a_damaged_import_journal_is_a_typed_error_and_changes_nothing(spark, tm
     report = import_messages(df, tmp_path / "s", config=CONFIG, skip_rows=0)  # named: the journal is replaced
     assert report.rows == 1 and _stored_bodies(tmp_path / "s") == [b"a", b"a"]
     assert not (tmp_path / "s" / "importProgress.json").exists()
-    source = {"plan": df.semanticHash(), "rows": 1}  # a journal that counted rows past the log's end
+    source = {"plan": df.semanticHash(), "rows": 1, "reader": "spark", "order": "partitions"}  # a journal that
+    # counted rows past the log's end
     (tmp_path / "s" / "importProgress.json").write_text(json.dumps({"source": source, "rows_done": 5,
                                                                     "log_end": 1 << 20}))
     before = files_of(tmp_path / "s")
@@ -877,22 +918,11 @@ def test_a_damaged_import_journal_is_a_typed_error_and_changes_nothing(spark, tm
     assert files_of(tmp_path / "s") == before
 
 
-KILLED_IMPORT = """
-import os, signal, sys
-from rocketstore import MessageStore, StoreConfig
+KILLED_IMPORT = DIE_AFTER_THIRD_BATCH + """
+from rocketstore import StoreConfig
 from rocketstore.spark import spark_session
 from rocketstore.spark.jobs import import_messages, read_parquet
 
-real_put, calls = MessageStore.put_batch, []
-
-def put_then_die(store, table):
-    result = real_put(store, table)
-    calls.append(1)
-    if len(calls) == 3:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return result
-
-MessageStore.put_batch = put_then_die
 spark = spark_session("local[1]", "killed-import", driver_memory="512m", shuffle_partitions=1,
                       extra_conf={"spark.sql.execution.arrow.maxRecordsPerBatch": "32"})
 config = StoreConfig(mapped_file_size_commit_log=32 << 10, mapped_file_size_consume_queue=20 * 100,

@@ -78,8 +78,12 @@ class ImportJournal:
 def describe_source(source: dict) -> str:
     """An import's source as an operator recognises it (``import_messages`` names it by its files)."""
     if "first" in source:
-        return f"{source.get('files')} file(s) from {source['first']} ({source.get('rows')} rows)"
-    return f"a DataFrame of {source.get('rows')} rows"
+        what = f"{source.get('files')} file(s) from {source['first']} ({source.get('rows')} rows)"
+    else:
+        what = f"a DataFrame of {source.get('rows')} rows"
+    how = {"arrow": "read in this process (--no-spark)", "spark": "read by Spark"}.get(
+        source.get("reader"), "read by Spark in an earlier version's order")
+    return f"{what}, {how}"
 
 
 def rows_stored(store: MessageStore, progress: ImportProgress) -> int:

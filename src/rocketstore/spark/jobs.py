@@ -14,23 +14,28 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import shutil
 import threading
 import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..codec.properties import split_keys
 from ..config import StoreConfig, detect_config
-from ..errors import ConfigError, RocketStoreError, StoreIOError
-from ..importjournal import ImportJournal, ImportProgress, describe_source, rows_stored
+from ..errors import ConfigError, StoreIOError
+from ..importing import (
+    CHECKED_COLUMNS,
+    IMPORT_CHUNK_BYTES,
+    IMPORT_COLUMNS,
+    ImportReport,
+    bad_row_error,
+    first_bad_row,
+    import_config,
+    store_tables,
+)
 from ..rebuild import DISPATCH_COLUMNS, DISPATCH_SCHEMA, RebuildReport, rebuild_from_log
 from ..store import MessageStore
 from .failures import in_task
@@ -338,18 +343,10 @@ class _OutputDir:
             self.delete(old)
 
 
-@dataclass(slots=True)
-class ImportReport:
-    rows: int = 0  # stored by this import
-    batches: int = 0
-    skipped: int = 0  # rows not stored by this import: named by ``skip_rows``, or held from an unfinished one
-    first_offset: int | None = None
-    last_offset: int | None = None
+# --- import ----------------------------------------------------------------------------------------------------
 
-
-IMPORT_COLUMNS = ("topic", "body", "keys", "tags", "properties", "queueId", "flag", "bornTimestamp", "bornHost")
-IMPORT_CHUNK_BYTES = 64 << 20  # one Arrow chunk sent to the driver holds at most about this much
-_ROW = re.compile(r"row (\d+): ")  # how put_batch names the first bad row of its table
+_FILE, _ROW_INDEX = "__rocketstore_file", "__rocketstore_row"  # a row's file and place in it, while importing
+IMPORT_PARTITION_BYTES = 64 << 20  # of rows per partition the driver receives whole (two at a time)
 
 
 def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, progress: Progress | None = None,
@@ -359,18 +356,19 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     Columns: ``topic`` and ``body`` (binary or string) are required; ``keys`` (array or
     space-separated string), ``tags``, ``properties`` (map), ``queueId``, ``flag``, ``bornTimestamp`` (a
     timestamp or epoch ms) and ``bornHost`` (``host:port``) are optional (null: the store's defaults), others
-    are not read. Rows reach the driver as Arrow batches (Spark's Arrow batch size, at most
-    ``IMPORT_CHUNK_BYTES`` each), one partition ahead, in partition order; each batch is one
+    are not read. A DataFrame that reads files is stored in file name order, each file's rows in order (an
+    export's queues keep their order: Spark's own order lists larger files first); any other in its partitions'
+    order. Rows reach the driver as Arrow batches (Spark's Arrow batch size, at most ``IMPORT_CHUNK_BYTES``
+    each), in partitions of about ``IMPORT_PARTITION_BYTES``, one partition ahead; each batch is one
     ``put_batch`` (all or nothing). One Spark pass first checks what needs no store (null topics and
     bodies, topic rules, sizes, negative queue ids): a bad row found there stores nothing, and a new store's
     directory is not left behind. A bad row only ``put_batch`` finds stops the import with an error naming its
     place in the DataFrame; the batches before it stay stored, and the error says how many rows that is and
     from which row to resume. The store keeps a journal of the import while it runs (``importjournal``): the same
     import run again after a crash or a refused row goes on from the first row the store does not hold, and an
-    import of another dataset is refused while one is unfinished. ``skip_rows`` names the first row to store
-    instead; the rows before it are read and checked but not stored (the same dataset read the same way comes in
-    the same order, as a Parquet dataset does; a shuffle without a sort may not). ``explicit``: the geometry
-    settings of ``config`` the files must not replace (``detect_config``'s).
+    import of another dataset (or of this one read another way: ``import_parquet``) is refused while one is
+    unfinished. ``skip_rows`` names the first row to store instead; the rows before it are read and checked but not
+    stored. ``explicit``: the geometry settings of ``config`` the files must not replace (``detect_config``'s).
     """
     if skip_rows is not None and (type(skip_rows) is not int or skip_rows < 0):
         raise ConfigError(f"skip_rows must be a non-negative integer, not {skip_rows!r}")
@@ -379,51 +377,39 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     missing = {"topic", "body"} - present
     if missing:
         raise ConfigError(f"import needs columns topic and body; missing {sorted(missing)}")
-    report = ImportReport()
     root = Path(root)
-    journal = ImportJournal(root)
-    fresh = not (root / "commitlog").is_dir()
-    config = (config or StoreConfig()) if fresh else detect_config(root, config, explicit=explicit)
-    rows = df.select(*columns)
-    total = _check_rows(rows, config)  # a pass over the rows before the first is stored: most bad rows store nothing
+    fresh, config = import_config(root, config, explicit)
+    rows = _with_file_places(df.select(*columns))
+    by_file = rows is not None
+    if rows is None:
+        rows = df.select(*columns)
+    total, size = _check_rows(rows, config, by_file)  # before the first row is stored: most bad rows store nothing
     if skip_rows is not None and skip_rows > total:
         raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {total} rows")
-    source = _source_of(df, total)
-    unfinished = None if fresh or skip_rows is not None else journal.load()  # a named row replaces it
-    report.skipped = skip_rows or 0
-    if unfinished is not None:  # decided on a read-only view first: a refusal changes nothing
-        if unfinished.source != source:
-            raise ConfigError(
-                f"{root} holds an unfinished import of {describe_source(unfinished.source)} "
-                f"({unfinished.rows_done} rows or more stored): run that import again to finish it, or name the "
-                "row to start this one from (--from-row) to leave it unfinished")
-        with MessageStore.open(root, config, read_only=True) as view:
-            report.skipped = rows_stored(view, unfinished)
-    before = set(os.listdir(root)) if root.is_dir() else None
+    if by_file:  # one range of (file, row) per partition, partitions in order: the rows in name order
+        parts = max(1, -(-size // IMPORT_PARTITION_BYTES))
+        rows = rows.repartitionByRange(parts, _FILE, _ROW_INDEX).sortWithinPartitions(_FILE, _ROW_INDEX) \
+            .drop(_FILE, _ROW_INDEX)
+    source = {**_source_of(df, total), "reader": "spark", "order": "files" if by_file else "partitions"}
+    return store_tables(_arrow_chunks(rows), root, config, fresh=fresh, source=source, skip_rows=skip_rows,
+                        progress=progress)
+
+
+def _with_file_places(df):
+    """``df`` with each row's file and its place in that file (Spark's ``_metadata``), or None when its rows do not
+    come from files (a DataFrame made in memory, a union: nothing names their order but the partitions)."""
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
+
+    if not df.inputFiles():
+        return None
     try:
-        with MessageStore.open(root, config) as store:
-            skip = report.skipped  # rows reach the driver in the same order every time: the first skip go by
-            for chunk in _arrow_chunks(rows):
-                dropped = min(skip, chunk.num_rows)
-                skip -= dropped
-                if chunk.num_rows > dropped:
-                    table = _batch_columns(chunk.slice(dropped))
-                    store.flush()  # the rows the journal counts are on the disk before it says so (power loss)
-                    journal.record(ImportProgress(
-                        source, report.skipped + report.rows, store.commit_log.max_offset, table.num_rows,
-                        table.column("topic")[0].as_py(), ImportProgress.body_crc(table.column("body")[0].as_py())))
-                    _put(store, table, report, progress)
-            journal.clear()
-    except BaseException:
-        if fresh and not report.rows:  # an import into a new path that stored nothing leaves no store skeleton
-            if before is None:
-                shutil.rmtree(root, ignore_errors=True)
-            else:
-                for name in set(os.listdir(root)) - before:
-                    with contextlib.suppress(OSError):
-                        (shutil.rmtree if (root / name).is_dir() else os.unlink)(root / name)
-        raise
-    return report
+        placed = df.select("*", F.col("_metadata.file_path").alias(_FILE),
+                           F.col("_metadata.row_index").alias(_ROW_INDEX))
+        _ = placed.schema  # resolves the plan: AnalysisException here when _metadata is not the files'
+    except AnalysisException:
+        return None
+    return placed
 
 
 def _source_of(df, rows: int) -> dict:
@@ -436,77 +422,66 @@ def _source_of(df, rows: int) -> dict:
     return {"first": files[0], "files": len(files), "digest": digest, "rows": rows}
 
 
-_RECORD_FIXED_BYTES = 91  # a record's bytes besides body, topic and properties (IPv4 hosts): a lower bound
-
-
-def _check_rows(df, config: StoreConfig) -> int:
-    """What can be checked without the store, in one Spark pass before anything is stored: null topics and
-    bodies, topic rules, bodies over max_message_size, records that cannot fit a commit-log segment, negative
-    queue ids. The first bad row (by its place in the DataFrame, as the import reads it) is a typed error; else the
-    number of rows."""
-    from ..encoder import check_sendable, validate_topic
-    from ..errors import InvalidQueueError, InvalidTopicError, MessageIllegalError, MessageTooLargeError
-
-    max_body, segment = config.max_message_size, config.mapped_file_size_commit_log
-    max_record = min(max_body + 65536, segment - 8)
-    kinds = {"topic": InvalidTopicError, "body": MessageIllegalError, "size": MessageTooLargeError,
-             "queue": InvalidQueueError}
-
-    def first_bad(table: pa.Table) -> tuple[int, str, str] | None:
-        topic, body = table.column("topic"), table.column("body")
-        found: list[tuple[int, str, str]] = []
-        for column, name in ((topic, "topic"), (body, "body")):
-            if column.null_count:
-                found.append((int(pc.index(pc.is_null(column), True).as_py()), name, f"{name} is null"))
-        topics = pc.unique(pc.drop_null(topic.cast(pa.string()))).to_pylist()
-        for name in topics:
-            try:
-                validate_topic(name)
-                check_sendable(name)
-            except InvalidTopicError as exc:
-                found.append((int(pc.index(topic.cast(pa.string()), name).as_py()), "topic", str(exc)))
-        bodies = pc.fill_null(pc.binary_length(body.cast(pa.binary())), 0).to_numpy(zero_copy_only=False)
-        over = np.flatnonzero(bodies > max_body)
-        if len(over):
-            found.append((int(over[0]), "size", f"body is {bodies[over[0]]} bytes; max_message_size is {max_body}"))
-        names = pc.fill_null(pc.binary_length(topic.cast(pa.binary())), 0).to_numpy(zero_copy_only=False)
-        big = np.flatnonzero(bodies + names + _RECORD_FIXED_BYTES > max_record)
-        if len(big):
-            found.append((int(big[0]), "size", f"a record of at least {bodies[big[0]] + names[big[0]] + 91} bytes "
-                                               f"does not fit a commit-log segment of {segment} bytes"))
-        if "queueId" in table.column_names:
-            queues = pc.fill_null(table.column("queueId").cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
-            negative = np.flatnonzero(queues < 0)
-            if len(negative):
-                found.append((int(negative[0]), "queue", f"queueId {queues[negative[0]]} is negative"))
-        return min(found) if found else None
-
+def _check_rows(df, config: StoreConfig, by_file: bool) -> tuple[int, int]:
+    """``first_bad_row`` over every row in one Spark pass, before the first is stored: the first bad row (by its
+    place in the order the import stores the rows: name order of files with ``by_file``, else partition order) is
+    a typed error; else (the number of rows, their checked columns' bytes)."""
     def check(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
-        rows, bad = 0, None
+        # per file (by_file) or for the whole partition: rows seen, the first bad row's place, kind and reason
+        seen: dict[str, list] = {}
+        size = 0
         for batch in batches:
-            if bad is None:
-                found = first_bad(pa.Table.from_batches([batch]))
-                if found is not None:
-                    bad = (rows + found[0], found[1], found[2])
-            rows += batch.num_rows
+            size += batch.nbytes
+            table = pa.Table.from_batches([batch])
+            if by_file:
+                files = table.column(_FILE)
+                groups = [(name, pc.equal(files, name)) for name in pc.unique(files).to_pylist()]
+            else:
+                groups = [("", None)]
+            for name, mask in groups:
+                part = table if mask is None else table.filter(mask)
+                entry = seen.setdefault(name, [0, -1, "", ""])
+                if entry[1] < 0:
+                    found = first_bad_row(part, config)
+                    if found is not None:
+                        place = int(part.column(_ROW_INDEX)[found[0]].as_py()) if by_file else entry[0] + found[0]
+                        entry[1:] = [place, found[1], found[2]]
+                entry[0] += part.num_rows
         context = TaskContext.get()
+        part_id = context.partitionId() if context else 0
+        if not seen:  # an empty partition
+            seen[""] = [0, -1, "", ""]
         yield pa.RecordBatch.from_pydict({
-            "part": [context.partitionId() if context else 0], "rows": [rows], "bad": [-1 if bad is None else bad[0]],
-            "kind": [bad[1] if bad else ""], "reason": [bad[2] if bad else ""]})
+            "part": [part_id] * len(seen), "file": list(seen), "rows": [e[0] for e in seen.values()],
+            "bad": [e[1] for e in seen.values()], "kind": [e[2] for e in seen.values()],
+            "reason": [e[3] for e in seen.values()], "bytes": [size] + [0] * (len(seen) - 1)})
         settle_after_task()
 
-    columns = [c for c in ("topic", "body", "queueId") if c in df.columns]
-    parts = sorted(df.select(*columns).mapInArrow(check, "part bigint, rows bigint, bad bigint, kind string, "
-                                                         "reason string").collect())
+    checked = [c for c in CHECKED_COLUMNS if c in df.columns] + ([_FILE, _ROW_INDEX] if by_file else [])
+    results = df.select(*checked).mapInArrow(
+        check, "part bigint, file string, rows bigint, bad bigint, kind string, reason string, bytes bigint").collect()
+    size = sum(r.bytes for r in results)
+    if by_file:  # a file's rows may lie in several partitions: its place is its rows' order in the file
+        counts: dict[str, int] = {}
+        bad: dict[str, tuple[int, str, str]] = {}
+        for r in results:
+            counts[r.file] = counts.get(r.file, 0) + r.rows
+            if r.bad >= 0 and (r.file not in bad or r.bad < bad[r.file][0]):
+                bad[r.file] = (r.bad, r.kind, r.reason)
+        before = 0
+        for name in sorted(counts):
+            if name in bad:
+                raise bad_row_error(before + bad[name][0], bad[name][1], bad[name][2])
+            before += counts[name]
+        return before, size
     before = 0
-    for part in parts:
-        if part.bad >= 0:
-            raise kinds[part.kind](f"row {before + part.bad}: {part.reason} (nothing imported: the rows are checked "
-                                   "before the first is stored)")
-        before += part.rows
-    return before
+    for r in sorted(results, key=lambda r: r.part):
+        if r.bad >= 0:
+            raise bad_row_error(before + r.bad, r.kind, r.reason)
+        before += r.rows
+    return before, size
 
 
 def _arrow_chunks(df) -> Iterator[pa.Table]:
@@ -528,57 +503,6 @@ def _arrow_chunks(df) -> Iterator[pa.Table]:
 
     for row in df.mapInArrow(to_ipc, "ipc binary").toLocalIterator(prefetchPartitions=True):
         yield pa.ipc.open_stream(pa.py_buffer(row.ipc)).read_all()
-
-
-def _batch_columns(chunk: pa.Table) -> pa.Table:
-    """A chunk of the import's columns as the columns ``put_batch`` takes."""
-    try:
-        data = {"topic": chunk.column("topic").cast(pa.string()), "body": chunk.column("body").cast(pa.binary())}
-        names = set(chunk.column_names)
-        if "keys" in names:
-            keys = chunk.column("keys")
-            if pa.types.is_string(keys.type) or pa.types.is_large_string(keys.type):
-                keys = pa.array([split_keys(k) for k in keys.to_pylist()], pa.list_(pa.string()))
-            data["keys"] = keys.cast(pa.list_(pa.string()))
-        if "tags" in names:
-            data["tags"] = chunk.column("tags").cast(pa.string())
-        if "properties" in names:
-            data["properties"] = chunk.column("properties").cast(pa.map_(pa.string(), pa.string()))
-        if "queueId" in names:
-            data["queue_id"] = pc.fill_null(chunk.column("queueId").cast(pa.int32()), 0)
-        if "flag" in names:
-            data["flag"] = chunk.column("flag").cast(pa.int32())
-        if "bornTimestamp" in names:  # a timestamp (what export writes) or epoch ms
-            born = chunk.column("bornTimestamp")
-            if pa.types.is_timestamp(born.type):
-                born = pc.divide(born.cast(pa.timestamp("us", born.type.tz)).cast(pa.int64()), 1000)
-            data["born_timestamp"] = born.cast(pa.int64())
-        if "bornHost" in names:
-            data["born_host"] = chunk.column("bornHost").cast(pa.string())
-    except (pa.ArrowException, TypeError, ValueError) as exc:
-        raise ConfigError(f"import columns cannot be read as messages: {exc}") from None
-    return pa.table(data)
-
-
-def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: Progress | None) -> None:
-    try:
-        result = store.put_batch(table)
-    except RocketStoreError as exc:
-        text = str(exc)
-        found = _ROW.match(text)
-        first = report.skipped + report.rows  # rows are named by their place in the DataFrame
-        where = (f"row {first + int(found[1])}: {text[found.end():]}" if found else
-                 f"rows {first}..{first + table.num_rows - 1}: {text}")
-        raise type(exc)(f"{where} (nothing of rows {first}..{first + table.num_rows - 1} stored; "
-                        f"the {first} rows before them are: to finish, import from row {first} on, "
-                        f"--from-row {first})") from exc
-    report.rows += table.num_rows
-    report.batches += 1
-    offsets = result.commit_log_offsets
-    report.first_offset = int(offsets[0]) if report.first_offset is None else report.first_offset
-    report.last_offset = int(offsets[-1])
-    if progress is not None:
-        progress("importing", report.rows, 0)
 
 
 # --- keys at scale ---------------------------------------------------------------------------------

@@ -1,0 +1,320 @@
+"""Importing messages through the store's single writer, each row once: the part both readers share.
+
+Rows come as Arrow tables from one of two readers, in one order that the same dataset always comes in:
+``import_parquet`` reads a Parquet dataset in this process (``rocketstore import --no-spark``: files in name order,
+rows in file order, partition directories as string columns), ``spark.jobs.import_messages`` gets a DataFrame's rows
+from Spark. Both check every row with ``first_bad_row`` before the first is stored, then ``store_tables`` keeps the
+journal (``importjournal``) and stores each table with one ``put_batch``.
+
+Name order matters: an export writes each topic and date in part files numbered in log order, so reading the
+files by name keeps every queue's messages in their original order (Spark lists a dataset's files largest
+first: an export -> import round trip through its plain order reordered queues).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .codec.properties import split_keys
+from .config import StoreConfig, detect_config
+from .encoder import check_sendable, validate_topic
+from .errors import (
+    ConfigError,
+    InvalidQueueError,
+    InvalidTopicError,
+    MessageIllegalError,
+    MessageTooLargeError,
+    RocketStoreError,
+)
+from .importjournal import ImportJournal, ImportProgress, describe_source, rows_stored
+from .store import MessageStore
+
+Progress = Callable[[str, int, int], None]  # (stage description, done, total)
+
+IMPORT_COLUMNS = ("topic", "body", "keys", "tags", "properties", "queueId", "flag", "bornTimestamp", "bornHost")
+CHECKED_COLUMNS = ("topic", "body", "queueId")  # what ``first_bad_row`` reads
+IMPORT_CHUNK_BYTES = 64 << 20  # one table handed to put_batch holds at most about this much
+IMPORT_CHUNK_ROWS = 10_000  # and at most this many rows (Spark's Arrow batch size)
+BAD_ROW_ERRORS = {"topic": InvalidTopicError, "body": MessageIllegalError, "size": MessageTooLargeError,
+                  "queue": InvalidQueueError}
+_RECORD_FIXED_BYTES = 91  # a record's bytes besides body, topic and properties (IPv4 hosts): a lower bound
+_ROW = re.compile(r"row (\d+): ")  # how put_batch names the first bad row of its table
+
+
+@dataclass(slots=True)
+class ImportReport:
+    rows: int = 0  # stored by this import
+    batches: int = 0
+    skipped: int = 0  # rows not stored by this import: named by ``skip_rows``, or held from an unfinished one
+    first_offset: int | None = None
+    last_offset: int | None = None
+
+
+def import_config(root: Path, config: StoreConfig | None, explicit: Iterable[str] | None) -> tuple[bool, StoreConfig]:
+    """(whether ``root`` holds no store yet, the config to import with: a store's own geometry when it has one)."""
+    fresh = not (root / "commitlog").is_dir()
+    return fresh, (config or StoreConfig()) if fresh else detect_config(root, config, explicit=explicit)
+
+
+def first_bad_row(table: pa.Table, config: StoreConfig) -> tuple[int, str, str] | None:
+    """What can be checked without the store: null topics and bodies, topic rules, bodies over max_message_size,
+    records that cannot fit a commit-log segment, negative queue ids. The first bad row of ``table`` as (its place
+    in the table, its kind (a key of ``BAD_ROW_ERRORS``), why), or None."""
+    max_body, segment = config.max_message_size, config.mapped_file_size_commit_log
+    max_record = min(max_body + 65536, segment - 8)
+    topic, body = table.column("topic"), table.column("body")
+    found: list[tuple[int, str, str]] = []
+    for column, name in ((topic, "topic"), (body, "body")):
+        if column.null_count:
+            found.append((int(pc.index(pc.is_null(column), True).as_py()), name, f"{name} is null"))
+    topics = pc.unique(pc.drop_null(topic.cast(pa.string()))).to_pylist()
+    for name in topics:
+        try:
+            validate_topic(name)
+            check_sendable(name)
+        except InvalidTopicError as exc:
+            found.append((int(pc.index(topic.cast(pa.string()), name).as_py()), "topic", str(exc)))
+    bodies = pc.fill_null(pc.binary_length(body.cast(pa.binary())), 0).to_numpy(zero_copy_only=False)
+    over = np.flatnonzero(bodies > max_body)
+    if len(over):
+        found.append((int(over[0]), "size", f"body is {bodies[over[0]]} bytes; max_message_size is {max_body}"))
+    names = pc.fill_null(pc.binary_length(topic.cast(pa.binary())), 0).to_numpy(zero_copy_only=False)
+    big = np.flatnonzero(bodies + names + _RECORD_FIXED_BYTES > max_record)
+    if len(big):
+        found.append((int(big[0]), "size", f"a record of at least {bodies[big[0]] + names[big[0]] + 91} bytes "
+                                           f"does not fit a commit-log segment of {segment} bytes"))
+    if "queueId" in table.column_names:
+        queues = pc.fill_null(table.column("queueId").cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+        negative = np.flatnonzero(queues < 0)
+        if len(negative):
+            found.append((int(negative[0]), "queue", f"queueId {queues[negative[0]]} is negative"))
+    return min(found) if found else None
+
+
+def bad_row_error(row: int, kind: str, reason: str) -> RocketStoreError:
+    return BAD_ROW_ERRORS[kind](f"row {row}: {reason} (nothing imported: the rows are checked before the first is "
+                                "stored)")
+
+
+def batch_columns(chunk: pa.Table) -> pa.Table:
+    """A chunk of the import's columns as the columns ``put_batch`` takes."""
+    try:
+        data = {"topic": chunk.column("topic").cast(pa.string()), "body": chunk.column("body").cast(pa.binary())}
+        names = set(chunk.column_names)
+        if "keys" in names:
+            keys = chunk.column("keys")
+            if pa.types.is_string(keys.type) or pa.types.is_large_string(keys.type):
+                keys = pa.array([split_keys(k) for k in keys.to_pylist()], pa.list_(pa.string()))
+            data["keys"] = keys.cast(pa.list_(pa.string()))
+        if "tags" in names:
+            data["tags"] = chunk.column("tags").cast(pa.string())
+        if "properties" in names:
+            data["properties"] = chunk.column("properties").cast(pa.map_(pa.string(), pa.string()))
+        if "queueId" in names:
+            data["queue_id"] = pc.fill_null(chunk.column("queueId").cast(pa.int32()), 0)
+        if "flag" in names:
+            data["flag"] = chunk.column("flag").cast(pa.int32())
+        if "bornTimestamp" in names:  # a timestamp (what export writes) or epoch ms
+            born = chunk.column("bornTimestamp")
+            if pa.types.is_timestamp(born.type):
+                born = pc.divide(born.cast(pa.timestamp("us", born.type.tz)).cast(pa.int64()), 1000)
+            data["born_timestamp"] = born.cast(pa.int64())
+        if "bornHost" in names:
+            data["born_host"] = chunk.column("bornHost").cast(pa.string())
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise ConfigError(f"import columns cannot be read as messages: {exc}") from None
+    return pa.table(data)
+
+
+def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *, fresh: bool, source: dict,
+                 skip_rows: int | None, progress: Progress | None = None) -> ImportReport:
+    """Store the checked rows of ``source`` (arriving as ``chunks``, in its one order) into the store at ``root``.
+
+    The journal decides where to begin unless ``skip_rows`` names it: an unfinished import of the same source goes
+    on from the first row the store does not hold; one of another source is refused. Refusals are decided on a
+    read-only open, before the writer's: they change no file. A new store's directory is not left behind by an
+    import that stored nothing."""
+    report = ImportReport()
+    journal = ImportJournal(root)
+    unfinished = None if fresh or skip_rows is not None else journal.load()  # a named row replaces it
+    report.skipped = skip_rows or 0
+    if unfinished is not None:
+        if unfinished.source != source:
+            raise ConfigError(
+                f"{root} holds an unfinished import of {describe_source(unfinished.source)}: run that import again "
+                "(read the same way) to finish it, or name the row to start this one from (--from-row) to leave it "
+                "unfinished")
+        with MessageStore.open(root, config, read_only=True) as view:
+            report.skipped = rows_stored(view, unfinished)
+    before = set(os.listdir(root)) if root.is_dir() else None
+    try:
+        with MessageStore.open(root, config) as store:
+            skip = report.skipped  # rows come in the same order every time: the first skip go by
+            for chunk in chunks:
+                dropped = min(skip, chunk.num_rows)
+                skip -= dropped
+                if chunk.num_rows > dropped:
+                    table = batch_columns(chunk.slice(dropped))
+                    store.flush()  # the rows the journal counts are on the disk before it says so (power loss)
+                    journal.record(ImportProgress(
+                        source, report.skipped + report.rows, store.commit_log.max_offset, table.num_rows,
+                        table.column("topic")[0].as_py(), ImportProgress.body_crc(table.column("body")[0].as_py())))
+                    _put(store, table, report, progress)
+            journal.clear()
+    except BaseException:
+        if fresh and not report.rows:  # an import into a new path that stored nothing leaves no store skeleton
+            if before is None:
+                shutil.rmtree(root, ignore_errors=True)
+            else:
+                for name in set(os.listdir(root)) - before:
+                    with contextlib.suppress(OSError):
+                        (shutil.rmtree if (root / name).is_dir() else os.unlink)(root / name)
+        raise
+    return report
+
+
+def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: Progress | None) -> None:
+    try:
+        result = store.put_batch(table)
+    except RocketStoreError as exc:
+        text = str(exc)
+        found = _ROW.match(text)
+        first = report.skipped + report.rows  # rows are named by their place in the dataset
+        where = (f"row {first + int(found[1])}: {text[found.end():]}" if found else
+                 f"rows {first}..{first + table.num_rows - 1}: {text}")
+        raise type(exc)(f"{where} (nothing of rows {first}..{first + table.num_rows - 1} stored; "
+                        f"the {first} rows before them are: to finish, import from row {first} on, "
+                        f"--from-row {first})") from exc
+    report.rows += table.num_rows
+    report.batches += 1
+    offsets = result.commit_log_offsets
+    report.first_offset = int(offsets[0]) if report.first_offset is None else report.first_offset
+    report.last_offset = int(offsets[-1])
+    if progress is not None:
+        progress("importing", report.rows, 0)
+
+
+# --- a Parquet dataset read in this process -------------------------------------------------------------------
+
+
+def _hidden(name: str) -> bool:
+    """Names a dataset reader passes over, as Spark's file index does: ``_SUCCESS``, ``.crc`` files, staging."""
+    return (name.startswith("_") and "=" not in name) or name.startswith(".") or name.endswith("._COPYING_")
+
+
+_NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
+
+
+class ParquetDataset:
+    """A Parquet file, or a directory of them (``topic=.../date=...`` directories as string columns, as
+    ``spark.jobs.read_parquet`` reads them), its files in name order."""
+
+    def __init__(self, path: str | Path) -> None:
+        import pyarrow.parquet as pq
+
+        self.path = Path(path)
+        if not self.path.exists():
+            raise ConfigError(f"{path} does not exist")
+        if self.path.is_dir():
+            files = []
+            for directory, dirs, names in os.walk(self.path):
+                dirs[:] = sorted(d for d in dirs if not _hidden(d))
+                files += [Path(directory) / name for name in names if not _hidden(name)]
+            self.files = sorted(files, key=lambda f: f.relative_to(self.path).parts)
+        else:
+            self.files = [self.path]
+        if not self.files:
+            raise ConfigError(f"{path} holds no Parquet file")
+        self._meta = []
+        for file in self.files:
+            try:
+                self._meta.append(pq.ParquetFile(file))
+            except (OSError, pa.ArrowException) as exc:
+                raise ConfigError(f"{file} is not a readable Parquet file: {exc}") from None
+        self.partitions = [self._partition_values(file) for file in self.files]
+        names = {name for values in self.partitions for name in values}
+        for meta in self._meta:
+            names.update(meta.schema_arrow.names)
+        self.columns = [c for c in IMPORT_COLUMNS if c in names]
+        missing = {"topic", "body"} - set(self.columns)
+        if missing:
+            raise ConfigError(f"import needs columns topic and body; missing {sorted(missing)}")
+        self.rows = sum(meta.metadata.num_rows for meta in self._meta)
+
+    def _partition_values(self, file: Path) -> dict[str, str | None]:
+        values: dict[str, str | None] = {}
+        if file == self.path:
+            return values
+        for part in file.relative_to(self.path).parts[:-1]:
+            name, eq, value = part.partition("=")
+            if eq and name:
+                text = urllib.parse.unquote(value)
+                values[urllib.parse.unquote(name)] = None if text == _NULL_PARTITION else text
+        return values
+
+    def source(self) -> dict:
+        """What the import's journal names it by: its files (number, first, a digest of the names), row count, and
+        the reader (its order is name order; Spark's is its own)."""
+        names = [str(file) for file in self.files]
+        digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:32]
+        return {"reader": "arrow", "first": names[0], "files": len(names), "digest": digest, "rows": self.rows}
+
+    def tables(self, columns: Iterable[str] | None = None) -> Iterator[pa.Table]:
+        """The rows in order as tables of at most ``IMPORT_CHUNK_ROWS`` rows and about ``IMPORT_CHUNK_BYTES``."""
+        wanted = [c for c in (columns or self.columns) if c in self.columns]
+        for file, meta, values in zip(self.files, self._meta, self.partitions, strict=True):
+            if not meta.metadata.num_rows:
+                continue
+            in_file = [c for c in wanted if c in meta.schema_arrow.names and c not in values]
+            size = sum(meta.metadata.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+            rows = max(1, min(IMPORT_CHUNK_ROWS, IMPORT_CHUNK_BYTES * meta.metadata.num_rows // max(size, 1)))
+            try:
+                for batch in meta.iter_batches(batch_size=rows, columns=in_file, use_threads=True):
+                    table = pa.Table.from_batches([batch])
+                    yield pa.table({c: table.column(c) if c in in_file
+                                    else pa.array([values.get(c)] * table.num_rows, pa.string()) for c in wanted})
+            except (OSError, pa.ArrowException) as exc:
+                raise ConfigError(f"cannot read {file}: {exc}") from None
+
+    def first_bad_row(self, config: StoreConfig) -> tuple[int, str, str] | None:
+        """``first_bad_row`` over the whole dataset, its place counted from the dataset's first row."""
+        before = 0
+        for table in self.tables(CHECKED_COLUMNS):
+            found = first_bad_row(table, config)
+            if found is not None:
+                return (before + found[0], found[1], found[2])
+            before += table.num_rows
+        return None
+
+
+def import_parquet(path: str | Path, root: str | Path, *, config: StoreConfig | None = None,
+                   progress: Progress | None = None, explicit: Iterable[str] | None = None,
+                   skip_rows: int | None = None) -> ImportReport:
+    """``spark.jobs.import_messages`` for a Parquet dataset this process can read, without Spark: the files in name
+    order (an export's queues keep their order), each table one ``put_batch``; the same checks before anything is
+    stored, the same journal and resumption. On one machine the fast way: the single writer, not the reading,
+    bounds an import."""
+    if skip_rows is not None and (type(skip_rows) is not int or skip_rows < 0):
+        raise ConfigError(f"skip_rows must be a non-negative integer, not {skip_rows!r}")
+    root = Path(root)
+    dataset = ParquetDataset(path)
+    fresh, config = import_config(root, config, explicit)
+    bad = dataset.first_bad_row(config)
+    if bad is not None:
+        raise bad_row_error(*bad)
+    if skip_rows is not None and skip_rows > dataset.rows:
+        raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {dataset.rows} rows")
+    return store_tables(dataset.tables(), root, config, fresh=fresh, source=dataset.source(), skip_rows=skip_rows,
+                        progress=progress)

@@ -1,0 +1,242 @@
+"""``import_parquet`` / ``rocketstore import --no-spark``: a Parquet dataset read in this process, files in name order,
+each row stored once, checked before the first is stored, resumable from the store's journal."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig, importing
+from rocketstore.errors import (
+    ConfigError,
+    InvalidQueueError,
+    InvalidTopicError,
+    MessageIllegalError,
+    MessageTooLargeError,
+)
+from rocketstore.importing import import_parquet
+from test_cli import cli
+from test_cli import tree as files_of
+
+CONFIG = StoreConfig(mapped_file_size_commit_log=32 << 10, mapped_file_size_consume_queue=20 * 100,
+                     max_hash_slot_num=97, max_index_num=300)
+GEOMETRY = ("--mapped-file-size-commit-log", str(32 << 10), "--max-hash-slot-num", "97", "--max-index-num", "300")
+
+
+def write(path: Path, **columns) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+
+
+def stored(root: Path, config: StoreConfig = CONFIG) -> list:
+    with MessageStore.open(root, config, read_only=True) as store:
+        return list(store.iter_messages())
+
+
+def export_like(root: Path) -> list[tuple[str, bytes]]:
+    """An export's layout: topic=/date= directories, part files whose names give the log order (not their size
+    order), Spark's _SUCCESS and .crc files beside them. Returns (topic, body) in name order."""
+    expected = []
+    for topic in ("007", "Orders"):  # "007": a directory name that looks like a number stays the topic's name
+        for date in ("2026-11-24", "2026-11-25"):
+            for part, count in enumerate((5, 40, 1, 12)):  # uneven: larger files are not the first ones
+                bodies = [f"{topic} {date} {part} {i}".encode() for i in range(count)]
+                write(root / f"topic={topic}" / f"date={date}" / f"part-{part:05d}-x.c000.snappy.parquet",
+                      queueId=pa.array([i % 2 for i in range(count)], pa.int32()), body=bodies,
+                      keys=pa.array([[f"k-{b.decode().replace(' ', '-')}"] for b in bodies], pa.list_(pa.string())))
+                expected += [(topic, b) for b in bodies]
+            (root / f"topic={topic}" / f"date={date}" / ".part-00000-x.c000.snappy.parquet.crc").write_bytes(b"crc")
+    (root / "_SUCCESS").write_bytes(b"")
+    return expected
+
+
+def test_a_dataset_is_stored_in_file_name_order_with_its_partition_columns_as_strings(tmp_path):
+    expected = export_like(tmp_path / "exp")
+    report = import_parquet(tmp_path / "exp", tmp_path / "s", config=CONFIG)
+    assert (report.rows, report.skipped) == (len(expected), 0)
+    messages = stored(tmp_path / "s")
+    assert [(m.topic, m.body) for m in messages] == expected
+    assert all(m.keys == [f"k-{m.body.decode().replace(' ', '-')}"] for m in messages)
+    assert not (tmp_path / "s" / "importProgress.json").exists()
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:  # every queue in its original order
+        for queue in (0, 1):
+            got = [m.body for m in store.get_message("Orders", queue, 0, 1000).messages]
+            assert got == [b for t, b in expected if t == "Orders" and int(b.split()[-1]) % 2 == queue]
+        assert [m.body for m in store.query_message("007", "k-007-2026-11-25-1-39")] == [b"007 2026-11-25 1 39"]
+
+
+def test_every_column_export_writes_comes_back(tmp_path):
+    born = datetime.datetime(2020, 9, 13, 12, 26, 40, 123000, tzinfo=datetime.UTC)
+    write(tmp_path / "one.parquet", topic=["A", "A"], body=[b"one", b"two"], tags=["t1", None],
+          keys=pa.array([["k1", "k2"], None], pa.list_(pa.string())),
+          properties=pa.array([[("color", "red")], None], pa.map_(pa.string(), pa.string())),
+          queueId=pa.array([2, 1], pa.int32()), flag=pa.array([7, 0], pa.int32()),
+          bornTimestamp=pa.array([born, born], pa.timestamp("ms", "UTC")), bornHost=["10.1.2.3:4567", None])
+    import_parquet(tmp_path / "one.parquet", tmp_path / "s", config=CONFIG)
+    one, two = stored(tmp_path / "s")
+    assert (one.topic, one.body, one.tags, one.keys, one.properties["color"], one.queue_id, one.flag) == \
+        ("A", b"one", "t1", ["k1", "k2"], "red", 2, 7)
+    assert (one.born_timestamp, str(one.born_host)) == (1_600_000_000_123, "10.1.2.3:4567")
+    assert (two.body, two.queue_id, two.keys, two.tags) == (b"two", 1, [], None)
+
+
+@pytest.mark.parametrize(("at", "row", "error", "text"), [
+    (250, ("A", None, 0), MessageIllegalError, "body is null"),
+    (299, (None, b"x", 0), MessageIllegalError, "topic is null"),
+    (7, ("bad/topic", b"x", 0), InvalidTopicError, "may contain only"),
+    (100, ("A", b"x" * 40000, 0), MessageTooLargeError, "does not fit a commit-log segment of 32768"),
+    (3, ("A", b"x", -1), InvalidQueueError, "queueId -1 is negative"),
+])
+def test_rows_are_checked_before_any_is_stored(tmp_path, at, row, error, text):
+    """The same checks as the Spark import's, the bad row named by its place in the dataset (across files)."""
+    rows = [("A", b"m%d" % i, 0) for i in range(300)]
+    rows[at] = row
+    for n, start in enumerate(range(0, 300, 120)):
+        part = rows[start:start + 120]
+        write(tmp_path / "d" / f"part-{n:05d}.parquet", topic=pa.array([r[0] for r in part], pa.string()),
+              body=pa.array([r[1] for r in part], pa.binary()), queueId=pa.array([r[2] for r in part], pa.int32()))
+    with pytest.raises(error, match=text + r".*nothing imported") as caught:
+        import_parquet(tmp_path / "d", tmp_path / "new" / "store", config=CONFIG)
+    assert str(caught.value).startswith(f"row {at}: ")
+    assert not (tmp_path / "new" / "store").exists()
+    with MessageStore.open(tmp_path / "old", CONFIG) as store:
+        store.put_message(Message("A", b"before"))
+    before = files_of(tmp_path / "old")
+    with pytest.raises(error):
+        import_parquet(tmp_path / "d", tmp_path / "old", config=CONFIG)
+    assert files_of(tmp_path / "old") == before
+
+
+def test_what_is_not_a_dataset_of_messages_is_a_typed_error(tmp_path):
+    write(tmp_path / "nobody" / "a.parquet", topic=["A"])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.parquet").write_text("not parquet")
+    for path, text in [(tmp_path / "missing", "does not exist"), (tmp_path / "empty", "holds no Parquet file"),
+                       (tmp_path / "text", r"a\.parquet is not a readable Parquet file"),
+                       (tmp_path / "nobody", r"needs columns topic and body; missing \['body'\]")]:
+        with pytest.raises(ConfigError, match=text):
+            import_parquet(path, tmp_path / "s", config=CONFIG)
+    write(tmp_path / "ok.parquet", topic=["A"], body=[b"a"])
+    with pytest.raises(ConfigError, match="cannot import from row 2 on: the dataset has 1 rows"):
+        import_parquet(tmp_path / "ok.parquet", tmp_path / "s", config=CONFIG, skip_rows=2)
+    assert not (tmp_path / "s").exists()
+    for args, text in [(("--master", "spark://h:7077"), "leave out --master"),
+                       (("--ship-env",), "leave out --master and --ship-env")]:
+        done = cli("import", "--store", str(tmp_path / "s"), "--parquet", str(tmp_path / "ok.parquet"), "--no-spark",
+                   *args, check=False)
+        assert done.returncode == 2 and text in done.stderr and "Traceback" not in done.stderr
+    done = cli("import", "--store", str(tmp_path / "s"), "--parquet", "hdfs:///x", "--no-spark", check=False)
+    assert done.returncode == 2 and "a URL needs Spark" in done.stderr
+    done = cli("import", "--store", str(tmp_path / "s"), "--parquet", str(tmp_path / "text"), "--no-spark", check=False)
+    assert done.returncode == 1 and "is not a readable Parquet file" in done.stderr and "Traceback" not in done.stderr
+
+
+def stop_at_third_batch(monkeypatch, stop: str):
+    """``put_batch`` stops the import at its third batch, after or before appending it, as a kill would (checking
+    that the log is flushed before each batch: what the journal counts is on disk). Returns the real one."""
+    real_put, calls = MessageStore.put_batch, []
+
+    def put_then_stop(store, table):
+        assert store.commit_log.flushed_offset == store.commit_log.max_offset  # what the journal counts is on disk
+        calls.append(table.num_rows)
+        if len(calls) == 3:
+            if stop == "after the append":
+                real_put(store, table)
+            raise KeyboardInterrupt  # nothing after this line of the import runs, as after a kill
+        return real_put(store, table)
+
+    monkeypatch.setattr(MessageStore, "put_batch", put_then_stop)
+    return real_put
+
+
+@pytest.mark.parametrize("stop", ["after the append", "before the append"])
+def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(tmp_path, monkeypatch, stop):
+    rows = [f"row {i}".encode() for i in range(200)]
+    for n in range(2):
+        write(tmp_path / "d" / f"part-{n}.parquet", topic=[f"Imp{i % 3}" for i in range(n * 100, n * 100 + 100)],
+              body=rows[n * 100:n * 100 + 100])
+    monkeypatch.setattr(importing, "IMPORT_CHUNK_ROWS", 32)
+    real_put = stop_at_third_batch(monkeypatch, stop)
+    with pytest.raises(KeyboardInterrupt):
+        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    monkeypatch.setattr(MessageStore, "put_batch", real_put)
+    done = 96 if stop == "after the append" else 64
+    assert len(stored(tmp_path / "s")) == done
+    shown = cli("inspect", "--store", str(tmp_path / "s"), *GEOMETRY).stdout
+    assert f"(200 rows), read in this process (--no-spark): {done} rows stored" in shown
+    write(tmp_path / "other.parquet", topic=["Other"], body=[b"o"])
+    before = files_of(tmp_path / "s")
+    with pytest.raises(ConfigError, match=r"holds an unfinished import of 2 file.*read in this process"):
+        import_parquet(tmp_path / "other.parquet", tmp_path / "s", config=CONFIG)
+    assert files_of(tmp_path / "s") == before
+    report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert (report.skipped, report.rows) == (done, 200 - done)
+    assert [m.body for m in stored(tmp_path / "s")] == rows
+    assert not (tmp_path / "s" / "importProgress.json").exists()
+
+
+def test_an_unfinished_import_read_by_spark_is_not_finished_in_another_order(tmp_path):
+    """Spark and this process may read a dataset in different orders: the rows the store holds are counted in one,
+    so the other may not go on from them."""
+    write(tmp_path / "d" / "a.parquet", topic=["A"] * 3, body=[b"a", b"b", b"c"])
+    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    source = {**importing.ParquetDataset(tmp_path / "d").source(), "reader": "spark", "order": "files"}
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
+        end = store.commit_log.max_offset
+    (tmp_path / "s" / "importProgress.json").write_text(json.dumps({"source": source, "rows_done": 1, "log_end": end}))
+    before = files_of(tmp_path / "s")
+    with pytest.raises(ConfigError, match=r"unfinished import of 1 file\(s\) .*, read by Spark: run that import again"):
+        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert files_of(tmp_path / "s") == before
+    report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG, skip_rows=1)  # named: goes ahead
+    assert report.rows == 2 and [m.body for m in stored(tmp_path / "s")] == [b"a", b"b", b"c", b"b", b"c"]
+
+
+DIE_AFTER_THIRD_BATCH = """
+import os, signal, sys
+from rocketstore import MessageStore
+
+real_put, calls = MessageStore.put_batch, []
+
+def put_then_die(store, table):
+    result = real_put(store, table)
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+MessageStore.put_batch = put_then_die
+"""  # the start of a script: an import that SIGKILLs itself once its third batch is in the log
+
+KILLED = DIE_AFTER_THIRD_BATCH + """
+from rocketstore import importing
+from rocketstore.cli.app import main
+
+importing.IMPORT_CHUNK_ROWS = 32
+main(["import", "--no-spark", "--parquet", sys.argv[1], "--store", sys.argv[2], *sys.argv[3:]])
+"""
+
+
+def test_an_import_killed_mid_way_finishes_each_row_once_when_run_again(tmp_path):
+    """SIGKILL right after the third batch reached the log: run again, the import stores the other rows once."""
+    rows = [f"row {i}".encode() for i in range(150)]
+    write(tmp_path / "src.parquet", topic=[f"Imp{i % 3}" for i in range(150)], body=rows)
+    done = subprocess.run([sys.executable, "-c", KILLED, str(tmp_path / "src.parquet"), str(tmp_path / "s"),
+                           *GEOMETRY], capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert (tmp_path / "s" / "abort").exists() and (tmp_path / "s" / "importProgress.json").exists()
+    again = cli("import", "--no-spark", "--parquet", str(tmp_path / "src.parquet"), "--store", str(tmp_path / "s"),
+                *GEOMETRY)
+    assert "imported 54 messages in 1 batches" in again.stdout and "(rows 96 on)" in again.stdout
+    assert [m.body for m in stored(tmp_path / "s")] == rows
