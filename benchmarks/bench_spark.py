@@ -1,4 +1,4 @@
-"""Spark vs the single-process path on the same store: scan MB/s and rebuild keys/s, as ratios.
+"""Spark vs the single-process path on the same store: scan MB/s, rebuild keys/s and import rows/s, as ratios.
 
     ./dev bench spark            # 1,000,000 messages (about 360 MB of commit log)
     ./dev bench spark --quick    # the CI smoke form: a few thousand messages, checks the harness works
@@ -8,7 +8,9 @@ local[2] and (full form) a standalone cluster started here on 127.0.0.1: one mas
 with 2 cores, started from the installed pyspark as README "Running on a cluster" shows.
 The baselines run in this process on the same store: ``MessageStore.scan_arrow`` (the compiled
 decoder the Spark source uses, CRCs checked) and a count per topic (scan), and the store's own
-dispatch after removing consume queues and index (rebuild). Results: a table on stdout and
+dispatch after removing consume queues and index (rebuild), and ``put_batch`` of the same rows read from the
+same Parquet file (import: ``import_messages`` of a Parquet dataset of the store's messages into a new store,
+whose every batch ends in one ``put_batch`` on the driver). Results: a table on stdout and
 benchmarks/results/spark.json.
 """
 
@@ -35,17 +37,71 @@ RESULTS = Path(__file__).parent / "results"
 STANDALONE = "standalone"  # a master and one 2-core worker on 127.0.0.1
 
 
-def build(root: Path, count: int) -> int:
+def messages_table(start: int, stop: int):
     import pyarrow as pa
 
+    i = range(start, stop)
+    return pa.table({"topic": [f"Topic{n % 8}" for n in i], "body": [b"x" * 200] * len(i),
+                     "tags": [f"T{n % 3}" for n in i], "keys": [[f"order-{n}", f"user-{n % 977}"] for n in i],
+                     "queue_id": pa.array([n % 4 for n in i], pa.int32())})
+
+
+def build(root: Path, count: int) -> int:
     with MessageStore.open(root, CONFIG) as store:
         for start in range(0, count, 10_000):
-            i = range(start, min(start + 10_000, count))
-            store.put_batch(pa.table({
-                "topic": [f"Topic{n % 8}" for n in i], "body": [b"x" * 200] * len(i),
-                "tags": [f"T{n % 3}" for n in i], "keys": [[f"order-{n}", f"user-{n % 977}"] for n in i],
-                "queue_id": pa.array([n % 4 for n in i], pa.int32())}))
+            store.put_batch(messages_table(start, min(start + 10_000, count)))
         return store.max_phy_offset
+
+
+def write_dataset(path: Path, count: int) -> Path:
+    """The store's messages as one Parquet file in the import's column names (``queueId``)."""
+    import pyarrow.parquet as pq
+
+    with pq.ParquetWriter(path, messages_table(0, 1).rename_columns(IMPORT_NAMES).schema) as writer:
+        for start in range(0, count, 100_000):
+            writer.write_table(messages_table(start, min(start + 100_000, count)).rename_columns(IMPORT_NAMES))
+    return path
+
+
+IMPORT_NAMES = ["topic", "body", "tags", "keys", "queueId"]
+
+
+def baseline_import(dataset: Path, root: Path) -> float:
+    """The import's work in one process without Spark: the Parquet file read in 10,000-row batches, each one
+    ``put_batch`` into a new store, dispatch waited for."""
+    import pyarrow.parquet as pq
+
+    shutil.rmtree(root, ignore_errors=True)
+    started = time.perf_counter()
+    with MessageStore.open(root, CONFIG) as store:
+        for batch in pq.ParquetFile(dataset).iter_batches(10_000):
+            store.put_batch(batch.rename_columns(["topic", "body", "tags", "keys", "queue_id"]))
+        store.wait_for_dispatch(600)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(root)
+    return seconds
+
+
+def no_spark_import(dataset: Path, root: Path) -> float:
+    """``rocketstore import --no-spark``: the same dataset read in this process, checked, journalled, stored."""
+    from rocketstore.importing import import_parquet
+
+    shutil.rmtree(root, ignore_errors=True)
+    started = time.perf_counter()
+    report = import_parquet(dataset, root, config=CONFIG)
+    with MessageStore.open(root, CONFIG) as store:  # what import_parquet's close left to dispatch is done here
+        store.wait_for_dispatch(600)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(root)
+    if report.rows != pq_rows(dataset):
+        raise RuntimeError(f"import_parquet stored {report.rows:,} rows of {pq_rows(dataset):,}")
+    return seconds
+
+
+def pq_rows(dataset: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(dataset).metadata.num_rows
 
 
 SCANS = {"scan": None, "scan topic": ["topic"]}  # every column but the body / the one column a count reads
@@ -107,11 +163,11 @@ def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
 
 
 def spark_child(root: str, master: str) -> dict:
-    """Runs in a subprocess: the scans (count per topic) and rebuild on one master, default partitioning (as
-    many tasks as cores, at most 64 MiB each), each timed after a warm-up run (until stop 41 the rebuild was
+    """Runs in a subprocess: the scans (count per topic), rebuild and import on one master, default partitioning
+    (as many tasks as cores, at most 64 MiB each), each timed after a warm-up run (until stop 41 the rebuild was
     timed on its first run in the JVM)."""
     from rocketstore.spark import spark_session
-    from rocketstore.spark.jobs import read_store, rebuild
+    from rocketstore.spark.jobs import import_messages, read_store, rebuild
 
     spark = spark_session(master, "rocketstore-bench", driver_memory="4g")
     read_store(spark, root).count()  # warm the session and workers
@@ -136,8 +192,20 @@ def spark_child(root: str, master: str) -> dict:
         per_task = max(64 << 10, store.max_phy_offset // 32)
     jobs.REBUILD_WINDOW_BYTES = 1  # windows of 4 tasks per core
     windowed = rebuild(root, spark=spark, config=CONFIG, max_bytes_per_partition=per_task)
+    dataset = spark.read.parquet(str(Path(root).parent / DATASET))
+    imported = Path(root).parent / f"imported-{os.getpid()}"
+    import_messages(dataset.limit(20_000), imported, config=CONFIG)  # warm-up: the import's jobs and the writer
+    shutil.rmtree(imported)
+    started = time.perf_counter()
+    report_import = import_messages(dataset, imported, config=CONFIG)
+    import_s = time.perf_counter() - started
+    shutil.rmtree(imported)
     return {**out, "rebuild_s": report.seconds, "keys": report.index_keys, "partitions": report.partitions,
-            "windowed_s": windowed.seconds, "windows": windowed.windows}
+            "windowed_s": windowed.seconds, "windows": windowed.windows, "import_s": import_s,
+            "imported": report_import.rows, "import_batches": report_import.batches}
+
+
+DATASET = "messages.parquet"  # beside the store: what the import reads
 
 
 def _child(root: Path, master: str, env: dict | None = None) -> dict:
@@ -158,8 +226,12 @@ def run(count: int, cluster: bool, masters: tuple[str, ...] = ("local[1]", "loca
         from rocketstore.rebuild import rebuild as rebuild_here
 
         here = min(rebuild_here(root, config=CONFIG).seconds for _ in range(2))  # rocketstore rebuild --no-spark
+        dataset = write_dataset(Path(tmp) / DATASET, count)
+        put_s = min(baseline_import(dataset, Path(tmp) / "put-batch") for _ in range(2))
+        no_spark_s = min(no_spark_import(dataset, Path(tmp) / "no-spark") for _ in range(2))
         results = {"messages": count, "log_mb": log_bytes / 1e6,
-                   "single_process": {**single, "rebuild_keys_s": keys / rebuild_s, "no_spark_keys_s": keys / here}}
+                   "single_process": {**single, "rebuild_keys_s": keys / rebuild_s, "no_spark_keys_s": keys / here,
+                                      "import_rows_s": count / put_s, "no_spark_import_rows_s": count / no_spark_s}}
         children = {master: _child(root, master) for master in masters}
         if cluster:
             sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -175,7 +247,11 @@ def run(count: int, cluster: bool, masters: tuple[str, ...] = ("local[1]", "loca
             results[master] = {**{f"{name}_mb_s": log_bytes / 1e6 / child[f"{name}_s"] for name in SCANS},
                                **{f"{name}_cpu": child[f"{name}_cpu"] for name in SCANS},
                                "rebuild_keys_s": child["keys"] / child["rebuild_s"], "partitions": child["partitions"],
-                               "windowed_keys_s": child["keys"] / child["windowed_s"], "windows": child["windows"]}
+                               "windowed_keys_s": child["keys"] / child["windowed_s"], "windows": child["windows"],
+                               "import_rows_s": child["imported"] / child["import_s"],
+                               "import_batches": child["import_batches"]}
+            if child["imported"] != count:  # a figure for fewer rows than the dataset's would be no figure
+                raise RuntimeError(f"{master} imported {child['imported']:,} rows of {count:,}")
     return results
 
 
@@ -183,19 +259,21 @@ def table(results: dict) -> str:
     base = results["single_process"]
     lines = [f"Spark pipeline, {results['messages']:,} messages ({results['log_mb']:.0f} MB of commit log)",
              f"{'path':<16}" + "".join(f"{name + ' MB/s':>18}{'ratio':>7}" for name in SCANS)
-             + f"{'rebuild keys/s':>17}{'ratio':>7}"]
+             + f"{'rebuild keys/s':>17}{'ratio':>7}{'import rows/s':>16}{'ratio':>7}"]
     for path in ("single_process", "local[1]", "local[2]", STANDALONE):
         if path not in results:
             continue
         r = results[path]
         lines.append(f"{path:<16}" + "".join(f"{r[f'{n}_mb_s']:>18,.1f}{r[f'{n}_mb_s'] / base[f'{n}_mb_s']:>7.2f}"
                                              for n in SCANS)
-                     + f"{r['rebuild_keys_s']:>17,.0f}{r['rebuild_keys_s'] / base['rebuild_keys_s']:>7.2f}")
+                     + f"{r['rebuild_keys_s']:>17,.0f}{r['rebuild_keys_s'] / base['rebuild_keys_s']:>7.2f}"
+                     + f"{r['import_rows_s']:>16,.0f}{r['import_rows_s'] / base['import_rows_s']:>7.2f}")
     if "local[1]" not in results:
         return "\n".join(lines)
     two, one = results["local[2]"], results["local[1]"]
     lines.append("2 cores vs 1 core: " + ", ".join(f"{n} x{two[f'{n}_mb_s'] / one[f'{n}_mb_s']:.2f}" for n in SCANS)
-                 + f", rebuild x{two['rebuild_keys_s'] / one['rebuild_keys_s']:.2f}")
+                 + f", rebuild x{two['rebuild_keys_s'] / one['rebuild_keys_s']:.2f}"
+                 + f", import x{two['import_rows_s'] / one['import_rows_s']:.2f}")
     for master in ("local[1]", "local[2]"):
         for n in SCANS:
             cpu = results[master].get(f"{n}_cpu")
@@ -241,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
                        base["rebuild_keys_s"]))
     rows.append(Result("spark", f"rebuild local[2] in {two['windows']} windows vs in one", two["windowed_keys_s"],
                        "keys/s", f"one window, {two['rebuild_keys_s']:,.0f} keys/s", two["rebuild_keys_s"]))
+    rows.append(Result("spark", "import of a Parquet file, local[2] vs put_batch here", two["import_rows_s"], "rows/s",
+                       f"put_batch of its batches, {base['import_rows_s']:,.0f}/s", base["import_rows_s"],
+                       notes={"batches": two["import_batches"]}))
+    rows.append(Result("spark", "import --no-spark of a Parquet file vs put_batch here", base["no_spark_import_rows_s"],
+                       "rows/s", f"put_batch of its batches, {base['import_rows_s']:,.0f}/s", base["import_rows_s"]))
     if STANDALONE in results:
         cluster = results[STANDALONE]
         rows += [
