@@ -619,3 +619,51 @@ def test_sigusr1_writes_every_threads_stack_and_serving_goes_on(served):
     route = server.call("QueryRoute", pb.QueryRouteRequest(topic=pb.Resource(name="Anything")), pb.QueryRouteResponse)
     assert route.status.code in (pb.Code.OK, pb.Code.TOPIC_NOT_FOUND)
     assert server.stop() == 0
+
+
+def test_a_stop_signal_the_kernel_hands_to_another_thread_stops_serve(served):
+    """The kernel delivers a process-directed SIGTERM to any thread not blocking it; Python runs its handler in the
+    main thread only, which slept on in its wait: serve stopped only when something else woke it (a CI run waited
+    30 s). The signal's C handler now writes it to a pipe the main thread waits on, whichever thread runs it."""
+    import ctypes
+    import os
+    import signal
+
+    server = served()
+    pid = server.proc.pid
+    takers = []  # threads other than the main one that would run a SIGTERM handler
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        if tid != pid and not blocked & (1 << (signal.SIGTERM - 1)):
+            takers.append(tid)
+    assert takers, "every thread but the main one blocks SIGTERM: the kernel could only pick the main thread"
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, takers[0], signal.SIGTERM) == 0
+    assert server.proc.wait(20) == 0  # before: still serving (until a SIGUSR1 to the main thread)
+    assert "SIGTERM, finishing calls and closing the store" in "".join(server.lines)
+
+
+STOP_SIGNALS_SCRIPT = """
+import signal, threading, time
+from rocketstore.cli.signals import StopSignals
+
+parked = threading.Event()
+other = threading.Thread(target=parked.wait, daemon=True)
+other.start()
+with StopSignals() as signals:
+    assert signals.wait(0) is None
+    threading.Timer(0.2, signal.pthread_kill, (other.ident, signal.SIGTERM)).start()  # run by a thread not main
+    started = time.monotonic()
+    print(signals.wait(30), time.monotonic() - started < 10, flush=True)
+    signals.exit_on_next("exiting now")
+    signal.pthread_kill(other.ident, signal.SIGINT)
+    time.sleep(30)
+print("not reached")
+"""
+
+
+def test_stop_signals_are_seen_from_any_thread_and_a_second_one_exits_at_once():
+    done = subprocess.run([sys.executable, "-c", STOP_SIGNALS_SCRIPT], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.stdout.split() == ["15", "True"], done.stderr
+    assert done.returncode == 128 + 2 and "SIGINT again, exiting now" in done.stderr

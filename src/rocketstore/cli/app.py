@@ -1014,11 +1014,11 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
     """Speak RocketMQ 5's gRPC protocol over the store: official clients send to it and consume from it."""
     import faulthandler
     import signal
-    import threading
     import time
 
     from ..config import FlushDiskType
     from ..server import Server
+    from .signals import StopSignals
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -1038,50 +1038,35 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
     sys.setswitchinterval(0.0005)
     # `kill -USR1 <pid>` writes every thread's stack to stderr: what a serve that does not stop is waiting for
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    signals: list[int] = []
-    stopping = threading.Event()
-
-    def stop(signum, frame):
-        """Only flags the stop: the main thread stops the server, then closes the store. No click.echo here: the
-        handler runs between any two bytecodes of the main thread, maybe inside its own write to stderr. A second
-        signal (the stop hangs) exits at once, the store not closed: its next open recovers as after a crash."""
-        signals.append(signum)
-        if stopping.is_set():
-            os.write(2, f"rocketstore serve: {signal.Signals(signum).name} again, exiting now without closing the "
-                        f"store\n".encode())
-            os._exit(128 + signum)
-        stopping.set()
-
-    # before the store opens: a signal during startup stops it cleanly too, never kills it with the store open
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with MessageStore.open(root, config) as store:
-            if not stopping.is_set():
-                for group in fifo_groups:
-                    store.subscription_groups.set_orderly(group, True)
-                server = Server(store, listen, auto_create_topics=auto_create_topics, max_attempts=max_attempts,
-                                transaction_check_ms=int(transaction_check_seconds * 1000), accounts=accounts).start()
-                click.echo(f"rocketstore serve: listening on {server.address} (store {root})", err=True)
-                interval = stats_interval if stats_interval is not None else (5.0 if sys.stderr.isatty() else None)
-                metrics = server.service.metrics
-                last = (time.monotonic(), metrics.sent, metrics.received)
-                while not stopping.wait(interval or 3600):
-                    if interval:
-                        now, sent, received = time.monotonic(), metrics.sent, metrics.received
-                        took = now - last[0]
-                        click.echo(f"sends/s {(sent - last[1]) / took:,.0f}  receives/s "
-                                   f"{(received - last[2]) / took:,.0f}  in flight {server.service.pop.in_flight():,}"
-                                   f"  (sent {sent:,}, received {received:,}, acked {metrics.acked:,})", err=True)
-                        last = (now, sent, received)
-                click.echo(f"rocketstore serve: {signal.Signals(signals[0]).name}, finishing calls and closing the "
-                           f"store", err=True)
-                server.stop()  # every running call done with the store before it closes (flush, checkpoint, no abort)
-            else:
-                click.echo(f"rocketstore serve: {signal.Signals(signals[0]).name} while starting, closing the store",
-                           err=True)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    # Before the store opens (and any thread starts): a signal during startup stops it cleanly too, never kills it
+    # with the store open; the main thread takes SIGTERM/SIGINT whichever thread the kernel hands them to.
+    with StopSignals() as signals, MessageStore.open(root, config) as store:
+        if signals.wait(0) is None:
+            for group in fifo_groups:
+                store.subscription_groups.set_orderly(group, True)
+            server = Server(store, listen, auto_create_topics=auto_create_topics, max_attempts=max_attempts,
+                            transaction_check_ms=int(transaction_check_seconds * 1000), accounts=accounts).start()
+            click.echo(f"rocketstore serve: listening on {server.address} (store {root})", err=True)
+            interval = stats_interval if stats_interval is not None else (5.0 if sys.stderr.isatty() else None)
+            metrics = server.service.metrics
+            last = (time.monotonic(), metrics.sent, metrics.received)
+            while signals.wait(interval or 3600) is None:
+                if interval:
+                    now, sent, received = time.monotonic(), metrics.sent, metrics.received
+                    took = now - last[0]
+                    click.echo(f"sends/s {(sent - last[1]) / took:,.0f}  receives/s "
+                               f"{(received - last[2]) / took:,.0f}  in flight {server.service.pop.in_flight():,}"
+                               f"  (sent {sent:,}, received {received:,}, acked {metrics.acked:,})", err=True)
+                    last = (now, sent, received)
+            click.echo(f"rocketstore serve: {signal.Signals(signals.received[0]).name}, finishing calls and "
+                       "closing the store", err=True)
+            # a second signal (the stop hangs) exits at once: the store's next open recovers as after a crash
+            signals.exit_on_next("exiting now without closing the store")
+            server.stop()  # every running call done with the store before it closes (flush, checkpoint, no abort)
+        else:
+            click.echo(f"rocketstore serve: {signal.Signals(signals.received[0]).name} while starting, closing "
+                       "the store", err=True)
+            signals.exit_on_next("exiting now without closing the store")
     click.echo("rocketstore serve: stopped, store closed", err=True)
 
 
