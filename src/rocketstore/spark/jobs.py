@@ -271,7 +271,11 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
     staging = target.sibling()
     try:
         with report_progress(spark, progress, "exporting to Parquet"):
-            df.write.mode("errorifexists").partitionBy("topic", "date").parquet(staging)
+            # Spark sorts each task's rows by the partition columns before writing; a sort that spills merges
+            # its runs in no set order for equal keys: the log offset makes the order total, so every part file
+            # holds its topic and day in log order (what an import's name order relies on)
+            df.sortWithinPartitions("topic", "date", "commitLogOffset").write.mode("errorifexists") \
+                .partitionBy("topic", "date").parquet(staging)
         count = read_export(spark, staging).count()
         if not count:  # partitionBy writes no file for no rows: one empty file says what the columns are
             spark.createDataFrame([], df.schema).coalesce(1).write.mode("overwrite").parquet(staging)
