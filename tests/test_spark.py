@@ -740,6 +740,20 @@ def test_both_readers_name_a_bad_row_by_its_place_in_file_name_order(spark, tmp_
     assert not (tmp_path / "s").exists()
 
 
+def test_files_without_a_row_index_are_imported_in_partition_order_quietly(spark, tmp_path, capfd):
+    """JSON (or CSV) files have no _metadata.row_index: such a DataFrame keeps Spark's partition order, and the probe
+    for the row index does not print Spark's logged AnalysisException at the user."""
+    (tmp_path / "j").mkdir()
+    for k in range(3):
+        (tmp_path / "j" / f"part-{k}.json").write_text(
+            "\n".join(json.dumps({"topic": "A", "body": f"{k}-{i}"}) for i in range(5 * (k + 1))))
+    report = import_messages(spark.read.json(str(tmp_path / "j")), tmp_path / "s", config=CONFIG)
+    assert report.rows == 30
+    assert sorted(_stored_bodies(tmp_path / "s")) == sorted(f"{k}-{i}".encode() for k in range(3)
+                                                            for i in range(5 * (k + 1)))
+    assert "FIELD_NOT_FOUND" not in capfd.readouterr().err
+
+
 def test_scans_and_exports_of_nothing_are_empty_not_errors(spark, tmp_path):
     """A scan that plans no task failed ('InputPartition' object has no attribute 'read'), an export matching
     nothing with UNABLE_TO_INFER_SCHEMA: both are empty, and the empty export still says what its columns are."""

@@ -403,16 +403,22 @@ def _with_file_places(df):
     """``df`` with each row's file and its place in that file (Spark's ``_metadata``), or None when its rows do not
     come from files (a DataFrame made in memory, a union: nothing names their order but the partitions)."""
     from pyspark.errors import AnalysisException
+    from pyspark.logger import PySparkLogger
     from pyspark.sql import functions as F
 
     if not df.inputFiles():
         return None
+    quiet = PySparkLogger.getLogger("DataFrameQueryContextLogger")  # logs every AnalysisException with a trace
+    was = quiet.disabled
+    quiet.disabled = True
     try:
         placed = df.select("*", F.col("_metadata.file_path").alias(_FILE),
                            F.col("_metadata.row_index").alias(_ROW_INDEX))
-        _ = placed.schema  # resolves the plan: AnalysisException here when _metadata is not the files'
-    except AnalysisException:
+        _ = placed.schema  # resolves the plan: AnalysisException here when _metadata is not the files' (a union)
+    except AnalysisException:  # or they have no row index (JSON, CSV)
         return None
+    finally:
+        quiet.disabled = was
     return placed
 
 
@@ -437,11 +443,14 @@ def _check_rows(df, config: StoreConfig, by_file: bool) -> tuple[int, int]:
         seen: dict[str, list] = {}
         size = 0
         for batch in batches:
+            if not batch.num_rows:
+                continue
             size += batch.nbytes
             table = pa.Table.from_batches([batch])
             if by_file:
                 files = table.column(_FILE)
-                groups = [(name, pc.equal(files, name)) for name in pc.unique(files).to_pylist()]
+                names = pc.unique(files).to_pylist()
+                groups = [(names[0], None)] if len(names) == 1 else [(name, pc.equal(files, name)) for name in names]
             else:
                 groups = [("", None)]
             for name, mask in groups:
