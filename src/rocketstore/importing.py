@@ -283,8 +283,9 @@ class ParquetDataset:
             try:
                 for batch in meta.iter_batches(batch_size=rows, columns=in_file, use_threads=True):
                     table = pa.Table.from_batches([batch])
-                    yield pa.table({c: table.column(c) if c in in_file
-                                    else pa.array([values.get(c)] * table.num_rows, pa.string()) for c in wanted})
+                    yield pa.table({c: table.column(c) if c in in_file  # a directory's value: one per row
+                                    else pa.repeat(pa.scalar(values.get(c), pa.string()), table.num_rows)
+                                    for c in wanted})
             except (OSError, pa.ArrowException) as exc:
                 raise ConfigError(f"cannot read {file}: {exc}") from None
 
