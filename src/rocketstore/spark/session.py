@@ -58,6 +58,8 @@ def log4j2_properties(verbose: bool) -> str:
 
 
 DEFAULT_MASTER = "local[*]"
+# Local masters start this wrapper of PySpark's worker daemon: it drops the tracebacks of replies to a JVM that hung up.
+QUIET_DAEMON = "rocketstore.spark.daemon"
 
 
 SCRATCH_PREFIX = "rocketstore-spark-"
@@ -199,7 +201,8 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
     )
     if local:
         builder = (builder.config("spark.default.parallelism", str(max(2, cores)))
-                   .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1"))
+                   .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+                   .config("spark.python.daemon.module", QUIET_DAEMON))
     python = os.environ.get("PYSPARK_PYTHON", sys.executable)
     jvm_directory = None
     if ship_env and not local:
@@ -265,7 +268,8 @@ def _python_daemons(jvm_pid: int) -> list[int]:
             if parent != jvm_pid:
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"pyspark.daemon" in f.read():
+                command = f.read().split(b"\0")
+                if b"pyspark.daemon" in command or QUIET_DAEMON.encode() in command:
                     found.append(int(entry))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours to read
