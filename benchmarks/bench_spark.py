@@ -162,10 +162,11 @@ def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
             "python_workers_cpu_s": round(after["python_workers"] - before["python_workers"], 2)}
 
 
-def spark_child(root: str, master: str) -> dict:
+def spark_child(root: str, master: str, quick: bool = False) -> dict:
     """Runs in a subprocess: the scans (count per topic), rebuild and import on one master, default partitioning
     (as many tasks as cores, at most 64 MiB each), each timed after a warm-up run (until stop 41 the rebuild was
-    timed on its first run in the JVM)."""
+    timed on its first run in the JVM). ``quick`` (the CI smoke form) runs each job once: no warm-ups, no best of
+    two, for a figure that only shows the harness works."""
     from rocketstore.spark import spark_session
     from rocketstore.spark.jobs import import_messages, read_store, rebuild
 
@@ -174,7 +175,7 @@ def spark_child(root: str, master: str) -> dict:
     out = {}
     for name, columns in SCANS.items():
         best = float("inf")
-        for _ in range(2):
+        for _ in range(1 if quick else 2):
             before = cpu_snapshot()
             started = time.perf_counter()
             read_store(spark, root, includeBody=False, columns=columns).groupBy("topic").count().collect()
@@ -182,7 +183,8 @@ def spark_child(root: str, master: str) -> dict:
             if seconds < best:
                 best, out[f"{name}_cpu"] = seconds, cpu_used(before, cpu_snapshot())
         out[f"{name}_s"] = best
-    rebuild(root, spark=spark, config=CONFIG)  # warm-up: the first rebuild in a JVM also compiles Spark's paths
+    if not quick:
+        rebuild(root, spark=spark, config=CONFIG)  # warm-up: the first rebuild in a JVM also compiles Spark's paths
     report = rebuild(root, spark=spark, config=CONFIG)
     # The same rebuild in several windows (a store over 1 GiB is read in windows of at least 1 GiB): the
     # driver writes each window's queues while the next one is decoded, continuing every queue.
@@ -194,8 +196,9 @@ def spark_child(root: str, master: str) -> dict:
     windowed = rebuild(root, spark=spark, config=CONFIG, max_bytes_per_partition=per_task)
     dataset = spark.read.parquet(str(Path(root).parent / DATASET))
     imported = Path(root).parent / f"imported-{os.getpid()}"
-    import_messages(dataset.limit(20_000), imported, config=CONFIG)  # warm-up: the import's jobs and the writer
-    shutil.rmtree(imported)
+    if not quick:
+        import_messages(dataset.limit(20_000), imported, config=CONFIG)  # warm-up: the import's jobs and the writer
+        shutil.rmtree(imported)
     started = time.perf_counter()
     report_import = import_messages(dataset, imported, config=CONFIG)
     import_s = time.perf_counter() - started
@@ -208,15 +211,16 @@ def spark_child(root: str, master: str) -> dict:
 DATASET = "messages.parquet"  # beside the store: what the import reads
 
 
-def _child(root: Path, master: str, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", str(root), master], capture_output=True,
+def _child(root: Path, master: str, env: dict | None = None, quick: bool = False) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", str(root), master, "quick" if quick else "full"],
+                         capture_output=True,
                          text=True, check=False, env=env)
     if out.returncode:  # the child's own error, not only its exit status
         raise RuntimeError(f"the {master} child exited with {out.returncode}:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(count: int, cluster: bool, masters: tuple[str, ...] = ("local[1]", "local[2]")) -> dict:
+def run(count: int, cluster: bool, masters: tuple[str, ...] = ("local[1]", "local[2]"), quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="rocketstore-bench-") as tmp:
         root = Path(tmp) / "store"
         log_bytes = build(root, count)
@@ -232,7 +236,7 @@ def run(count: int, cluster: bool, masters: tuple[str, ...] = ("local[1]", "loca
         results = {"messages": count, "log_mb": log_bytes / 1e6,
                    "single_process": {**single, "rebuild_keys_s": keys / rebuild_s, "no_spark_keys_s": keys / here,
                                       "import_rows_s": count / put_s, "no_spark_import_rows_s": count / no_spark_s}}
-        children = {master: _child(root, master) for master in masters}
+        children = {master: _child(root, master, quick=quick) for master in masters}
         if cluster:
             sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
             import standalone
@@ -287,14 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke form for CI")
     parser.add_argument("--messages", type=int, default=1_000_000)
-    parser.add_argument("--child", nargs=2, metavar=("ROOT", "MASTER"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("ROOT", "MASTER", "QUICK"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(spark_child(*args.child)))
+        root, master, quick = args.child
+        print(json.dumps(spark_child(root, master, quick == "quick")))
         return 0
     # The smoke form starts one JVM, not two: it checks the harness, not the scaling.
     results = run(3000 if args.quick else args.messages, cluster=not args.quick,
-                  masters=("local[2]",) if args.quick else ("local[1]", "local[2]"))
+                  masters=("local[2]",) if args.quick else ("local[1]", "local[2]"), quick=args.quick)
     print(table(results))
     RESULTS.mkdir(exist_ok=True)
     base, two = results["single_process"], results["local[2]"]
