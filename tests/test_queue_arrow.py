@@ -99,3 +99,54 @@ def test_queue_arrow_refuses_a_batch_size_below_one(tmp_path):
             with pytest.raises(InvalidQueryError):
                 store.queue_arrow("T", 0, max_rows=bad)
         assert len(batched(store, "T", 0, None, None, None, 1)) == 1
+
+
+def test_retention_deleting_the_segments_a_batched_read_is_decoding(tmp_path, monkeypatch):
+    """``decode_at`` (under ``queue_arrow`` and ``query_messages_arrow``) holds a view of a segment's mapping while
+    the compiled walk reads it; retention closing that mapping at that moment, or between finding a segment and
+    mapping it, must neither crash nor serve anything but the records as they were written."""
+    import rocketstore.codec.batch as batch_codec
+    from rocketstore.mapped.file import MappedFile
+
+    config = StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 100,
+                         file_reserved_time=0)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(60):
+            store.put_message(Message("T", f"m{i}".encode() * 40, keys=[f"k{i}"]))
+        store.wait_for_dispatch()
+        written = {r["queueOffset"]: r for r in batched(store, "T", 0, None, None, None, 8192)}
+        assert len(written) == 60
+        segments = len(store.commit_log.mapped_files.files)
+        parse_at, buffer = batch_codec.k.parse_at, MappedFile.buffer
+
+        def retention_in_the_walk(*args):  # the mapping is exported to numpy: closing it must wait for the view
+            monkeypatch.setattr(batch_codec.k, "parse_at", parse_at)
+            store.delete_expired_files(immediately=True)
+            return parse_at(*args)
+
+        monkeypatch.setattr(batch_codec.k, "parse_at", retention_in_the_walk)
+        got = batched(store, "T", 0, 0, None, None, 8192)
+        assert len(store.commit_log.mapped_files.files) == 1 < segments  # retention ran during the read
+        assert got and all(row == written[row["queueOffset"]] for row in got)
+        assert [r["queueOffset"] for r in batched(store, "T", 0, 0, None, None, 8192)] == \
+            list(range(store.get_min_offset_in_queue("T", 0), 60))
+
+    with MessageStore.open(tmp_path / "b", config) as store:
+        for i in range(60):
+            store.put_message(Message("T", f"m{i}".encode() * 40, keys=[f"k{i}"]))
+        store.wait_for_dispatch()
+        pairs = [("T", f"k{i}") for i in range(60)]
+        before = {r["queryKey"]: r for r in store.query_messages_arrow(pairs).to_pylist()}
+        assert len(before) == 60
+
+        def retention_before_mapping(self):  # found by offset, then closed before its buffer is taken
+            monkeypatch.setattr(MappedFile, "buffer", buffer)
+            store.delete_expired_files(immediately=True)
+            return buffer.fget(self)
+
+        monkeypatch.setattr(MappedFile, "buffer", property(retention_before_mapping))
+        got = store.query_messages_arrow(pairs).to_pylist()
+        assert len(store.commit_log.mapped_files.files) == 1
+        assert got and all(row == before[row["queryKey"]] for row in got)
+        kept = {m.commit_log_offset for pair in pairs for m in store.query_message(*pair)}
+        assert {row["commitLogOffset"] for row in got} >= kept  # nothing still in the log is left out
