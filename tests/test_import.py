@@ -240,3 +240,54 @@ def test_an_import_killed_mid_way_finishes_each_row_once_when_run_again(tmp_path
                 *GEOMETRY)
     assert "imported 54 messages in 1 batches" in again.stdout and "(rows 96 on)" in again.stdout
     assert [m.body for m in stored(tmp_path / "s")] == rows
+
+
+def _damage_column(path: Path, column: str) -> None:
+    """Overwrite the data pages of ``column`` in every row group (the footer stays readable)."""
+    meta = pq.ParquetFile(path).metadata
+    data = bytearray(path.read_bytes())
+    for group in range(meta.num_row_groups):
+        for i in range(meta.num_columns):
+            chunk = meta.row_group(group).column(i)
+            if chunk.path_in_schema.split(".")[0] == column:
+                start = chunk.data_page_offset
+                data[start:start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["unreadable keys", "keys of another type"])
+def test_a_file_failing_after_the_checks_names_the_rows_stored_and_where_to_go_on(tmp_path, damage):
+    """The check pass reads topic, body and queueId only: a later file whose other columns cannot be read (or cast)
+    stops the store pass after the earlier files are stored. The error says how many are and where the same import
+    goes on from, as a refused batch's does; run again once the file is fixed, it finishes each row once."""
+    write(tmp_path / "d" / "a.parquet", topic=["T"] * 50, body=[f"a{i}".encode() for i in range(50)],
+          keys=pa.array([[f"a{i}"] for i in range(50)], pa.list_(pa.string())))
+    good_b = dict(topic=["T"] * 30, body=[f"b{i}".encode() for i in range(30)],
+                  keys=pa.array([[f"b{i}"] for i in range(30)], pa.list_(pa.string())))
+    if damage == "unreadable keys":
+        pq.write_table(pa.table(good_b), tmp_path / "d" / "b.parquet", compression="none", use_dictionary=False)
+        _damage_column(tmp_path / "d" / "b.parquet", "keys")
+        reason = r"cannot read .*b\.parquet"
+    else:
+        write(tmp_path / "d" / "b.parquet", **{**good_b, "keys": pa.array([b"x"] * 30, pa.binary())})
+        reason = "import columns cannot be read as messages"
+    with pytest.raises(ConfigError, match=reason + r".*\(rows from 50 on not stored; the 50 rows before them are: "
+                                                   r"the same import run again goes on from row 50, or name it: "
+                                                   r"--from-row 50\)"):
+        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert [m.body for m in stored(tmp_path / "s")] == [f"a{i}".encode() for i in range(50)]
+    done = cli("import", "--no-spark", "--parquet", str(tmp_path / "d"), "--store", str(tmp_path / "s"), *GEOMETRY,
+               check=False)
+    assert done.returncode == 1 and done.stderr.startswith("error: ") and "--from-row 50)" in done.stderr
+    assert "Traceback" not in done.stderr
+    write(tmp_path / "d" / "b.parquet", **good_b)  # fixed
+    report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert (report.skipped, report.rows) == (50, 30)
+    assert [m.keys for m in stored(tmp_path / "s")] == [[f"a{i}"] for i in range(50)] + [[f"b{i}"] for i in range(30)]
+
+
+def test_a_dataset_unreadable_before_anything_is_stored_says_nothing_was(tmp_path):
+    write(tmp_path / "d" / "a.parquet", topic=["T"] * 5, body=[b"x"] * 5, keys=pa.array([b"x"] * 5, pa.binary()))
+    with pytest.raises(ConfigError, match=r"cannot be read as messages.*\(nothing imported\)$"):
+        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert not (tmp_path / "s").exists()

@@ -162,11 +162,14 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
     try:
         with MessageStore.open(root, config) as store:
             skip = report.skipped  # rows come in the same order every time: the first skip go by
-            for chunk in chunks:
+            for chunk in _stopping_with_the_count(chunks, report):
                 dropped = min(skip, chunk.num_rows)
                 skip -= dropped
                 if chunk.num_rows > dropped:
-                    table = batch_columns(chunk.slice(dropped))
+                    try:
+                        table = batch_columns(chunk.slice(dropped))
+                    except RocketStoreError as exc:
+                        raise _with_the_count(exc, report) from exc
                     store.flush()  # the rows the journal counts are on the disk before it says so (power loss)
                     journal.record(ImportProgress(
                         source, report.skipped + report.rows, store.commit_log.max_offset, table.num_rows,
@@ -183,6 +186,28 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                         (shutil.rmtree if (root / name).is_dir() else os.unlink)(root / name)
         raise
     return report
+
+
+def _stopping_with_the_count(chunks: Iterable[pa.Table], report: ImportReport) -> Iterator[pa.Table]:
+    """``chunks``; a read that fails after some rows were stored (a file unreadable past its checked columns)
+    says how many are and where the import goes on from, as a refused batch does."""
+    iterator = iter(chunks)
+    while True:
+        try:
+            chunk = next(iterator)
+        except StopIteration:
+            return
+        except RocketStoreError as exc:
+            raise _with_the_count(exc, report) from exc
+        yield chunk
+
+
+def _with_the_count(exc: RocketStoreError, report: ImportReport) -> RocketStoreError:
+    first = report.skipped + report.rows
+    if not first:
+        return type(exc)(f"{exc} (nothing imported)")
+    return type(exc)(f"{exc} (rows from {first} on not stored; the {first} rows before them are: the same import "
+                     f"run again goes on from row {first}, or name it: --from-row {first})")
 
 
 def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: Progress | None) -> None:
@@ -207,6 +232,11 @@ def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: P
 
 
 # --- a Parquet dataset read in this process -------------------------------------------------------------------
+
+
+def one_line(exc: BaseException) -> str:
+    """Arrow's messages span lines ("...\nDeserializing page header failed.\n"): a CLI error is one line."""
+    return " ".join(str(exc).split())
 
 
 def _hidden(name: str) -> bool:
@@ -242,7 +272,7 @@ class ParquetDataset:
             try:
                 self._meta.append(pq.ParquetFile(file))
             except (OSError, pa.ArrowException) as exc:
-                raise ConfigError(f"{file} is not a readable Parquet file: {exc}") from None
+                raise ConfigError(f"{file} is not a readable Parquet file: {one_line(exc)}") from None
         self.partitions = [self._partition_values(file) for file in self.files]
         names = {name for values in self.partitions for name in values}
         for meta in self._meta:
@@ -287,7 +317,7 @@ class ParquetDataset:
                                     else pa.repeat(pa.scalar(values.get(c), pa.string()), table.num_rows)
                                     for c in wanted})
             except (OSError, pa.ArrowException) as exc:
-                raise ConfigError(f"cannot read {file}: {exc}") from None
+                raise ConfigError(f"cannot read {file}: {one_line(exc)}") from None
 
     def first_bad_row(self, config: StoreConfig) -> tuple[int, str, str] | None:
         """``first_bad_row`` over the whole dataset, its place counted from the dataset's first row."""
