@@ -14,6 +14,8 @@ import contextlib
 import json
 import re
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -1171,3 +1173,39 @@ def test_message_ext_is_a_value_record():
     assert m.properties == {"x": "y"} and m.keys == [] and m.get_property("x") == "y"
     with pytest.raises(TypeError):
         hash(m)
+
+
+_IMPORT_EACH_FIRST = """
+import os, sys
+from pathlib import Path
+import numpy, pyarrow, numba  # third-party, loaded once before the forks: each child imports only rocketstore's
+import rocketstore  # its __init__ alone: the names below are found in the files, not by importing packages
+top = Path(rocketstore.__file__).parent
+names = sorted(".".join(("rocketstore",) + p.relative_to(top).with_suffix("").parts).removesuffix(".__init__")
+               for p in top.rglob("*.py") if p.name != "__main__.py")
+assert [m for m in sys.modules if m.startswith("rocketstore.")] == [], "walked without importing"
+failed = []
+for name in names:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            __import__(name)
+        except BaseException as exc:
+            print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
+            os._exit(1)
+        os._exit(0)
+    if os.waitpid(pid, 0)[1]:
+        failed.append(name)
+print("imported", len(names), "failed", failed)
+"""
+
+
+def test_every_module_imports_as_the_first_one_of_the_package():
+    """``rocketstore`` loads its names lazily (a forking Spark daemon imports one module of it, not the store), so
+    no module may rely on another having been imported first: ``import rocketstore.message`` alone once failed on
+    the codec <-> message cycle."""
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1].endswith("failed []"), done.stdout[-3000:]
+    assert int(done.stdout.split("imported ")[1].split()[0]) > 50

@@ -1,5 +1,7 @@
 """The record format, message ids and hashes: the single codec shared by store, CLI and Spark."""
 
+from typing import TYPE_CHECKING
+
 from .hashing import body_crc, index_key_hash, java_string_hash, tags_hash_code
 from .hosts import Host
 from .msgid import UniqKeyGenerator, create_offset_msg_id, decode_offset_msg_id, decode_uniq_key
@@ -13,17 +15,32 @@ from .properties import (
     java_hashmap_order,
     split_keys,
 )
-from .record import (
-    BLANK_MAGIC,
-    BLANK_RECORD_LEN,
-    MAGIC_V1,
-    MAGIC_V2,
-    RecordLayout,
-    blank_record,
-    decode_record,
-    encode_record,
-    read_layout,
-)
+
+if TYPE_CHECKING:
+    from .record import (
+        BLANK_MAGIC,
+        BLANK_RECORD_LEN,
+        MAGIC_V1,
+        MAGIC_V2,
+        RecordLayout,
+        blank_record,
+        decode_record,
+        encode_record,
+        read_layout,
+    )
+
+# The record codec builds ``message.MessageExt`` and ``message`` imports this package's hosts and properties: the
+# record names load on first use, so either side may be imported first (``rocketstore`` itself imports nothing).
+_RECORD_NAMES = frozenset({"BLANK_MAGIC", "BLANK_RECORD_LEN", "MAGIC_V1", "MAGIC_V2", "RecordLayout", "blank_record",
+                           "decode_record", "encode_record", "read_layout"})
+
+
+def __getattr__(name: str):
+    if name not in _RECORD_NAMES:
+        raise AttributeError(f"module 'rocketstore.codec' has no attribute {name!r}")
+    from . import record
+
+    return getattr(record, name)
 
 __all__ = [
     "BLANK_MAGIC",
