@@ -74,8 +74,8 @@ class CommitLog:
         self.mapped_files = MappedFileQueue(self.directory, config.mapped_file_size_commit_log,
                                             read_only=read_only, preallocate=config.preallocate,
                                             staging=root / STAGING_DIR)
-        self._check_crc = config.check_crc_on_read  # get_message's, read once (the config is frozen)
-        self._one_pass_reads = not (config.check_crc_on_read and config.force_verify_prop_crc)
+        self.check_crc = config.check_crc_on_read  # get_message's, read once (the config is frozen)
+        self.one_pass_reads = not (config.check_crc_on_read and config.force_verify_prop_crc)
         self.warmer: WriteAheadWarmer | None = None  # started by a writable store (start_warming)
         self.put_lock = YieldingLock()  # with put_lock.held(): producer threads wait by yielding the GIL (locks.py)
         # next queue offset of each (topic, queue id); rebuilt by recovery
@@ -368,10 +368,10 @@ class CommitLog:
 
     def get_message(self, phy_offset: int, *, decompress: bool = False, read_body: bool = True) -> MessageExt:
         mapped = self.mapped_files.find(phy_offset) if type(phy_offset) is int else None
-        if mapped is not None and not decompress and self._one_pass_reads:
+        if mapped is not None and not decompress and self.one_pass_reads:
             try:  # the common record in one pass; anything else (and every error) goes through locate
                 msg = decode_v4_at(mapped.buffer, phy_offset - mapped.file_from_offset, mapped.wrote_position,
-                                   phy_offset, check_crc=self._check_crc, read_body=read_body)
+                                   phy_offset, check_crc=self.check_crc, read_body=read_body)
             except ValueError as exc:
                 raise deleted_under(mapped, exc) from None
             if msg is not None:

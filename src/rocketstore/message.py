@@ -9,8 +9,18 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .codec.hosts import Host
-from .codec.properties import KEY_SEPARATOR, PropertyName, decode_properties, property_value, split_keys
+from .codec.properties import (
+    KEY_SEPARATOR,
+    NAME_VALUE_SEPARATOR,
+    PROPERTY_SEPARATOR,
+    PropertyName,
+    decode_properties,
+    property_value,
+    split_keys,
+)
 
+_KEYS_FIRST = f"{PropertyName.KEYS}{NAME_VALUE_SEPARATOR}"  # KEYS as the first pair of a properties text
+_KEYS_MARKER = PROPERTY_SEPARATOR + _KEYS_FIRST  # ... or a later one
 
 class SysFlag:
     """Bits of the record's SYSFLAG field (``MessageSysFlag``)."""
@@ -141,8 +151,21 @@ class MessageExt:
 
     def has_key(self, key: str) -> bool:
         """Whether ``key`` is one of the KEYS tokens (``key in keys``, without the list for a single key)."""
-        props = self._properties  # get_property, inline: a key query asks this of every candidate
-        keys = property_value(props, PropertyName.KEYS) if type(props) is str else props.get(PropertyName.KEYS)
+        props = self._properties  # property_value, inline: a key query asks this of every candidate
+        if type(props) is str:
+            at = props.rfind(_KEYS_MARKER)  # the last KEYS pair's value, as the map keeps the last
+            if at >= 0:
+                start = at + len(_KEYS_MARKER)
+            elif props.startswith(_KEYS_FIRST):
+                start = len(_KEYS_FIRST)
+            else:
+                return False
+            end = props.find(PROPERTY_SEPARATOR, start)
+            keys = props[start:] if end < 0 else props[start:end]
+            if not keys:  # an empty last value: the map's answer (an earlier pair's, or none)
+                keys = decode_properties(props).get(PropertyName.KEYS)
+        else:
+            keys = props.get(PropertyName.KEYS)
         if keys is None:
             return False
         return (keys == key and KEY_SEPARATOR not in key) or key in split_keys(keys)

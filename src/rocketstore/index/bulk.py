@@ -183,9 +183,10 @@ def key_candidates(index: IndexFile, key_utf8: bytes, begin: int) -> list[int]:
     if index.index_count <= 1:
         return []
     buf = index.array
-    args = (key_utf8, buf, index.hash_slot_num, index.index_num, index.index_count, index.begin_timestamp, begin)
-    walk = _key_walk[0] if _key_walk else _compiled_key_walk(args)
-    matches, newest, key_hash = walk(*args)
+    walk = _key_walk[0] if _key_walk else _compiled_key_walk(
+        (key_utf8, buf, index.hash_slot_num, index.index_num, index.index_count, index.begin_timestamp, begin))
+    matches, newest, key_hash = walk(key_utf8, buf, index.hash_slot_num, index.index_num, index.index_count,
+                                     index.begin_timestamp, begin)
     if matches <= 1:
         return [newest] if matches else []
     return _k.chain_offsets_held(buf, index.hash_slot_num, index.index_num, index.index_count,

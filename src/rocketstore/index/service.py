@@ -306,7 +306,7 @@ class IndexService:
         The time window is widened by the index's one-second rounding; callers check the real
         store time and the real key. A list, not a generator: a query reads every chain anyway.
         """
-        key_utf8 = build_key(topic, key).encode("utf-8", "surrogatepass")
+        key_utf8 = f"{topic}#{key}".encode("utf-8", "surrogatepass")  # build_key, inline
         low = begin - 1000 if begin > 1000 else 0
         high = end + 1000
         found: list[int] = []
