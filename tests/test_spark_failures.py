@@ -153,19 +153,26 @@ def test_stopping_quietly_ends_the_drivers_python_daemon_first(tmp_path):
     assert "Traceback" not in done.stderr and "Broken pipe" not in done.stderr
 
 
-def _hang_up_on_a_daemon(module: str, tmp_path: Path) -> str:
+def _hang_up_on_a_daemon(module: str) -> str:
     """Start the daemon ``module`` as an executor does (Unix socket), connect and hang up five times as a task
     cancelled mid-request does, end it (stdin closed), and return its stderr."""
     import socket
     import struct
+    import tempfile
     import time
 
-    env = dict(os.environ, PYTHON_UNIX_DOMAIN_ENABLED="true", PYTHON_WORKER_FACTORY_SOCK_DIR=str(tmp_path),
+    # not under tmp_path: a socket's path has at most 107 bytes, and an xdist worker's tmp_path + the daemon's
+    # ".<uuid>.sock" is longer (the daemon then fails to bind and exits)
+    sockets = tempfile.mkdtemp(prefix="rs-d-", dir="/tmp")
+    env = dict(os.environ, PYTHON_UNIX_DOMAIN_ENABLED="true", PYTHON_WORKER_FACTORY_SOCK_DIR=sockets,
                PYTHON_WORKER_FACTORY_SECRET="s")
     daemon = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=env)
     try:
-        size = struct.unpack(">i", daemon.stdout.read(4))[0]
+        head = daemon.stdout.read(4)
+        if len(head) < 4:
+            raise AssertionError(f"{module} did not start: {daemon.communicate(timeout=30)[1].decode()[-2000:]}")
+        size = struct.unpack(">i", head)[0]
         path = daemon.stdout.read(size).decode()
         for _ in range(5):
             with socket.socket(socket.AF_UNIX) as sock:
@@ -178,10 +185,13 @@ def _hang_up_on_a_daemon(module: str, tmp_path: Path) -> str:
         if daemon.poll() is None:
             daemon.kill()
             daemon.wait()
+        import shutil
+
+        shutil.rmtree(sockets, ignore_errors=True)
     return err.decode()
 
 
-def test_the_local_daemon_is_silent_about_workers_the_jvm_hung_up_on(tmp_path, spark):
+def test_the_local_daemon_is_silent_about_workers_the_jvm_hung_up_on(spark):
     """A failing export printed PySpark's ``BrokenPipeError`` traceback under its one-line error in one CI run
     of four: a task cancelled while the daemon forked its worker, whose pid then went to a closed socket.
     PySpark's own daemon prints it every time it is hung up on; the wrapper local sessions run prints nothing,
@@ -189,8 +199,8 @@ def test_the_local_daemon_is_silent_about_workers_the_jvm_hung_up_on(tmp_path, s
     data source lookups keep PySpark's, which Spark starts whatever the setting)."""
     from rocketstore.spark.session import QUIET_DAEMON, _python_daemons
 
-    assert "BrokenPipeError" in _hang_up_on_a_daemon("pyspark.daemon", tmp_path)  # the test can fail
-    assert _hang_up_on_a_daemon(QUIET_DAEMON, tmp_path) == ""
+    assert "BrokenPipeError" in _hang_up_on_a_daemon("pyspark.daemon")  # the test can fail
+    assert _hang_up_on_a_daemon(QUIET_DAEMON) == ""
     spark.range(4).rdd.map(lambda n: n).count()  # a Python task: the daemon exists
     commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 for pid in _python_daemons(spark._jvm.java.lang.ProcessHandle.current().pid())]
