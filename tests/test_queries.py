@@ -386,3 +386,33 @@ def test_an_index_file_whose_clock_stepped_back_is_still_searched(tmp_path, smal
             assert [m.body for m in store.query_message("T", key, begin=begin, end=end)] == [key.encode()]
             assert store.query_messages_arrow([("T", key)], begin=begin, end=end).column("body").to_pylist() == \
                 [key.encode()]
+
+
+@pytest.mark.parametrize("slots", [5_000_000, 3])  # the same key; every key sharing three slots
+def test_a_read_only_store_keeps_answering_while_its_writer_indexes_the_same_keys(tmp_path, slots):
+    """A read-only open beside a live writer reads the index's count once: when the writer then indexed the same key
+    (or any key of the same slot), the slot named an entry past that count and the reader's walk stopped there,
+    answering nothing for messages its log holds. The newer entries are stepped over, back to the covered ones."""
+    config = StoreConfig(max_hash_slot_num=slots, max_index_num=4000, preallocate=False)
+    writer = MessageStore.open(tmp_path, config)
+    try:
+        old = [keyed(writer, "T", [f"k{i}", "all"], f"old{i}".encode()) for i in range(100)]
+        writer.wait_for_dispatch()
+        writer.flush()
+        with MessageStore.open(tmp_path, config, read_only=True) as reader:
+            def answers():
+                return ([m.body for m in reader.query_message("T", "k50")],
+                        len(reader.query_message("T", "all", max_num=64)),
+                        reader.query_messages_arrow([("T", "k7"), ("T", "all")], 64).num_rows,
+                        [m.body for m in reader.query_message_by_uniq_key("T", old[3].uniq_key)],
+                        reader.index.files[0].select_phy_offsets("T#k9", 64, 0, 1 << 62))
+            before = answers()
+            assert before[:4] == ([b"old50"], 64, 65, [b"old3"]) and before[4] == [old[9].commit_log_offset]
+            for i in range(200):
+                keyed(writer, "T", [f"k{i % 100}", "all"], f"new{i}".encode())
+            writer.wait_for_dispatch()
+            assert answers() == before  # the reader's snapshot: the newer messages are past its log
+        with MessageStore.open(tmp_path, config, read_only=True) as fresh:  # a new open sees them all
+            assert [m.body for m in fresh.query_message("T", "k50")] == [b"old50", b"new50", b"new150"]
+    finally:
+        writer.close()

@@ -75,12 +75,26 @@ def put_entries(buf, slot_num, index_num, count, begin_ts, hashes, phys, stamps,
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _chain_head(buf, slot_num, count, h):
-    """The newest entry in ``h``'s slot, 0 when there is none (an empty file, an empty or impossible slot)."""
+def _chain_head(buf, slot_num, index_num, count, h):
+    """The newest entry of ``h``'s slot that ``count`` covers, 0 when there is none (an empty file, an empty or
+    impossible slot).
+
+    A slot may name an entry past ``count``: a live writer's newer one, when this file was opened read-only beside
+    it (its count read then), or one a crash tore. Such entries are not answers, but their links lead back to the
+    covered entries of the chain (each link names an older entry: a smaller number): returning 0 there lost every
+    answer of a read-only store whose writer had since indexed the same key or slot."""
     if count <= 1:
         return 0
     n = _be32(buf, 40 + (h % slot_num) * 4)
-    return n if 0 < n <= count else 0
+    entries_at = 40 + slot_num * 4
+    while n > count:
+        if n >= index_num:
+            return 0
+        prev = _be32(buf, entries_at + n * _ENTRY + 16)
+        if prev <= 0 or prev >= n:  # not written yet (a writer writes the entry before the slot), or damage
+            return 0
+        n = prev
+    return n if n > 0 else 0
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -133,7 +147,7 @@ def chain_offsets(buf, slot_num, index_num, count, begin_ts, hashes, limits, beg
                 next_q += 1
                 if limits[q] <= 0:
                     continue
-                n = _chain_head(buf, slot_num, count, hashes[q])
+                n = _chain_head(buf, slot_num, index_num, count, hashes[q])
                 if n == 0:
                     continue
                 lane_q[lane] = q
@@ -207,7 +221,7 @@ def key_candidates(key, buf, slot_num, index_num, count, begin_ts, begin):
     array (boxing one is half the cost of a call); with more, ``chain_offsets_held`` lists them."""
     h = index_key_hash_utf8(key)
     entries_at = 40 + slot_num * 4
-    n = _chain_head(buf, slot_num, count, h)
+    n = _chain_head(buf, slot_num, index_num, count, h)
     matches = 0
     newest = 0
     for _ in range(count):

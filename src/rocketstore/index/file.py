@@ -231,6 +231,11 @@ class IndexFile:
         buf = self.buffer
         count = self.index_count
         n = _I32.unpack_from(buf, INDEX_HEADER_SIZE + slot * HASH_SLOT_SIZE)[0]
+        while count < n < self.index_num:  # a live writer's newer entry (or a torn one): back to what count covers
+            prev = _ENTRY.unpack_from(buf, self._entries_at + n * INDEX_ENTRY_SIZE)[3]  # (the kernels' _chain_head)
+            if prev <= INVALID_INDEX or prev >= n:
+                return
+            n = prev
         if n <= INVALID_INDEX or n > count or count <= 1:
             return
         begin_ts = self.begin_timestamp
