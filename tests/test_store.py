@@ -390,6 +390,11 @@ def test_a_refused_put_creates_no_topic(tmp_path, small_config):
                                                                        for _ in range(5)])),
             "table": (InvalidQueueError, lambda: store.put_batch(pa.table({
                 "topic": ["NewC", "Existing"], "body": [b"x", b"y"], "queue_id": pa.array([0, 5], pa.int32())}))),
+            # a new topic's queue beyond the 1,024 a topic may have: refused with the others, not mid-creation
+            "queue of a new topic": (InvalidQueueError, lambda: store.put_messages([
+                Message("NewD", b"x"), Message("NewE", b"y", queue_id=5000)])),
+            "table, queue of a new topic": (InvalidQueueError, lambda: store.put_batch(pa.table({
+                "topic": ["NewF", "NewG"], "body": [b"x", b"y"], "queue_id": pa.array([0, 5000], pa.int32())}))),
         }
         for name, (error, put) in refused.items():
             with pytest.raises(error):
@@ -398,6 +403,25 @@ def test_a_refused_put_creates_no_topic(tmp_path, small_config):
         assert store.max_phy_offset == 0
     assert "New" not in (tmp_path / "config" / "topics.json").read_text()
     assert "SCHEDULE_TOPIC_XXXX" not in (tmp_path / "config" / "topics.json").read_text()
+
+
+def test_system_topics_are_not_created_by_hand(tmp_path, small_config):
+    """``create_topic("SCHEDULE_TOPIC_XXXX", 2)`` was accepted, and every later delay of level 3 or more was then
+    refused (its queue did not exist); RocketMQ's updateAndCreateTopic refuses every system topic."""
+    from rocketstore.errors import InvalidTopicError
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        for topic in ("SCHEDULE_TOPIC_XXXX", "RMQ_SYS_TRANS_HALF_TOPIC", "rmq_sys_wheel_timer", "TBW102",
+                      "RMQ_SYS_ANYTHING"):
+            with pytest.raises(InvalidTopicError, match="is a system topic"):
+                store.create_topic(topic, 2)
+        with pytest.raises(InvalidTopicError):
+            store.create_topic("bad/topic", 2)
+        assert store.topic_config.topics == {}
+        store.put_message(Message("T", b"x", properties={"DELAY": "5"}))  # creates SCHEDULE_TOPIC_XXXX itself
+        assert store.topic_config.get("SCHEDULE_TOPIC_XXXX").write_queue_nums == len(small_config.delay_levels_ms)
+        store.create_topic("Mine", 3)
+        assert store.topic_config.get("Mine").write_queue_nums == 3
 
 
 def test_auto_creation_never_replaces_a_concurrent_create_topic(tmp_path, small_config, monkeypatch):

@@ -87,6 +87,11 @@ PARKED_TOPICS = frozenset({SCHEDULE_TOPIC, TIMER_TOPIC})
 # sends to all but the timer's, whose records a stray send would put out of order just the same)
 NOT_SENDABLE_TOPICS = frozenset({SCHEDULE_TOPIC, TIMER_TOPIC, "RMQ_SYS_TRANS_HALF_TOPIC", "RMQ_SYS_TRANS_OP_HALF_TOPIC",
                                  "TRANS_CHECK_MAX_TIME_TOPIC", "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT"})
+# TopicValidator's system topics (and its rmq_sys_ prefix; RMQ_SYS_ too: every RocketMQ topic so named is one):
+# nobody creates them but the store (``create_topic`` refuses them; a client's queue count on SCHEDULE_TOPIC_XXXX
+# refused every later delay), and ``serve`` refuses any call naming one
+SYSTEM_TOPICS = NOT_SENDABLE_TOPICS | {"TBW102", "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC", "CHECKPOINT_TOPIC"}
+SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_")
 RETRY_TOPIC_MAX_LENGTH = 255  # TopicValidator.RETRY_OR_DLQ_TOPIC_MAX_LENGTH
 RETRY_GROUP_TOPIC_PREFIX = "%RETRY%"
 DLQ_GROUP_TOPIC_PREFIX = "%DLQ%"
@@ -146,6 +151,10 @@ def validate_topic(topic: object) -> str:
     if len(topic) > limit:
         raise InvalidTopicError(f"topic is {len(topic)} characters long; the limit is {limit}")
     return topic
+
+
+def is_system_topic(topic: str) -> bool:
+    return topic in SYSTEM_TOPICS or topic.startswith(SYSTEM_TOPIC_PREFIXES)
 
 
 def check_sendable(topic: str) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .brokerconfig import (
+    MAX_QUEUE_NUMS,
     ConsumerOffsetManager,
     DelayOffsetManager,
     SubscriptionGroupManager,
@@ -36,12 +37,13 @@ from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
 from .consumer import Consumer
 from .dispatch import Dispatcher, dispatch_request
-from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder, PendingRecords, validate_topic
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder, PendingRecords, is_system_topic, validate_topic
 from .errors import (
     ConfigError,
     CorruptDataError,
     InvalidQueryError,
     InvalidQueueError,
+    InvalidTopicError,
     MessageNotFoundError,
     OffsetOutOfRangeError,
     ReadOnlyStoreError,
@@ -622,6 +624,9 @@ class MessageStore:
             queues = self._auto_queues(topic, queue_id)
             if queue_id >= queues:
                 _refuse_queue(topic, queue_id, queues, None)
+            if queues > MAX_QUEUE_NUMS:  # checked with the rest: a topic created before this one stays uncreated
+                raise InvalidQueueError(f"queue {queue_id} of new topic {topic} cannot be created: a topic has at "
+                                        f"most {MAX_QUEUE_NUMS} queues")
             if missing is None:
                 missing = []
             missing.append((topic, queue_id))
@@ -649,8 +654,15 @@ class MessageStore:
         """Create or update a topic in config/topics.json (``updateTopic``); atomic against a put auto-creating it
         (under the topic lock), so a put's defaults never replace what this set."""
         self._check_open(write=True)
+        if is_system_topic(validate_topic(topic)):  # TopicValidator.isSystemTopic, as updateAndCreateTopic asks
+            raise InvalidTopicError(f"{topic} is a system topic: the store creates it itself, as it needs it")
         with self._topic_lock:
             self.topic_config.create_or_update(topic, write_queue_nums=queues, read_queue_nums=read_queues)
+
+    def _create_system_topic(self, topic: str, queues: int) -> None:
+        """A system topic the store's own services need (transactions' half and op topics)."""
+        with self._topic_lock:
+            self.topic_config.create_if_absent(topic, queues)
 
     def delete_topic(self, topic: str) -> bool:
         """Remove a topic from config/topics.json (its messages stay until retention removes them)."""

@@ -71,7 +71,7 @@ class TransactionLog:
         if not self.store.read_only:
             for topic in (HALF_TOPIC, OP_TOPIC, CHECK_MAX_TOPIC):  # system topics exist even when auto-creation is off
                 if self.store.topic_config.get(topic) is None:
-                    self.store.create_topic(topic, 1)
+                    self.store._create_system_topic(topic, 1)
         ended: set[int] = set()
         for msg in self._read_all(OP_TOPIC):
             try:

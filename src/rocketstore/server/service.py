@@ -30,8 +30,8 @@ from ..codec.properties import PropertyName
 from ..encoder import (
     _TOPIC_CHARS,
     DLQ_GROUP_TOPIC_PREFIX,
-    NOT_SENDABLE_TOPICS,
     RETRY_GROUP_TOPIC_PREFIX,
+    is_system_topic,
     validate_topic,
 )
 from ..errors import (
@@ -72,12 +72,9 @@ _PERMISSIONS = {(True, True): pb.Permission.READ_WRITE, (True, False): pb.Permis
 GROUP_MAX_LENGTH = 120
 SYSTEM_GROUP_PREFIX = "CID_RMQ_SYS_"  # MixAll.CID_RMQ_SYS_PREFIX: the broker's own consumer groups
 CONSUMER_TYPES = (pb.ClientType.PUSH_CONSUMER, pb.ClientType.SIMPLE_CONSUMER, pb.ClientType.PULL_CONSUMER)
-# TopicValidator's system topics (and its rmq_sys_ prefix; RMQ_SYS_ too: every RocketMQ topic so named is one).
-# The proxy answers ILLEGAL_TOPIC to any call that names one: a client's message there would be taken for the
-# broker's own (a delay, a half message, a timer), and a route would auto-create it with a client's queue count.
-# The store refuses sends to the ones only it writes (NOT_SENDABLE_TOPICS); the proxy's list is longer.
-SYSTEM_TOPICS = NOT_SENDABLE_TOPICS | {"TBW102", "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC", "CHECKPOINT_TOPIC"}
-SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_")
+# The proxy answers ILLEGAL_TOPIC to any call that names a system topic (encoder.SYSTEM_TOPICS): a client's message
+# there would be taken for the broker's own (a delay, a half message, a timer), and a route would auto-create it
+# with a client's queue count. The store refuses sends to the ones only it writes (NOT_SENDABLE_TOPICS).
 # topics the server writes for a group: readable (a group's dead letters), not sendable
 GROUP_TOPIC_PREFIXES = (RETRY_GROUP_TOPIC_PREFIX, DLQ_GROUP_TOPIC_PREFIX)
 
@@ -130,7 +127,7 @@ def topic_name(topic: str, *, send: bool = False) -> str:
         validate_topic(topic)
     except InvalidTopicError as exc:
         raise Status(pb.Code.ILLEGAL_TOPIC, str(exc)) from None
-    if topic in SYSTEM_TOPICS or topic.startswith(SYSTEM_TOPIC_PREFIXES):
+    if is_system_topic(topic):
         raise Status(pb.Code.ILLEGAL_TOPIC, f"topic {topic} is a system topic")
     if send and topic.startswith(GROUP_TOPIC_PREFIXES):
         raise Status(pb.Code.ILLEGAL_TOPIC, f"topic {topic} is written by the server for its consumer group; "
