@@ -3,9 +3,11 @@ the PHYSICALOFFSET check included."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.codec.batch import validate_records
 from rocketstore.codec.hosts import Host
 from rocketstore.codec.record import MAGIC_V2, blank_record, encode_record, read_layout
@@ -62,3 +64,37 @@ def test_scan_stops_exactly_where_read_layout_fails(data, check_crc, check_offse
     except CorruptDataError:
         return
     assert layout is None, "the scan stopped before a record read_layout accepts"
+
+
+def test_scan_arrow_refuses_bad_arguments_with_typed_errors_before_reading(tmp_path):
+    """A float offset reached the compiled walk (numba's TypingError), a non-iterable ``topics`` or ``columns`` a
+    TypeError, ``max_rows=2**70`` an OverflowError, and an offset inside a record was reported as damage
+    (BadMagicError) where ``iter_messages`` says it is no record start."""
+    from rocketstore.errors import InvalidQueryError, MessageNotFoundError, OffsetOutOfRangeError
+
+    with MessageStore.open(tmp_path, StoreConfig(preallocate=False)) as store:
+        first = store.put_message(Message("T", b"hello"))
+        store.put_message(Message("U", b"world"))
+        bad = {
+            "begin=1.5": (OffsetOutOfRangeError, dict(begin=1.5)),
+            "end=100.5": (OffsetOutOfRangeError, dict(end=100.5)),
+            "begin='0'": (OffsetOutOfRangeError, dict(begin="0")),
+            "begin inside a record": (MessageNotFoundError, dict(begin=5)),
+            "topics=5": (InvalidQueryError, dict(topics=5)),
+            "topics=[5]": (InvalidQueryError, dict(topics=[5])),
+            "max_rows=None": (InvalidQueryError, dict(max_rows=None)),
+            "max_rows=2**70": (InvalidQueryError, dict(max_rows=2 ** 70)),
+            "max_rows=0": (InvalidQueryError, dict(max_rows=0)),
+            "columns=5": (InvalidQueryError, dict(columns=5)),
+            "columns=[5]": (InvalidQueryError, dict(columns=[5])),
+        }
+        for name, (error, kwargs) in bad.items():
+            with pytest.raises(error):
+                store.scan_arrow(**kwargs)  # at the call, before any batch is asked for
+            with pytest.raises(error):
+                list(store.iter_messages(5)) if name == "begin inside a record" else store.scan_arrow(**kwargs)
+        rows = [b.to_pylist() for b in store.scan_arrow(topics=("U",), begin=first.commit_log_offset, max_rows=1)]
+        assert [r["body"] for batch in rows for r in batch] == [b"world"]
+        assert sum(b.num_rows for b in store.scan_arrow(begin=store.max_phy_offset + 1000)) == 0
+        with pytest.raises(InvalidQueryError):
+            store.queue_arrow("T", 0, max_rows=2 ** 70)

@@ -768,3 +768,51 @@ def test_read_only_open_never_truncates_consume_queues(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config, read_only=True) as store:
         assert store.get_max_offset_in_queue("Topic0", 0) == 5
     assert tree_digest(tmp_path) == before
+
+
+def test_more_bad_arguments_are_typed_errors_that_write_nothing(tmp_path):
+    """Each of these raised an untyped error from inside (TypeError, ArrowInvalid, KeyError, AttributeError, OSError
+    EOVERFLOW) before; nothing is written either way."""
+    import pyarrow as pa
+
+    from rocketstore.errors import (
+        InvalidFlagError,
+        InvalidPropertyError,
+        InvalidQueryError,
+        MessageIllegalError,
+        RocketStoreError,
+    )
+
+    def table(**columns):
+        return pa.table({"topic": ["T", "T"], "body": [b"x", b"y"], **columns})
+
+    with MessageStore.open(tmp_path, StoreConfig(preallocate=False)) as store:
+        stored = store.put_message(Message("T", b"hello", keys=["k"]))
+        store.wait_for_dispatch()
+        bad_host = pa.array([b"\xff", b"1.2.3.4:5"])
+        two_topics = pa.Table.from_arrays([pa.array(["T"]), pa.array([b"x"]), pa.array(["U"])],
+                                          names=["topic", "body", "topic"])
+        cases = [
+            (InvalidPropertyError, "keys must be a string or a list",
+             lambda: store.put_message(Message("T", b"x", keys=5))),
+            (InvalidPropertyError, "keys must be",
+             lambda: store.put_message(Message("T", b"x", keys=5, properties={"a": "b"}))),
+            (InvalidPropertyError, "keys must be", lambda: store.put_messages([Message("T", b"x", keys=5)] * 40)),
+            (MessageIllegalError, "takes a list of messages", lambda: store.put_messages(None)),
+            (InvalidFlagError, "must be strings", lambda: store.put_batch(table(born_host=bad_host))),
+            (InvalidFlagError, "must be strings", lambda: store.put_batch(table(born_host=[["a"], ["b"]]))),
+            (InvalidFlagError, r"^row 1: not a host:port address: 'x'",
+             lambda: store.put_batch(table(born_host=["1.2.3.4:5", "x"]))),
+            (MessageIllegalError, "column 'topic' twice", lambda: store.put_batch(two_topics)),
+            (InvalidQueryError, "broker_name must be a string",
+             lambda: store.query_messages_arrow([("T", "k")], broker_name=5)),
+            (InvalidQueryError, "now_ms must be an epoch-ms time", lambda: store.delete_expired_files(now_ms=2 ** 70)),
+            (InvalidQueryError, "timeout must be a number", lambda: store.wait_for_dispatch("1")),
+            (InvalidQueryError, "timeout must be a number", lambda: store.wait_for_dispatch(float("nan"))),
+        ]
+        for error, text, call in cases:
+            with pytest.raises(error, match=text):
+                call()
+            assert issubclass(error, RocketStoreError)
+        assert store.max_phy_offset == stored.store_size
+        assert [m.body for m in store.query_message("T", "k")] == [b"hello"]

@@ -153,6 +153,17 @@ def validate_topic(topic: object) -> str:
     return topic
 
 
+def key_list(keys: object) -> list:
+    """A message's KEYS as a list: a space-separated string split, any other iterable listed (each key is checked
+    where it is used); anything else is an ``InvalidPropertyError``, not the TypeError of iterating it."""
+    if isinstance(keys, str):
+        return split_keys(keys)
+    try:
+        return list(keys)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidPropertyError(f"keys must be a string or a list of strings, not {keys!r}") from None
+
+
 def is_system_topic(topic: str) -> bool:
     return topic in SYSTEM_TOPICS or topic.startswith(SYSTEM_TOPIC_PREFIXES)
 
@@ -318,7 +329,7 @@ class MessageEncoder:
 
         user = msg.properties
         if user:
-            properties = self.properties_for(user, msg.tags, msg.key_list())
+            properties = self.properties_for(user, msg.tags, key_list(msg.keys))
             topic, queue_id = self.schedule(topic, queue_id, properties)
             wait_store = properties.get(PropertyName.WAIT, "true").lower() != "false"
         else:
@@ -603,7 +614,7 @@ class MessageEncoder:
                 if not joined or KEY_SEPARATOR in joined or "\x01" in joined or "\x02" in joined:
                     joined = self._joined_keys(keys)
             else:
-                joined = self._joined_keys(split_keys(keys) if isinstance(keys, str) else list(keys))  # type: ignore[arg-type]
+                joined = self._joined_keys(key_list(keys))
             if joined:
                 properties[PropertyName.KEYS] = joined
         properties[PropertyName.UNIQ_KEY] = self.uniq_keys.next()

@@ -31,7 +31,7 @@ from .brokerconfig import (
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
 from .codec.msgid import create_offset_msg_id
-from .codec.record import read_layout
+from .codec.record import MAX_TIME_MS, read_layout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
@@ -44,6 +44,7 @@ from .errors import (
     InvalidQueryError,
     InvalidQueueError,
     InvalidTopicError,
+    MessageIllegalError,
     MessageNotFoundError,
     OffsetOutOfRangeError,
     ReadOnlyStoreError,
@@ -537,7 +538,10 @@ class MessageStore:
         one store timestamp, one segment and, under SYNC_FLUSH, one disk flush. The result is a
         sequence of ``PutMessageResult``, in order, made when first read.
         """
-        msgs = list(msgs)
+        try:
+            msgs = list(msgs)
+        except TypeError:
+            raise MessageIllegalError(f"put_messages takes a list of messages, not {msgs!r}") from None
         if not msgs:
             self._check_open(write=True)
             self.health.check_writable()
@@ -729,6 +733,8 @@ class MessageStore:
         Dispatch runs in the background as in RocketMQ; call this to read your own writes.
         """
         self._check_open()
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+            raise InvalidQueryError(f"timeout must be a number of seconds, not {timeout!r}")
         if self.read_only or self.dispatcher is None:
             return True
         target = self.commit_log.flushed_offset if self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH \
@@ -796,6 +802,8 @@ class MessageStore:
         ``scan_arrow`` columns plus ``queryTopic`` and ``queryKey``): each query's messages oldest first, in
         query order, exactly what one ``query_message`` per pair returns, found and checked in batches."""
         self._check_open()
+        if broker_name is not None:
+            check_str("broker_name", broker_name)
         return self._reader().query_many(queries, max_num, begin, end, include_body=include_body,
                                          broker_name=broker_name)
 
@@ -829,6 +837,8 @@ class MessageStore:
         self._check_open(write=True)
         if now_ms is not None:
             now_ms = check_int("now_ms", now_ms)
+            if not 0 <= now_ms <= MAX_TIME_MS:
+                raise InvalidQueryError(f"now_ms must be an epoch-ms time from 0 to {MAX_TIME_MS}, not {now_ms}")
         dispatcher = self.dispatcher
         with dispatcher.paused() if dispatcher is not None else contextlib.nullcontext():
             return delete_expired_files(self.commit_log, self.queues, self.index, self.config, now_ms=now_ms,
@@ -873,7 +883,22 @@ class MessageStore:
         self._check_open()
         from .codec.batch import message_columns, scan_arrow
 
-        names = message_columns(columns)  # an unknown column fails here, not at the first batch
+        # every argument checked here, not at the first batch (a float offset reached the compiled walk)
+        names = message_columns(columns)
+        max_rows = _check_max_rows(max_rows)
+        if topics is not None and not isinstance(topics, str):
+            try:
+                topics = list(topics)
+            except TypeError:
+                raise InvalidQueryError(f"topics must be a topic or a collection of topics, not {topics!r}") from None
+            for topic in topics:
+                check_str("topic", topic)
+        if begin is not None:
+            begin = check_int("begin", begin, error=OffsetOutOfRangeError)
+            if self.commit_log.min_offset <= begin < self.commit_log.max_offset:
+                self.commit_log.check_record_start(begin)  # as iter_messages: not a record start is no damage
+        if end is not None:
+            end = check_int("end", end, error=OffsetOutOfRangeError)
         return self._while_open(scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body,
                                            max_rows=max_rows, columns=names))
 
@@ -882,8 +907,7 @@ class MessageStore:
         """The messages of one queue from queue offset ``begin`` up to ``end`` as ``pyarrow.RecordBatch``es
         (``scan_arrow``'s columns), queue order: ``get_message``'s answers without a message object each."""
         self._check_open()
-        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
-            raise InvalidQueryError(f"max_rows must be a positive integer, not {max_rows!r}")
+        max_rows = _check_max_rows(max_rows)
         check_str("topic", topic)
         queue_id = check_int("queue_id", queue_id)
         begin = None if begin is None else check_int("begin", begin)
@@ -911,6 +935,15 @@ class MessageStore:
     def __repr__(self) -> str:
         mode = "read-only" if self.read_only else "read-write"
         return f"MessageStore({str(self.root)!r}, {mode}, log=[{self.min_phy_offset}, {self.max_phy_offset}))"
+
+
+MAX_BATCH_ROWS = 1 << 24  # rows a scan's batch may be asked to hold (its buffers are sized by it)
+
+
+def _check_max_rows(max_rows: object) -> int:
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or not 1 <= max_rows <= MAX_BATCH_ROWS:
+        raise InvalidQueryError(f"max_rows must be an integer from 1 to {MAX_BATCH_ROWS}, not {max_rows!r}")
+    return max_rows
 
 
 def _refuse_queue(topic: str, queue_id: int, queues: int, perm: int | None) -> None:

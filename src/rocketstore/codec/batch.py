@@ -64,8 +64,11 @@ def message_columns(columns: Iterable[str] | None) -> tuple[str, ...]:
     """The column names a caller asked for, checked, in its order (None: all of ``MESSAGE_FIELDS``)."""
     if columns is None:
         return MESSAGE_COLUMNS
-    names = (columns,) if isinstance(columns, str) else tuple(columns)
-    unknown = [name for name in names if name not in MESSAGE_SCHEMA.names]
+    try:
+        names = (columns,) if isinstance(columns, str) else tuple(columns)
+    except TypeError:
+        raise InvalidQueryError(f"columns must be a column name or a list of them, not {columns!r}") from None
+    unknown = [name for name in names if not isinstance(name, str) or name not in MESSAGE_SCHEMA.names]
     if unknown or not names or len(set(names)) != len(names):
         problem = f"unknown column {unknown[0]!r}" if unknown else "no column" if not names else "a column twice"
         raise InvalidQueryError(f"{problem} asked for; the columns are {', '.join(MESSAGE_COLUMNS)}")

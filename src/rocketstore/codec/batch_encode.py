@@ -139,6 +139,9 @@ class BatchEncoder:
         for required in ("topic", "body"):
             if required not in table.column_names:
                 raise MessageIllegalError(f"put_batch needs a {required!r} column")
+        twice = sorted({name for name in table.column_names if table.column_names.count(name) > 1})
+        if twice:
+            raise MessageIllegalError(f"put_batch got the column {twice[0]!r} twice")
         unknown = set(table.column_names) - {"topic", "body", *OPTIONAL_COLUMNS}
         if unknown:
             raise MessageIllegalError(f"put_batch does not know the column(s) {sorted(unknown)}; "
@@ -262,16 +265,22 @@ class BatchEncoder:
             raw = np.zeros((n, 20), dtype=np.uint8)
             raw[:, : len(store)] = np.frombuffer(store, dtype=np.uint8)
             return raw, np.full(n, self.encoder.store_host.is_ipv6, dtype=bool)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            raise InvalidFlagError(f"column 'born_host' must be strings (host:port), not {column.type}")
         encoded = column.cast(pa.string()).dictionary_encode()
-        hosts = [Host.parse(text) if text is not None else self.encoder.store_host
-                 for text in encoded.dictionary.to_pylist()]
+        codes = encoded.indices.fill_null(len(encoded.dictionary)).to_numpy(zero_copy_only=False)
+        hosts = []
+        for i, text in enumerate(encoded.dictionary.to_pylist()):
+            try:
+                hosts.append(Host.parse(text) if text is not None else self.encoder.store_host)
+            except InvalidFlagError as exc:  # named by the first row that holds it
+                raise InvalidFlagError(f"row {int(np.flatnonzero(codes == i)[0])}: {exc}") from None
         table = np.zeros((len(hosts) + 1, 20), dtype=np.uint8)
         for i, host in enumerate(hosts):
             b = host.to_bytes()
             table[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
         table[-1, : len(store)] = np.frombuffer(store, dtype=np.uint8)
         v6 = np.array([h.is_ipv6 for h in hosts] + [self.encoder.store_host.is_ipv6], dtype=bool)
-        codes = encoded.indices.fill_null(len(hosts)).to_numpy(zero_copy_only=False)
         return table[codes], v6[codes]
 
     def _tags(self, column: pa.Array | None, n: int) -> _Texts:
