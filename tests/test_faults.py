@@ -135,6 +135,7 @@ STRACE_WRITER = textwrap.dedent("""
     import json, sys
     from rocketstore import FlushDiskType, Message, MessageStore, StoreConfig
     cfg = StoreConfig(flush_disk_type=FlushDiskType.SYNC_FLUSH, mapped_file_size_commit_log=65536,
+                      mapped_file_size_consume_queue=20 * 50, max_hash_slot_num=97, max_index_num=400,
                       flush_interval_consume_queue=3_600_000, flush_consume_queue_thorough_interval=3_600_000)
     store = MessageStore.open(sys.argv[1], cfg)
     for i in range(10):

@@ -31,7 +31,7 @@ from .brokerconfig import (
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
 from .codec.msgid import create_offset_msg_id
-from .codec.record import MAX_TIME_MS, read_layout
+from .codec.record import read_layout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
@@ -55,7 +55,7 @@ from .errors import (
 )
 from .flush import CommitLogFlusher
 from .health import StoreHealth
-from .index.service import IndexService
+from .index.service import IndexService, check_geometry
 from .lifecycle import AbortFile, RedispatchMarker, StoreLock
 from .mapped.file import STAGING_DIR
 from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, PutResults, SysFlag
@@ -145,6 +145,7 @@ class MessageStore:
         if self.read_only:
             if not (self.root / "commitlog").is_dir():
                 raise StoreNotFoundError(f"{self.root} holds no store (no commitlog directory)")
+            check_geometry(self.root / "index", self.config.max_hash_slot_num, self.config.max_index_num)
         else:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -154,6 +155,7 @@ class MessageStore:
             self._lock.acquire()
             _clear_staging(self.root / STAGING_DIR)
             finish_staged(self.root / STAGING_DIR, self.root)  # a rebuild killed mid-swap: its new set goes in
+            check_geometry(self.root / "index", self.config.max_hash_slot_num, self.config.max_index_num)
         abnormal = self._abort.exists()
         for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.timer_offsets,
                             self.subscription_groups):
@@ -837,8 +839,8 @@ class MessageStore:
         self._check_open(write=True)
         if now_ms is not None:
             now_ms = check_int("now_ms", now_ms)
-            if not 0 <= now_ms <= MAX_TIME_MS:
-                raise InvalidQueryError(f"now_ms must be an epoch-ms time from 0 to {MAX_TIME_MS}, not {now_ms}")
+            if not 0 <= now_ms < 1 << 63:  # a long, as RocketMQ's; past it the file times overflowed (EOVERFLOW)
+                raise InvalidQueryError(f"now_ms must be an epoch-ms time from 0 to 2**63-1, not {now_ms}")
         dispatcher = self.dispatcher
         with dispatcher.paused() if dispatcher is not None else contextlib.nullcontext():
             return delete_expired_files(self.commit_log, self.queues, self.index, self.config, now_ms=now_ms,

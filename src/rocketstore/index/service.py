@@ -32,11 +32,11 @@ import numpy as np
 from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
-from ..errors import CorruptDataError, StoreIOError
+from ..errors import ConfigError, CorruptDataError, StoreIOError
 from ..mapped.file import STAGING_DIR, unused_path
 from ..message import SysFlag
 from .bulk import key_candidates, put_hashes
-from .file import INDEX_HEADER_SIZE, IndexFile
+from .file import INDEX_HEADER_SIZE, IndexFile, index_file_size
 
 INDEX_DIR = "index"
 _NAME = re.compile(r"\d{17}")
@@ -77,6 +77,28 @@ def index_keys(uniq_key: str | None, keys: str | None) -> list[str]:
     if keys:
         out.extend(k for k in keys.split(" ") if k)
     return out
+
+
+def check_geometry(directory: Path, hash_slot_num: int, index_num: int) -> None:
+    """Refuse an open whose index geometry is not the files': a file of RocketMQ's size for another geometry
+    (40 + 84 * S bytes: S slots, 4 * S entries) is no damaged file, and taking it for one cost every key query of a
+    read-only open (its file skipped: nothing found) or a writer's whole index (set aside, rebuilt at the wrong
+    size). A damaged file is cut short or grown at any byte, almost never to such a size."""
+    configured = index_file_size(hash_slot_num, index_num)
+    try:
+        entries = [e for e in os.scandir(directory) if _NAME.fullmatch(e.name) and e.is_file()]
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StoreIOError(exc.errno, f"cannot list index directory {directory}: {exc.strerror}") from exc
+    for entry in sorted(entries, key=lambda e: e.name):
+        size = entry.stat().st_size
+        if size != configured and size > 40 and (size - 40) % 84 == 0:
+            slots = (size - 40) // 84
+            raise ConfigError(
+                f"index file {directory / entry.name} is {size} bytes, the size of maxHashSlotNum={slots} and "
+                f"maxIndexNum={4 * slots}, not of the configured max_hash_slot_num={hash_slot_num} and "
+                f"max_index_num={index_num} ({configured} bytes): open with the store's index geometry")
 
 
 class IndexService:
