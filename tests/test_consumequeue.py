@@ -277,3 +277,27 @@ def test_queue_units_get_their_sizes_after_everything_else():
     last_other = max(i for i, (index, _value) in enumerate(log) if index not in size_bytes)
     sized = [i for i, (index, value) in enumerate(log) if index in size_bytes and value]
     assert sized and min(sized) > last_other
+
+
+def test_the_disk_ratio_is_dfs_and_a_root_reserve_does_not_count_as_used(tmp_path, small_config, monkeypatch):
+    """This VM's disk: 66M blocks, 52.7M free, 13.3M available to a user (a root reserve of 39M). ``(total -
+    available) / total`` made it 80% used against df's 51%, over the 75% at which retention deletes an unexpired
+    segment on every pass (every 10 s): a half-full disk lost the oldest messages early."""
+    import os
+
+    from rocketstore import retention
+
+    class Disk:
+        f_blocks, f_bfree, f_bavail, f_frsize = 66_053_021, 52_716_534, 13_261_241, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Disk)
+    assert round(retention.disk_used_ratio(tmp_path), 1) == 50.1  # df's Use% of that disk: 51% (rounded up)
+    with MessageStore.open(tmp_path, small_config.replace(file_reserved_time=72)) as store:
+        for i in range(60):
+            store.put_message(Message("T", b"z" * 300, keys=[f"k{i}"]))
+        store.wait_for_dispatch()
+        segments = len(store.commit_log.mapped_files.files)
+        report = store.delete_expired_files(immediately=True)
+        assert report.commit_log_files == [] and len(store.commit_log.mapped_files.files) == segments > 1
+        Disk.f_bfree, Disk.f_bavail = 9_000_000, 0  # truly full: the oldest segment goes, expired or not
+        assert store.delete_expired_files(immediately=True).commit_log_files == ["00000000000000000000"]
