@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rocketstore import Message, MessageStore, StoreConfig
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=1 << 20, mapped_file_size_consume_queue=20 * 100)
@@ -102,6 +104,51 @@ def test_a_damaged_tail_is_cut_and_re_dispatched_on_a_writer_open(tmp_path):
     with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
         assert bodies(store, "B") == [f"B-{i}".encode() for i in range(11)]
         assert not store.reader.damaged_units
+
+
+def every_body(store: MessageStore, topic: str) -> list[bytes]:
+    """Queue 0's bodies by ``get_message`` pages (one page ends at a queue file's end)."""
+    found, offset = [], 0
+    while True:
+        result = store.get_message(topic, 0, offset, max_msgs=100)
+        found += [m.body for m in result.messages]
+        if result.next_begin_offset <= offset:
+            return found
+        offset = result.next_begin_offset
+
+
+@pytest.mark.parametrize("hole", [(0, 0), (1 << 62, -5), (-1, 100)])  # zeroed; garbage units
+@pytest.mark.parametrize("rolled", [False, True])  # the hole in the last file, or in an earlier one
+def test_a_hole_in_the_middle_of_a_queue_is_re_dispatched_not_reused(tmp_path, hole, rolled):
+    """One invalid unit in the middle of B's queue, with A's queue intact: recovery ended B's queue at the hole
+    (as RocketMQ's does), re-dispatch started after A's last unit, so B's units after the hole were never written
+    again, and the next put to B took the hole's queue offset (5): a duplicate offset, the old message gone from
+    its queue, the new one behind consumers already past 5. With one queue the same damage was repaired."""
+    config = CONFIG.replace(mapped_file_size_consume_queue=20 * 4) if rolled else CONFIG
+    where = {"A": [], "B": []}
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(10):
+            for topic in ("A", "B"):
+                result = store.put_message(Message(topic, f"{topic}-{i}".encode(), queue_id=0))
+                where[topic].append((result.commit_log_offset, result.store_size))
+        store.wait_for_dispatch()
+    at = 5 if not rolled else 2  # rolled: unit 2 of the first 4-unit file, files of units 4..9 after it
+    path = tmp_path / "consumequeue" / "B" / "0" / f"{0:020d}"
+    with open(path, "r+b") as f:
+        f.seek(at * 20)
+        f.write(UNIT.pack(hole[0], hole[1], 0))
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.queue_units_repaired >= 1
+        store.wait_for_dispatch()
+        assert every_body(store, "B") == [f"B-{i}".encode() for i in range(10)]
+        assert store.put_message(Message("B", b"B-10", queue_id=0)).queue_offset == 10
+        store.wait_for_dispatch()
+        assert every_body(store, "B") == [f"B-{i}".encode() for i in range(11)]
+        assert every_body(store, "A") == [f"A-{i}".encode() for i in range(10)]
+    with MessageStore.open(tmp_path, config, read_only=True) as store:
+        assert every_body(store, "B") == [f"B-{i}".encode() for i in range(11)]
+        offsets = [o for b in store.queue_arrow("B", 0) for o in b.column("queueOffset").to_pylist()]
+        assert offsets == list(range(11))
 
 
 # --- an index whose chain forms a cycle ------------------------------------------------------------------

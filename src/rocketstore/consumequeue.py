@@ -47,6 +47,16 @@ log = logging.getLogger(__name__)
 StoreTimeLookup = Callable[[int, int], int]
 
 
+HOLE_LOOKAHEAD = 64 << 10  # bytes after a queue's first invalid unit searched for more units (a damaged page)
+_ZEROS = bytes(HOLE_LOOKAHEAD)
+
+
+def _units_follow(buf, start: int, limit: int) -> bool:
+    """Whether any byte of the ``HOLE_LOOKAHEAD`` after ``start`` is not zero: units written past an invalid one."""
+    end = min(limit, start + HOLE_LOOKAHEAD)
+    return start < end and buf[start:end] != _ZEROS[: end - start]
+
+
 class ConsumeQueue:
     """One topic-queue's units (RocketMQ's ``ConsumeQueue``)."""
 
@@ -62,6 +72,7 @@ class ConsumeQueue:
                                             budget=budget)
         self.max_physic_offset = -1  # end (offset + size) of the last unit's record
         self.min_logic_offset = 0  # bytes
+        self.hole_at = -1  # queue offset where recover found units after an invalid one (damage), else -1
         self.lock = threading.Lock()
 
     # --- load and recovery -------------------------------------------------------------------
@@ -89,6 +100,11 @@ class ConsumeQueue:
                 pos += CQ_UNIT_SIZE
             end = mapped.file_from_offset + pos
             if pos < mapped.file_size:
+                if mapped is not files[-1] or _units_follow(buf, pos + CQ_UNIT_SIZE, mapped.file_size):
+                    # not the queue's end: a hole (a unit zeroed or overwritten). RocketMQ ends the queue here
+                    # and its next put reuses the hole's queue offset; the store re-dispatches from the last
+                    # good unit's record instead (``hole_at``), which writes the lost units again
+                    self.hole_at = end // CQ_UNIT_SIZE
                 break
         self.max_physic_offset = max_physic
         if max_physic < 0 and start > 0:  # only pre-blank units in the scanned files: look further back

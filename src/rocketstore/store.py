@@ -180,7 +180,9 @@ class MessageStore:
             self.queues.destroy_all()
         else:
             self.queues.truncate_dirty(end)
-            self._queue_restart = self._check_queue_tails()
+            holes = self._queue_holes()
+            tails = self._check_queue_tails()
+            self._queue_restart = min((r for r in (holes, tails) if r >= 0), default=-1)
         self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
         self.index.check_chains()  # a damaged newest file is set aside; _reput_start then re-indexes the log
         self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics,
@@ -318,6 +320,21 @@ class MessageStore:
             return None
         req = dispatch_request(mapped.buffer, pos, layout, self.config)
         return req.topic, req.queue_id, req.queue_offset
+
+    def _queue_holes(self) -> int:
+        """Where re-dispatch must start to write again the units of queues that recovery found a hole in (units after
+        an invalid one: the queue was cut there, and a put would have reused the hole's queue offsets): the end of
+        the last good unit's record, or the log's start. -1 when no queue has a hole."""
+        restart = -1
+        for (topic, queue_id), queue in list(self.queues.queues.items()):
+            if queue.hole_at < 0:
+                continue
+            resume = queue.max_physic_offset if queue.max_physic_offset >= 0 else self.commit_log.min_offset
+            log.error("consume queue %s-%d: units after offset %d follow an invalid one (damage); the queue is cut "
+                      "there and re-dispatched from commit-log offset %d", topic, queue_id, queue.hole_at, resume)
+            self.queue_units_repaired += 1
+            restart = resume if restart < 0 else min(restart, resume)
+        return restart
 
     def _check_queue_tails(self, depth: int = 64) -> int:
         """Every queue's last unit must point at its own record. A tail that points elsewhere (damage, or a
