@@ -291,3 +291,30 @@ def test_a_dataset_unreadable_before_anything_is_stored_says_nothing_was(tmp_pat
     with pytest.raises(ConfigError, match=r"cannot be read as messages.*\(nothing imported\)$"):
         import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("bad", ["a key with a space", "a queue the topic lacks"])
+def test_an_import_refused_before_storing_anything_leaves_no_journal(tmp_path, bad):
+    """A row only put_batch refuses (a key with a space; a queueId past the existing topic's queues) in the first
+    batch left importProgress.json behind: every other import into the store was then refused as "an unfinished
+    import", and running the refused one again failed the same way; only --from-row 0 got past it."""
+    root = tmp_path / "s"
+    with MessageStore.open(root, CONFIG) as store:
+        store.create_topic("T", 4)
+        store.put_message(Message("T", b"there before"))
+    columns = {"topic": ["T"] * 100, "body": [b"x"] * 100}
+    if bad == "a key with a space":
+        columns["keys"] = pa.array([["k"]] * 50 + [["a b"]] + [["k"]] * 49, pa.list_(pa.string()))
+    else:
+        columns["queueId"] = pa.array([0] * 50 + [500] + [0] * 49, pa.int32())
+    write(tmp_path / "bad" / "p.parquet", **columns)
+    write(tmp_path / "ok" / "p.parquet", topic=["T"] * 10, body=[b"ok"] * 10)
+    before = files_of(root)
+    done = cli("import", "--no-spark", "--parquet", str(tmp_path / "bad"), "--store", str(root), *GEOMETRY,
+               check=False)
+    assert done.returncode == 1 and done.stderr.endswith("(nothing imported)\n"), done.stderr
+    assert "row 50: " in done.stderr and "Traceback" not in done.stderr
+    assert not (root / "importProgress.json").exists() and files_of(root) == before
+    report = import_parquet(tmp_path / "ok", root, config=CONFIG)
+    assert (report.skipped, report.rows) == (0, 10)
+    assert [m.body for m in stored(root)] == [b"there before"] + [b"ok"] * 10

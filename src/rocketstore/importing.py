@@ -171,10 +171,16 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                     except RocketStoreError as exc:
                         raise _with_the_count(exc, report) from exc
                     store.flush()  # the rows the journal counts are on the disk before it says so (power loss)
+                    log_end = store.commit_log.max_offset
                     journal.record(ImportProgress(
-                        source, report.skipped + report.rows, store.commit_log.max_offset, table.num_rows,
+                        source, report.skipped + report.rows, log_end, table.num_rows,
                         table.column("topic")[0].as_py(), ImportProgress.body_crc(table.column("body")[0].as_py())))
-                    _put(store, table, report, progress)
+                    try:
+                        _put(store, table, report, progress)
+                    except RocketStoreError:
+                        if not report.skipped + report.rows and store.commit_log.max_offset == log_end:
+                            journal.clear()  # refused before any of its rows was stored: nothing to go on from
+                        raise
             journal.clear()
     except BaseException:
         if fresh and not report.rows:  # an import into a new path that stored nothing leaves no store skeleton
@@ -219,9 +225,10 @@ def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: P
         first = report.skipped + report.rows  # rows are named by their place in the dataset
         where = (f"row {first + int(found[1])}: {text[found.end():]}" if found else
                  f"rows {first}..{first + table.num_rows - 1}: {text}")
-        raise type(exc)(f"{where} (nothing of rows {first}..{first + table.num_rows - 1} stored; "
-                        f"the {first} rows before them are: to finish, import from row {first} on, "
-                        f"--from-row {first})") from exc
+        if not first:
+            raise type(exc)(f"{where} (nothing imported)") from exc
+        raise type(exc)(f"{where} (rows {first}..{first + table.num_rows - 1} not stored, the {first} before them "
+                        f"are: once the data is fixed, import from row {first} on: --from-row {first})") from exc
     report.rows += table.num_rows
     report.batches += 1
     offsets = result.commit_log_offsets

@@ -603,7 +603,13 @@ class MessageStore:
         self._check_open(write=True)
         self.health.check_writable()
         batch = self._batch_encoder().encode(table)
-        missing = self._check_topics(batch.queue_checks)
+        try:
+            missing = self._check_topics(batch.queue_checks)
+        except RocketStoreError as exc:  # named by its first row, as the encoder's own refusals are
+            row = self._first_refused_row(batch)
+            if row is None:
+                raise
+            raise type(exc)(f"row {row}: {exc}") from None
         if missing is not None:  # only once every row passed: a refused table creates no topic
             self._create_topics(missing)
         phys, queue_offsets, store_ts = self.commit_log.append_batch(batch)
@@ -628,6 +634,20 @@ class MessageStore:
 
             self._batch = BatchEncoder(self.encoder)
         return self._batch
+
+    def _first_refused_row(self, batch) -> int | None:
+        """The first row of ``batch`` whose (topic, queue) the topic rules refuse: each distinct pair checked alone,
+        in the order of its first row."""
+        import numpy as np
+
+        pairs = batch.topic_index.astype(np.int64) << 32 | batch.queue_ids.astype(np.int64)
+        _unique, first = np.unique(pairs, return_index=True)
+        for row in np.sort(first).tolist():
+            try:
+                self._check_topics([(batch.topics[int(batch.topic_index[row])], int(batch.queue_ids[row]))])
+            except RocketStoreError:
+                return row
+        return None
 
     def _check_topics(self, checks: Iterable[tuple[str, int]]) -> list[tuple[str, int]] | None:
         """RocketMQ's topic rules for every topic of a put: an unknown topic is to be created
