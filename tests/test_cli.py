@@ -421,6 +421,24 @@ def test_verify_finds_a_bad_crc_in_any_segment(store, tmp_path):
     assert "CRC" in problems[0]["detail"] and problems[0]["path"].endswith(segment.name)
 
 
+def test_verify_with_its_output_closed_still_exits_1_on_a_damaged_store(store, tmp_path):
+    """`verify | head -1` under pipefail exited 0 on a damaged store: the broken pipe ended the command "quietly,
+    like any Unix tool", before the exit status that says whether the store is sound."""
+    copy, results = damaged_copy(store, tmp_path)
+    segment = copy / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[results[3].commit_log_offset + 90] ^= 0x55
+    segment.write_bytes(bytes(data))
+    for damaged in (copy, store[0]):
+        for form in ([], ["--json"]):
+            proc = subprocess.Popen([sys.executable, "-m", "rocketstore.cli.app", "verify", "--store", str(damaged),
+                                     *form], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            proc.stdout.close()  # the reader is gone before the first line
+            _out, err = proc.communicate(timeout=120)
+            assert proc.returncode == (1 if damaged == copy else 0), err
+            assert b"Traceback" not in err
+
+
 def test_verify_finds_a_damaged_queue_unit(store, tmp_path):
     copy, results = damaged_copy(store, tmp_path)
     unit_file = copy / "consumequeue" / "Topic1" / "2" / f"{0:020d}"
@@ -683,3 +701,29 @@ def test_a_spark_command_stops_its_session_quietly_before_the_process_exits(monk
     monkeypatch.setattr(app.atexit, "register", lambda fn, *args: registered.append((fn, args)))
     assert app._spark("local[1]", False, False) == "the session"
     assert registered == [(session.stop_quietly, ("the session",))]
+
+
+def test_refused_writing_commands_on_a_new_path_leave_nothing_and_serve_checks_options_first(tmp_path):
+    """A refused put or topic create on a mistyped --store left a directory of a lock and a checkpoint; serve with
+    a port past 65535 listened on that port modulo 65536, a negative or NaN --stats-interval failed only after the
+    store opened (and wrote the transaction topics into it); demo --messages 0 failed with "list index out of
+    range" and left a store."""
+    new = tmp_path / "new"
+    refused = [(["put", "-t", "a/b", "-b", "x"], None), (["topic", "create", "-t", "SCHEDULE_TOPIC_XXXX"], None),
+               (["put"], '{"topic": "T", "body": "x", "keys": ["a b"]}\n')]
+    for args, stdin in refused:
+        done = cli(*args, "--store", str(new), stdin=stdin, check=False)
+        assert done.returncode == 1 and done.stderr.startswith("error: "), done.stderr
+        assert not new.exists(), args
+    assert cli("put", "-t", "T", "-b", "kept", "--store", str(new)).returncode == 0
+    assert cli("put", "-t", "a/b", "-b", "x", "--store", str(new), check=False).returncode == 1
+    assert (new / "commitlog").is_dir()  # an existing store stays, of course
+    before = tree(new)
+    for args in (["--listen", "127.0.0.1:99999"], ["--listen", "256.1.1.1:8081"], ["--stats-interval", "-1"],
+                 ["--stats-interval", "nan"]):
+        done = cli("serve", *args, "--store", str(new), check=False)
+        assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr
+        assert tree(new) == before, args
+    done = cli("demo", "--no-spark", "--store", str(tmp_path / "demo"), "--messages", "0", check=False)
+    assert done.returncode == 2 and "0 is not in the range" in done.stderr
+    assert not (tmp_path / "demo").exists()

@@ -12,7 +12,9 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +72,13 @@ def fails_cleanly(command):
     return wrapper
 
 
+def _finite(_ctx, param, value):
+    """click's FloatRange lets NaN through (every comparison with it is false)."""
+    if value is not None and math.isnan(value):
+        raise click.BadParameter("not a number", param=param)
+    return value
+
+
 def store_options(command):
     """--store plus the settings that describe a store's geometry."""
     command = click.option("--mapped-file-size-commit-log", type=click.IntRange(1024, (1 << 31) - 1), default=None,
@@ -117,6 +126,22 @@ def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int |
     base = StoreConfig(**broker_sizes(values))  # type: ignore[arg-type]
     # what the broker.conf and the flags name wins over what the files suggest
     return root, detect_config(root, base, explicit=values) if root.exists() else base
+
+
+@contextlib.contextmanager
+def writer_store(root: Path, config: StoreConfig) -> Iterator[MessageStore]:
+    """The store a writing command opens, created if missing; one this command created is removed again when the
+    command fails before anything was stored in it (a refused put on a mistyped --store left a directory of a
+    lock and a checkpoint, which later commands took for a store)."""
+    existed = root.exists()
+    try:
+        with MessageStore.open(root, config) as store:
+            yield store
+    except BaseException:
+        if not existed and root.is_dir() and not any((root / "commitlog").glob("[0-9]*")) \
+                and not (root / "config").exists():
+            shutil.rmtree(root, ignore_errors=True)
+        raise
 
 
 @contextlib.contextmanager
@@ -209,7 +234,7 @@ def put(topic, body, keys, tags, props, queue_id, as_json, **kwargs) -> None:
     messages = [_message_from_options(topic, body, keys, tags, props, queue_id)] if topic else list(_stdin_messages())
     if not messages:
         raise Failure("nothing to put: give -t TOPIC -b BODY, or JSON lines on stdin")
-    with MessageStore.open(root, config) as store:
+    with writer_store(root, config) as store:
         results = store.put_messages(messages)
     for msg, result in zip(messages, results, strict=True):
         if as_json:
@@ -622,18 +647,21 @@ def verify(as_json, **kwargs) -> None:
     root, config = config_for(**_store_args(kwargs))
     with progress_bar("verify") as progress:
         report = verify_store(root, config, progress=progress)
-    for problem in report.problems:
-        if as_json:
-            emit_json(problem.as_dict())
-        else:
-            click.echo(str(problem))
-    if report.live:
-        click.echo(f"store is live (locked by a writer): checked the snapshot up to commit-log offset "
-                   f"{report.snapshot_end}", err=as_json)
-    shown = "" if len(report.problems) == report.problem_count else f" (the first {len(report.problems)} listed)"
-    summary = (f"checked {report.records} records, {report.queue_units} queue units, {report.index_entries} index "
-               f"entries: {report.problem_count} problem(s){shown}")
-    click.echo(summary, err=as_json)
+    try:
+        for problem in report.problems:
+            if as_json:
+                emit_json(problem.as_dict())
+            else:
+                click.echo(str(problem))
+        if report.live:
+            click.echo(f"store is live (locked by a writer): checked the snapshot up to commit-log offset "
+                       f"{report.snapshot_end}", err=as_json)
+        shown = "" if len(report.problems) == report.problem_count else f" (the first {len(report.problems)} listed)"
+        summary = (f"checked {report.records} records, {report.queue_units} queue units, {report.index_entries} "
+                   f"index entries: {report.problem_count} problem(s){shown}")
+        click.echo(summary, err=as_json)
+    except BrokenPipeError:  # `verify | head -1`: the exit status still says whether the store is sound
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if not report.clean:
         sys.exit(1)
 
@@ -684,7 +712,7 @@ def topic_list(as_json, **kwargs) -> None:
 def topic_create(name, write_queues, read_queues, **kwargs) -> None:
     """Create or update a topic."""
     root, config = config_for(**_store_args(kwargs), must_exist=False)
-    with MessageStore.open(root, config) as store:
+    with writer_store(root, config) as store:
         store.create_topic(name, write_queues, read_queues=read_queues)
     click.echo(f"create topic {name}: {write_queues} write queues, {read_queues or write_queues} read queues")
 
@@ -1006,7 +1034,7 @@ Clients: an official RocketMQ 5 client with endpoints 127.0.0.1:8081 (no TLS).
               help="require signed calls; one 'ACCESS_KEY SECRET_KEY' per line")
 @click.option("--transaction-check-seconds", type=click.FloatRange(0.1, 86_400), default=6.0, show_default=True,
               help="ask the producer about a transaction left open this long (then every as long again)")
-@click.option("--stats-interval", type=float, default=None,
+@click.option("--stats-interval", type=click.FloatRange(0.1, 86_400), default=None, callback=_finite,
               help="seconds between sends/s, receives/s, in-flight lines (default: 5 on a terminal, else off)")
 @fails_cleanly
 def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, access_key, secret_key, accounts_file,
@@ -1030,6 +1058,9 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
     if accounts_file is not None or access_key is not None:
         pairs = Accounts.from_file(accounts_file).secrets if accounts_file is not None else {}
         accounts = Accounts({**pairs, **({access_key: secret_key} if access_key is not None else {})})
+    from ..server import parse_listen
+
+    parse_listen(listen)  # before the store opens: a refused serve changes nothing
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     if sync_flush:
         config = config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
@@ -1076,7 +1107,8 @@ Examples:
   rocketstore demo --store /tmp/demo --no-spark
 """)
 @click.option("--store", "store_dir", default="demo-store", show_default=True, help="where to build it")
-@click.option("--messages", type=int, default=5000, show_default=True, help="how many messages")
+@click.option("--messages", type=click.IntRange(1, 100_000_000), default=5000, show_default=True,
+              help="how many messages")
 @master_option
 @click.option("--no-spark", is_flag=True, help="skip the Spark step")
 @fails_cleanly

@@ -29,6 +29,23 @@ WORKER_THREADS = 32
 STOP_GRACE_S = 5.0
 
 
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``--listen``'s HOST:PORT checked before a store opens: a port past 65535 was bound modulo 65536 by grpc (99999
+    listened on 34463), and an impossible IPv4 address failed in grpc's C core with a line of its own."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--listen takes HOST:PORT, a port from 0 to 65535 (e.g. 127.0.0.1:8081), not {listen!r}")
+    bare = host.strip("[]")
+    if bare.replace(".", "").isdigit():
+        import ipaddress
+
+        try:
+            ipaddress.IPv4Address(bare)
+        except ValueError:
+            raise ConfigError(f"--listen: {host} is not an IPv4 address") from None
+    return host, int(port)
+
 class Server:
     """A gRPC server of ``MessagingService`` over ``store`` (which stays the caller's to close).
 
@@ -42,9 +59,7 @@ class Server:
                  max_calls: int = MAX_CALLS, service: MessagingService | None = None) -> None:
         if store.read_only:
             raise ConfigError("rocketstore serve needs a writable store (it stores what clients send)")
-        host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"--listen takes HOST:PORT (e.g. 127.0.0.1:8081), not {listen!r}")
+        host, _port = parse_listen(listen)
         self.store = store
         self.service = service or MessagingService(store, auto_create_topics=auto_create_topics,
                                                    max_attempts=max_attempts,
