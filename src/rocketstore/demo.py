@@ -26,7 +26,7 @@ QUEUES = 4
 def _prepare(root: Path) -> None:
     if root.exists():
         if not (root / MARKER).exists() and any(root.iterdir()):
-            raise SystemExit(f"demo: {root} exists and is not a demo store; choose another --store")
+            raise SystemExit(f"error: {root} exists and is not a demo store; choose another --store")
         shutil.rmtree(root)
     root.mkdir(parents=True)
     (root / MARKER).write_text("created by rocketstore.demo; safe to delete\n")

@@ -62,7 +62,8 @@ class StoreLock:
                     if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                         raise StoreLockedError(
                             f"{self.path.parent} is locked by another writer (a rocketstore process or a "
-                            f"RocketMQ broker); open it with read_only=True to read it") from None
+                            f"RocketMQ broker); it can still be read: the query commands, or MessageStore.open(..., "
+                            f"read_only=True)") from None
                     raise
                 _held.add(key)
             if st.st_size == 0:
