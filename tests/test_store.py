@@ -816,3 +816,21 @@ def test_more_bad_arguments_are_typed_errors_that_write_nothing(tmp_path):
             assert issubclass(error, RocketStoreError)
         assert store.max_phy_offset == stored.store_size
         assert [m.body for m in store.query_message("T", "k")] == [b"hello"]
+
+
+def test_an_abort_that_cannot_be_written_refuses_the_open_before_recovery_changes_anything(tmp_path, small_config):
+    """``abort`` as a directory: the open ran an abnormal recovery (re-indexing records) and only then failed to write
+    the file, so a refused command had changed the index."""
+    from rocketstore.errors import StoreIOError
+    from test_cli import tree
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.put_message(Message("T", b"x", keys=["k"]))
+    (tmp_path / "abort").mkdir()
+    before = tree(tmp_path)
+    with pytest.raises(StoreIOError, match="not a regular file"):
+        MessageStore.open(tmp_path, small_config)
+    assert tree(tmp_path) == before
+    (tmp_path / "abort").rmdir()
+    with MessageStore.open(tmp_path, small_config) as store:
+        assert [m.body for m in store.query_message("T", "k")] == [b"x"]

@@ -136,6 +136,14 @@ class AbortFile:
     def exists(self) -> bool:
         return self.path.exists()
 
+    def check_writable(self) -> None:
+        """Before a writer's recovery: an ``abort`` that is no regular file (a directory, a dangling link) cannot be
+        written at the end of the open, which then failed after recovery had re-indexed records (a refused open
+        that changed the index)."""
+        if (self.path.exists() or self.path.is_symlink()) and not self.path.is_file():
+            raise StoreIOError(errno.EISDIR if self.path.is_dir() else errno.EINVAL,
+                               f"cannot write {self.path}: it is not a regular file")
+
     def create(self) -> None:
         """Keep the old content as ``abort.bak`` and write this process's PID."""
         try:

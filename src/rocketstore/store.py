@@ -156,6 +156,7 @@ class MessageStore:
             _clear_staging(self.root / STAGING_DIR)
             finish_staged(self.root / STAGING_DIR, self.root)  # a rebuild killed mid-swap: its new set goes in
             check_geometry(self.root / "index", self.config.max_hash_slot_num, self.config.max_index_num)
+            self._abort.check_writable()
         abnormal = self._abort.exists()
         for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.timer_offsets,
                             self.subscription_groups):
