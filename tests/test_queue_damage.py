@@ -119,7 +119,7 @@ def every_body(store: MessageStore, topic: str) -> list[bytes]:
 
 @pytest.mark.parametrize("hole", [(0, 0), (1 << 62, -5), (-1, 100)])  # zeroed; garbage units
 @pytest.mark.parametrize("rolled", [False, True])  # the hole in the last file, or in an earlier one
-def test_a_hole_in_the_middle_of_a_queue_is_re_dispatched_not_reused(tmp_path, hole, rolled):
+def test_a_hole_in_the_middle_of_a_queue_is_re_dispatched_not_reused(tmp_path, hole, rolled, caplog):
     """One invalid unit in the middle of B's queue, with A's queue intact: recovery ended B's queue at the hole
     (as RocketMQ's does), re-dispatch started after A's last unit, so B's units after the hole were never written
     again, and the next put to B took the hole's queue offset (5): a duplicate offset, the old message gone from
@@ -137,6 +137,9 @@ def test_a_hole_in_the_middle_of_a_queue_is_re_dispatched_not_reused(tmp_path, h
     with open(path, "r+b") as f:
         f.seek(at * 20)
         f.write(UNIT.pack(hole[0], hole[1], 0))
+    with MessageStore.open(tmp_path, config, read_only=True) as store:  # cannot repair: says so
+        assert every_body(store, "B") == [f"B-{i}".encode() for i in range(at)]
+    assert f"consume queue B-0: an invalid unit at offset {at} has units after it" in caplog.text
     with MessageStore.open(tmp_path, config) as store:
         assert store.queue_units_repaired >= 1
         store.wait_for_dispatch()

@@ -177,6 +177,11 @@ class MessageStore:
             # the queues were loaded after the log: a live writer's units for records past this reader's log end
             # are forgotten (in memory only: a read-only queue never writes or deletes), not served as unreadable
             self.queues.truncate_dirty(end)
+            for (topic, queue_id), queue in self.queues.queues.items():
+                if queue.hole_at >= 0:
+                    log.warning("consume queue %s-%d: an invalid unit at offset %d has units after it (damage); this "
+                                "read-only open serves the queue up to it, a writer's open re-dispatches the rest",
+                                topic, queue_id, queue.hole_at)
         elif not self.commit_log.mapped_files.files:
             self.queues.destroy_all()
         else:
