@@ -106,6 +106,25 @@ def test_a_damaged_tail_is_cut_and_re_dispatched_on_a_writer_open(tmp_path):
         assert not store.reader.damaged_units
 
 
+@pytest.mark.parametrize("reader", ["get_message", "queue_arrow"])
+@pytest.mark.parametrize("where", ["past the log's end", "inside a record"])
+def test_a_unit_pointing_where_no_record_starts_is_restored_by_a_writer(tmp_path, reader, where):
+    """A unit repointed past the log's end (or into the middle of a record) was skipped on every read, by writers
+    too, and its message never served again; one pointing at another queue's record was already restored."""
+    where_b = build(tmp_path)
+    phy = 10 ** 9 if where == "past the log's end" else where_b["A"][4][0] + 7
+    point_unit(tmp_path, "B", 4, phy, 100)
+    read = bodies if reader == "get_message" else batch_bodies
+    expected = [f"B-{i}".encode() for i in range(10)]
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:  # a reader cannot repair: it skips the unit
+        assert read(store, "B") == expected[:4] + expected[5:]
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert read(store, "B") == expected
+        assert store.queue_units_repaired == 1
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:  # the unit itself was rewritten
+        assert bodies(store, "B") == expected and batch_bodies(store, "B") == expected
+
+
 def every_body(store: MessageStore, topic: str) -> list[bytes]:
     """Queue 0's bodies by ``get_message`` pages (one page ends at a queue file's end)."""
     found, offset = [], 0

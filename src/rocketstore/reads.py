@@ -147,10 +147,13 @@ class StoreReader:
                 if phy < self.commit_log.min_offset:  # retention deleted its segment since log_min was read
                     result.status = GetMessageStatus.MESSAGE_WAS_REMOVING
                     continue
-                log.error("%s-%d offset %d: skipping the unreadable record at commit-log offset %d: %s", topic,
-                          queue_id, offset + i, phy, exc)
-                result.unreadable.append(phy)
-                continue
+                repaired = self._unit_to_nothing(topic, queue_id, offset + i, exc)
+                if repaired is None:
+                    log.error("%s-%d offset %d: skipping the unreadable record at commit-log offset %d: %s", topic,
+                              queue_id, offset + i, phy, exc)
+                    result.unreadable.append(phy)
+                    continue
+                msg = repaired
             if (msg.topic, msg.queue_id, msg.queue_offset) != (topic, queue_id, offset + i):
                 msg = self._misdirected(topic, queue_id, offset + i, msg)
                 if msg is None:
@@ -211,28 +214,37 @@ class StoreReader:
                                 include_body=include_body, broker_name=broker_name)
             record_phy = records.column("commitLogOffset").to_numpy()
             row = np.minimum(np.searchsorted(record_phy, phy), max(len(record_phy) - 1, 0))
-            read = (row < len(record_phy)) & (record_phy[row] == phy) if len(record_phy) else np.zeros(0, bool)
+            read = (row < len(record_phy)) & (record_phy[row] == phy) if len(record_phy) else \
+                np.zeros(len(phy), bool)
+            restored = []  # units where no record starts, repaired by a writer: (queue offset, message)
+            if self.repair_unit is not None and not read.all():
+                for unread_phy, unread_at in zip(phy[~read].tolist(), queue_offsets[~read].tolist(), strict=True):
+                    msg = self._unreadable_unit(topic, queue_id, unread_at, unread_phy)
+                    if msg is not None:
+                        restored.append((unread_at, msg))
             row, phy, queue_offsets = row[read], phy[read], queue_offsets[read]
             picked = records.take(pa.array(row, pa.int64()))
             right = (pc.equal(picked.column("topic"), topic).to_numpy(zero_copy_only=False)
                      & (picked.column("queueId").to_numpy() == queue_id)
                      & (picked.column("queueOffset").to_numpy() == queue_offsets))
-            if not right.all():
+            if not right.all() or restored:
                 picked = self._without_misdirected(picked, right, topic, queue_id, queue_offsets, include_body,
-                                                   broker_name, message_row, rows_batch)
+                                                   broker_name, message_row, rows_batch, restored)
             if wanted is not None and picked.num_rows:  # the tags code matched; a collision must not
                 picked = picked.filter(pc.is_in(picked.column("tags"), pa.array(sorted(wanted), pa.string())))
             if picked.num_rows:
                 yield picked
 
     def _without_misdirected(self, picked, right, topic: str, queue_id: int, queue_offsets, include_body: bool,
-                             broker_name: str | None, message_row, rows_batch):
+                             broker_name: str | None, message_row, rows_batch, restored=()):
         """``queue_arrow``'s rows whose unit points at another record: reported as damage (``_misdirected``) and
-        dropped, or replaced by the right record where a writer repairs the unit."""
+        dropped, or replaced by the right record where a writer repairs the unit; ``restored``: (queue offset,
+        message) of units that pointed where no record starts, repaired, put in their places."""
         import numpy as np
         import pyarrow as pa
 
-        repaired_rows, repaired_at = [], []
+        repaired_rows = [message_row(msg, include_body, broker_name) for _at, msg in restored]
+        repaired_at = [at for at, _msg in restored]
         for i in np.flatnonzero(~right).tolist():
             found = self.commit_log.get_message(picked.column("commitLogOffset")[i].as_py())
             msg = self._misdirected(topic, queue_id, int(queue_offsets[i]), found)
@@ -246,6 +258,25 @@ class StoreReader:
         order = np.argsort(np.concatenate([queue_offsets[right], repaired_at]), kind="stable")
         merged = both.take(pa.array(order))
         return pa.RecordBatch.from_arrays([c.combine_chunks() for c in merged.columns], schema=kept.schema)
+
+    def _unit_to_nothing(self, topic: str, queue_id: int, queue_offset: int, exc: Exception) -> MessageExt | None:
+        """A unit where no record starts (past the log's end, inside a record) is damage to the unit, which a
+        writer repairs as it repairs one pointing at another queue's record (a damaged record is not the unit's
+        fault: None). It was skipped on every read, its message never served again."""
+        if self.repair_unit is None or not isinstance(exc, MessageNotFoundError) \
+                or isinstance(exc, SegmentDeletedError):
+            return None
+        return self.repair_unit(topic, queue_id, queue_offset)
+
+    def _unreadable_unit(self, topic: str, queue_id: int, queue_offset: int, phy: int) -> MessageExt | None:
+        """``_unit_to_nothing`` for a unit the batch read left out (it cannot say why): asked of the record codec."""
+        if phy < self.commit_log.min_offset:
+            return None
+        try:
+            self.commit_log.get_message(phy)
+        except (MessageNotFoundError, CorruptDataError) as exc:
+            return self._unit_to_nothing(topic, queue_id, queue_offset, exc)
+        return None  # readable now (a race with a write): the next read serves it
 
     def _misdirected(self, topic: str, queue_id: int, queue_offset: int, found: MessageExt) -> MessageExt | None:
         """A unit that points at a record of another queue (or another offset of this one) is damage: the record
