@@ -125,6 +125,37 @@ def test_a_unit_pointing_where_no_record_starts_is_restored_by_a_writer(tmp_path
         assert bodies(store, "B") == expected and batch_bodies(store, "B") == expected
 
 
+@pytest.mark.parametrize("lost", ["the last file", "the directory"])
+def test_a_queue_that_lost_its_last_files_is_re_dispatched_not_reused(tmp_path, lost, caplog):
+    """After a clean close, B's last queue file (or its whole directory) deleted: the writer's open took B for a
+    queue ending there, re-dispatched only after A's units, and the next put to B reused a queue offset a record
+    in the log already had. The close records every queue's end (queueEnds.json); a queue short of it is
+    re-dispatched from its last unit."""
+    import shutil
+
+    config = CONFIG.replace(mapped_file_size_consume_queue=20 * 4)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(10):
+            for topic in ("A", "B"):
+                store.put_message(Message(topic, f"{topic}-{i}".encode(), queue_id=0))
+    queue_dir = tmp_path / "consumequeue" / "B" / "0"
+    if lost == "the last file":
+        (queue_dir / f"{160:020d}").unlink()  # units 8 and 9
+    else:
+        shutil.rmtree(queue_dir)
+    with MessageStore.open(tmp_path, config, read_only=True):
+        pass
+    assert "consume queue B-0 ended at offset 10 when the store was last closed" in caplog.text
+    with MessageStore.open(tmp_path, config) as store:
+        store.wait_for_dispatch()
+        assert every_body(store, "B") == [f"B-{i}".encode() for i in range(10)]
+        assert store.put_message(Message("B", b"B-10", queue_id=0)).queue_offset == 10
+        store.wait_for_dispatch()
+        assert every_body(store, "A") == [f"A-{i}".encode() for i in range(10)]
+    with MessageStore.open(tmp_path, config, read_only=True) as store:
+        assert every_body(store, "B") == [f"B-{i}".encode() for i in range(11)]
+
+
 def every_body(store: MessageStore, topic: str) -> list[bytes]:
     """Queue 0's bodies by ``get_message`` pages (one page ends at a queue file's end)."""
     found, offset = [], 0

@@ -12,6 +12,7 @@ written last, so a unit torn by a crash is never valid. A queue whose first file
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import struct
@@ -25,11 +26,12 @@ import numpy as np
 from .codec._kernels import put_queue_units
 from .config import StoreConfig
 from .errors import CorruptDataError
-from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, retry_evicted, unused_path
+from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, replace_file, retry_evicted, unused_path
 from .mapped.file_queue import MappedFileQueue
 
 CQ_UNIT_SIZE = 20
 CONSUMEQUEUE_DIR = "consumequeue"
+QUEUE_ENDS_FILE = "queueEnds.json"  # rocketstore's: every queue's end at the last clean close (RocketMQ ignores it)
 UNIT_FMT = ">qiq"
 _UNIT = struct.Struct(UNIT_FMT)
 _HEAD = struct.Struct(">q")  # offset
@@ -531,6 +533,29 @@ class ConsumeQueueTable:
 
     def topics(self) -> list[str]:
         return sorted({topic for topic, _ in self.queues})
+
+    # --- the queues' ends at a clean close ----------------------------------------------------
+
+    def save_ends(self) -> None:
+        """Write every queue's end (``QUEUE_ENDS_FILE``) at a clean close: the next open can then tell a queue that
+        lost its last files (a deleted file or directory) from one that ends there, which the files alone cannot."""
+        ends: dict[str, dict[str, int]] = {}
+        for (topic, queue_id), queue in sorted(self.queues.items()):
+            ends.setdefault(topic, {})[str(queue_id)] = queue.max_offset_in_queue
+        replace_file(self.root / QUEUE_ENDS_FILE, json.dumps({"version": 1, "ends": ends}).encode())
+
+    def saved_ends(self) -> dict[tuple[str, int], int]:
+        """The ends the last clean close wrote; empty when there are none or they do not read (they only help)."""
+        try:
+            data = json.loads((self.root / QUEUE_ENDS_FILE).read_bytes())
+            return {(topic, int(queue_id)): int(end) for topic, queues in data["ends"].items()
+                    for queue_id, end in queues.items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("%s does not read (%s): queues that lost their last files are not found", QUEUE_ENDS_FILE,
+                        exc)
+            return {}
 
     def flush(self, least_pages: int = 0) -> None:
         for queue in list(self.queues.values()):

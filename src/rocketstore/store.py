@@ -177,6 +177,12 @@ class MessageStore:
             # the queues were loaded after the log: a live writer's units for records past this reader's log end
             # are forgotten (in memory only: a read-only queue never writes or deletes), not served as unreadable
             self.queues.truncate_dirty(end)
+            for (topic, queue_id), end in self.queues.saved_ends().items():
+                queue = self.queues.get(topic, queue_id)
+                if (queue.max_offset_in_queue if queue is not None else 0) < end:
+                    log.warning("consume queue %s-%d ended at offset %d when the store was last closed and ends "
+                                "before it now (files lost): this read-only open serves what is left, a writer's "
+                                "open re-dispatches the rest", topic, queue_id, end)
             for (topic, queue_id), queue in self.queues.queues.items():
                 if queue.hole_at >= 0:
                     log.warning("consume queue %s-%d: an invalid unit at offset %d has units after it (damage); this "
@@ -187,8 +193,9 @@ class MessageStore:
         else:
             self.queues.truncate_dirty(end)
             holes = self._queue_holes()
+            lost = self._queues_short_of_their_ends()  # before the tails are checked: a cut tail is not a lost file
             tails = self._check_queue_tails()
-            self._queue_restart = min((r for r in (holes, tails) if r >= 0), default=-1)
+            self._queue_restart = min((r for r in (holes, tails, lost) if r >= 0), default=-1)
         self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
         self.index.check_chains()  # a damaged newest file is set aside; _reput_start then re-indexes the log
         self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics,
@@ -326,6 +333,26 @@ class MessageStore:
             return None
         req = dispatch_request(mapped.buffer, pos, layout, self.config)
         return req.topic, req.queue_id, req.queue_offset
+
+    def _queues_short_of_their_ends(self) -> int:
+        """Where re-dispatch must start for queues that end before the end the last clean close recorded (their last
+        files or their directory lost): after the last unit they kept, or the log's start. A queue cut short was
+        taken for one ending there, the next put reused its queue offsets, and re-dispatch, which starts after the
+        longest queue, never wrote the lost units again. -1 when every queue reaches its recorded end."""
+        restart = -1
+        for (topic, queue_id), end in self.queues.saved_ends().items():
+            queue = self.queues.get(topic, queue_id)
+            have = queue.max_offset_in_queue if queue is not None else 0
+            if have >= end:
+                continue
+            resume = queue.max_physic_offset if queue is not None and queue.max_physic_offset >= 0 \
+                else self.commit_log.min_offset
+            log.error("consume queue %s-%d ends at offset %d, but it ended at %d when the store was last closed (its "
+                      "last files are gone): re-dispatched from commit-log offset %d", topic, queue_id, have, end,
+                      resume)
+            self.queue_units_repaired += end - have
+            restart = resume if restart < 0 else min(restart, resume)
+        return restart
 
     def _queue_holes(self) -> int:
         """Where re-dispatch must start to write again the units of queues that recovery found a hole in (units after
@@ -507,6 +534,7 @@ class MessageStore:
                     step(self._flush_queues_and_index)
                     clean = not errors and self.health.healthy and not self._derived_flush_failed
                     if clean and self.dispatcher.behind_bytes() == 0:  # else the next open re-dispatches
+                        step(self.queues.save_ends)
                         step(self._abort.delete)
             finally:
                 self._release()
