@@ -452,3 +452,38 @@ def test_following_the_log_end_finds_what_a_recovery_finds_walking_only_the_new_
     segment.write_bytes(bytes(data))
     assert followed(later) == end, "a record still being written is not part of the log yet"
     assert followed(10 * 4096 * 1000) is None
+
+
+LAGGING_WRITER = """
+import os, signal, sys
+from rocketstore import Message, MessageStore, StoreConfig
+store = MessageStore.open(sys.argv[1], StoreConfig(mapped_file_size_commit_log=1 << 20))
+for i in range(100):
+    store.put_message(Message("T", b"x", keys=[f"k{i}"]))
+store.wait_for_dispatch()
+store.dispatcher.dispatch_available = lambda: 0  # dispatch stops here (it may lag up to 16 MB)
+for i in range(100, 150):
+    store.put_message(Message("T", b"x", keys=[f"k{i}"]))
+store.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_read_only_open_of_a_dead_writer_whose_dispatch_lagged_says_what_it_cannot_find(tmp_path, caplog):
+    """A writer killed while dispatch was behind (allowed up to 16 MB): a read-only open cannot dispatch, so the last
+    messages were silently missing from queue and key reads (the CLI's query commands open read-only on a dead
+    broker's disk). It now says so; a writer's open dispatches them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LAGGING_WRITER, str(tmp_path)], capture_output=True, timeout=120,
+                          check=False)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20)
+    with MessageStore.open(tmp_path, config, read_only=True) as store:
+        assert store.get_max_offset_in_queue("T", 0) == 100
+        assert sum(1 for _ in store.iter_messages()) == 150
+    assert "the consume queues and the index end at commit-log offset" in caplog.text
+    with MessageStore.open(tmp_path, config) as store:
+        store.wait_for_dispatch()
+        assert store.get_max_offset_in_queue("T", 0) == 150 and store.query_message("T", "k149")

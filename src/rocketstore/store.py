@@ -56,7 +56,7 @@ from .errors import (
 from .flush import CommitLogFlusher
 from .health import StoreHealth
 from .index.service import IndexService, check_geometry
-from .lifecycle import AbortFile, RedispatchMarker, StoreLock
+from .lifecycle import AbortFile, RedispatchMarker, StoreLock, is_locked
 from .mapped.file import STAGING_DIR
 from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, PutResults, SysFlag
 from .reads import GetMessageResult, StoreReader, check_int, check_str
@@ -203,6 +203,12 @@ class MessageStore:
         self.dispatcher.reput_from_offset = self._reput_start(abnormal, dispatch_from)
         if not self.read_only:
             self._catch_up()
+        elif 0 <= dispatch_from < self.recovery.end_offset and not is_locked(self.root):
+            # a dead writer's store whose dispatch lagged (up to MAX_DISPATCH_LAG): a reader cannot dispatch
+            log.warning("%s: the consume queues and the index end at commit-log offset %d of %d (the writer stopped "
+                        "before dispatching the rest): those messages are in the log (scan_arrow, iter_messages, "
+                        "dump-log) but not found by queue or key until a writer opens the store", self.root,
+                        dispatch_from, self.recovery.end_offset)
         for (topic, queue_id), queue in self.queues.queues.items():
             queue.correct_min_offset(self.commit_log.min_offset)
             self.commit_log.queue_offsets[(topic, queue_id)] = queue.max_offset_in_queue
