@@ -294,6 +294,18 @@ class MessageStore:
                 start = min(start, newest.end_phy_offset if newest.index_count > 1 else newest.begin_phy_offset)
         if self.config.message_index_enable and self.index is not None and not self.index.files:
             start = log_min  # no index at all (deleted, damaged, or never built): index the whole log
+        elif self.config.message_index_enable and self.index is not None and not abnormal:
+            covered = self._index_covers()
+            if covered < start:
+                # the index ends before the queues (its newest files lost after a clean close): dispatch, resuming
+                # after the queues, never indexed those records again (2 keys of 600 lost, silently). From the
+                # newest file's last record itself: its keys may have gone on in the lost file (the record's
+                # entries already there are put again: duplicates, which answers never show twice)
+                newest = self.index.files[-1]  # type: ignore[union-attr]
+                again = newest.end_phy_offset if newest.index_count > 1 else covered
+                log.error("the index ends at commit-log offset %d, before the consume queues (%d): index files were "
+                          "lost; re-indexed from %d", covered, start, again)
+                start = max(min(start, again), log_min)
         if self._queue_restart >= 0:
             start = min(start, self._queue_restart)  # a queue's tail pointed at the wrong records
         if self.queues.set_aside:
@@ -301,6 +313,19 @@ class MessageStore:
         # never past the recovered end: queues that pointed into a segment lost since would have the dispatcher
         # wait there, reading the middle of the records new puts write from the end
         return min(max(start, log_min), self.recovery.end_offset)
+
+    def _index_covers(self) -> int:
+        """Where the newest index file's records end: after the last record it indexed (its begin when empty)."""
+        assert self.index is not None
+        newest = self.index.files[-1]
+        if newest.index_count <= 1:
+            return newest.begin_phy_offset
+        try:
+            _mapped, _pos, layout = self.commit_log.locate(newest.end_phy_offset)
+        except RocketStoreError:  # that record is gone (retention, a cut log): nothing to say
+            return self.commit_log.min_offset if newest.end_phy_offset < self.commit_log.min_offset \
+                else newest.end_phy_offset
+        return newest.end_phy_offset + layout.size
 
     def _marker_start(self, phy: int) -> int:
         """Where a catch-up that ``redispatch`` says did not finish starts again: ``phy`` when a record or a
