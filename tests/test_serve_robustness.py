@@ -200,7 +200,7 @@ def test_every_call_that_takes_a_consumer_group_checks_it(server):
     assert [r.status.code for r in telemetry(server, pb.TelemetryCommand(settings=settings))] == [pb.Code.OK]
     with MessageStore.open(server.root, CONFIG, read_only=True) as store:  # no offset was kept for an illegal group
         for group in ILLEGAL_GROUPS:
-            assert store.query_offset(group, "Shared", 0) == -1, group
+            assert store.consumer_offsets.query(group, "Shared", 0) == -1, group  # (query_offset refuses it)
 
 
 # --- 3. dead-letter queue -----------------------------------------------------------------------------------

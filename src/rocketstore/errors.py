@@ -109,6 +109,10 @@ class InvalidQueueError(MessageIllegalError):
     """The queue id is not below the topic's write queue count, or the topic is not writable."""
 
 
+class TopicNotWritableError(InvalidQueueError):
+    """The topic's perm forbids writes now (an operator's setting, which may change: not a refusal for good)."""
+
+
 class InvalidFlagError(MessageIllegalError):
     """A flag, sysflag or numeric field does not fit its on-disk width or sets unknown bits."""
 

@@ -28,7 +28,7 @@ import time
 from .brokerconfig import DelayOffsetManager, TimerOffsetManager
 from .codec.properties import PropertyName
 from .encoder import SCHEDULE_TOPIC, TIMER_TOPIC
-from .errors import MessageIllegalError, RocketStoreError
+from .errors import MessageIllegalError, RocketStoreError, TopicNotWritableError
 from .message import Message, MessageExt, SysFlag
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,8 @@ class Deliveries:
         """Store the delivered copy; raises a refusal that may pass, records one that will not."""
         try:
             store.put_message(copy)
+        except TopicNotWritableError:
+            raise  # the topic's perm may change back: the level tries again on a later tick
         except MessageIllegalError as exc:
             self.undeliverable.append(phy_offset)
             log.error("delayed message at %d cannot be delivered to %s queue %d, passed over (it stays readable "

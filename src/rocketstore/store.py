@@ -52,6 +52,7 @@ from .errors import (
     StoreClosedError,
     StoreIOError,
     TopicNotExistError,
+    TopicNotWritableError,
 )
 from .flush import CommitLogFlusher
 from .health import StoreHealth
@@ -790,6 +791,10 @@ class MessageStore:
     def query_offset(self, group: str, topic: str, queue_id: int) -> int:
         """The group's committed offset in a queue, or -1 (``queryOffset``)."""
         self._check_open()
+        checked(group_name, group, "group")  # as commit_offset: True answered queue 1's offset, [1] a TypeError
+        validate_topic(topic)
+        if type(queue_id) is not int:
+            raise InvalidQueryError(f"queue_id must be an integer, not {queue_id!r}")
         return self.consumer_offsets.query(group, topic, queue_id)
 
     def offset_resets(self, group: str, topic: str) -> int:
@@ -1053,7 +1058,7 @@ def _check_max_rows(max_rows: object) -> int:
 def _refuse_queue(topic: str, queue_id: int, queues: int, perm: int | None) -> None:
     if queue_id >= queues:
         raise InvalidQueueError(f"queue {queue_id} does not exist: topic {topic} has {queues} write queues")
-    raise InvalidQueueError(f"topic {topic} is not writable (perm {perm})")
+    raise TopicNotWritableError(f"topic {topic} is not writable (perm {perm})")
 
 
 def _clear_staging(staging: Path) -> None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from .codec.msgid import decode_offset_msg_id
 from .codec.properties import PropertyName
-from .errors import InvalidMessageIdError, InvalidPropertyError, RocketStoreError
+from .encoder import check_sendable, validate_topic
+from .errors import InvalidMessageIdError, InvalidPropertyError, InvalidQueueError, RocketStoreError
 from .message import Message, MessageExt, PutMessageResult, SysFlag
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,12 @@ class TransactionLog:
         half would leave the half topic, and the commit would land in the half topic instead of the real one. The
         caller's transaction bits are cleared, as RocketMQ's broker does: a half marked PREPARED would get no
         queue offset, and a restart would forget it."""
+        # the real topic and queue as a plain put checks them: a half whose commit can never be stored stayed open
+        # (its every commit refused) until the check gave up on it
+        check_sendable(validate_topic(msg.topic))
+        if type(msg.queue_id) is not int or not 0 <= msg.queue_id < 1 << 31:
+            raise InvalidQueueError(f"queue id must be an integer from 0 to 2**31-1, not {msg.queue_id!r}")
+        self.store._check_topics([(msg.topic, msg.queue_id)])
         properties = dict(msg.properties or {})
         delays = sorted(set(properties) & _DELAYS)
         if delays:
