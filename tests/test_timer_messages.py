@@ -175,3 +175,19 @@ def test_a_message_the_store_refuses_holds_up_nothing_and_a_passing_refusal_is_r
         assert store.schedule.deliver_due(now_ms=base + 3_600_000) == 0
         assert store.view_message_by_id(doomed.msg_id).body == b"doomed", "passed over, still readable"
         assert sum("cannot be delivered" in r.message for r in caplog.records) == 2
+
+
+def test_delay_and_timer_properties_parse_as_javas_parse_int_and_parse_long(tmp_path):
+    """Python's int() took " 3", "1_0", other scripts' digits and 20-digit numbers, which a broker refuses."""
+    from rocketstore.errors import IllegalDeliveryTimeError, InvalidPropertyError
+
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        for bad in (" 3", "1_0", "٣", "99999999999999999999", "3.0"):
+            with pytest.raises(InvalidPropertyError, match="DELAY must be"):
+                store.put_message(Message("T", b"x", properties={"DELAY": bad}))
+        for bad in ("1_000", " 1000", "1e3", "9" * 20):
+            with pytest.raises(IllegalDeliveryTimeError, match="must be an integer"):
+                store.put_message(Message("T", b"x", properties={"TIMER_DELAY_MS": bad}))
+        assert store.max_phy_offset == 0
+        assert store.put_message(Message("T", b"x", properties={"DELAY": "+1"})).ok
+        assert store.put_message(Message("T", b"y", properties={"TIMER_DELAY_MS": "-5"})).ok  # past: stored as is

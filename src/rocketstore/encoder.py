@@ -153,6 +153,18 @@ def validate_topic(topic: object) -> str:
     return topic
 
 
+_JAVA_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def java_integer(text: str, bits: int) -> int | None:
+    """``Integer.parseInt`` / ``Long.parseLong`` of a property, or None where Java throws: Python's int() also takes
+    " 3", "1_0", other scripts' digits and any size, which a broker would refuse."""
+    if not _JAVA_INTEGER.fullmatch(text):
+        return None
+    value = int(text)
+    return value if -(1 << (bits - 1)) <= value < 1 << (bits - 1) else None
+
+
 def key_list(keys: object) -> list:
     """A message's KEYS as a list: a space-separated string split, any other iterable listed (each key is checked
     where it is used); anything else is an ``InvalidPropertyError``, not the TypeError of iterating it."""
@@ -639,10 +651,9 @@ class MessageEncoder:
             return topic, queue_id
         raw = properties.get(PropertyName.DELAY)
         if raw is not None:
-            try:
-                level = int(raw)
-            except ValueError:
-                raise InvalidPropertyError(f"DELAY must be a delay level (an integer), not {raw!r}") from None
+            level = java_integer(raw, 32)
+            if level is None:
+                raise InvalidPropertyError(f"DELAY must be a delay level (an integer), not {raw!r}")
             if level > 0:
                 level = min(level, len(self.config.delay_levels_ms))
                 properties[PropertyName.DELAY] = str(level)
@@ -664,10 +675,9 @@ class MessageEncoder:
             raw = properties.get(name)
             if raw is None:
                 continue
-            try:
-                value = int(raw)
-            except ValueError:
-                raise IllegalDeliveryTimeError(f"{name} must be an integer, not {raw!r}") from None
+            value = java_integer(raw, 64)
+            if value is None:
+                raise IllegalDeliveryTimeError(f"{name} must be an integer, not {raw!r}")
             deliver = now + value * scale if relative else value
             if deliver <= now:
                 return None
