@@ -239,3 +239,20 @@ def test_an_index_chain_that_cycles_is_set_aside_and_rebuilt(tmp_path):
         store.wait_for_dispatch()
         assert len(store.query_message("T", "shared")) == 50
         assert all(len(store.query_message("T", f"own{i}")) == 1 for i in range(50))
+
+
+def test_a_queue_gone_with_its_topic_is_not_brought_back(tmp_path):
+    """A broker's deleteTopic removes the topic's config and its queue directories (its messages stay in the log):
+    the recorded end of such a queue does not bring it back."""
+    import shutil
+
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        for i in range(5):
+            store.put_message(Message("Gone", f"g{i}".encode()))
+            store.put_message(Message("Kept", f"k{i}".encode()))
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.delete_topic("Gone")
+    shutil.rmtree(tmp_path / "consumequeue" / "Gone")
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.wait_for_dispatch()
+        assert store.queue_ids("Gone") == [] and len(bodies(store, "Kept")) == 5

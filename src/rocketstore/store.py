@@ -375,8 +375,8 @@ class MessageStore:
         for (topic, queue_id), end in self.queues.saved_ends().items():
             queue = self.queues.get(topic, queue_id)
             have = queue.max_offset_in_queue if queue is not None else 0
-            if have >= end:
-                continue
+            if have >= end or (queue is None and self.topic_config.get(topic) is None):
+                continue  # reaches its end; or gone with its topic (a broker's deleteTopic): not brought back
             resume = queue.max_physic_offset if queue is not None and queue.max_physic_offset >= 0 \
                 else self.commit_log.min_offset
             log.error("consume queue %s-%d ends at offset %d, but it ended at %d when the store was last closed (its "
