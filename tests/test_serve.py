@@ -667,3 +667,74 @@ def test_stop_signals_are_seen_from_any_thread_and_a_second_one_exits_at_once():
                           check=False)
     assert done.stdout.split() == ["15", "True"], done.stderr
     assert done.returncode == 128 + 2 and "SIGINT again, exiting now" in done.stderr
+
+
+def test_gzip_bodies_update_offset_and_the_consumers_retry_count(served, tmp_path):
+    """From a review with the official client: a body sent gzip-compressed (body_encoding GZIP) was stored and handed
+    to consumers compressed, as IDENTITY; UpdateOffset answered OK, but a group that had received from the queue
+    went on from its old position and its next ack moved the stored offset back (6 -> 2); and consumers were told
+    max_attempts 3 whatever --max-attempts was."""
+    import gzip
+
+    server = served("--max-attempts", "10")
+
+    def send(body: bytes, encoding: int, message_id: str, group: str | None = None):
+        props = pb.SystemProperties(message_id=message_id, body_encoding=encoding)
+        if group is not None:
+            props.message_group = group
+        request = pb.SendMessageRequest(messages=[pb.Message(topic=pb.Resource(name="Z"), body=body,
+                                                             system_properties=props)])
+        return server.call("SendMessage", request, pb.SendMessageResponse).status.code
+
+    def receive(group: str) -> list:
+        request = pb.ReceiveMessageRequest(
+            group=pb.Resource(name=group), batch_size=1,
+            message_queue=pb.MessageQueue(topic=pb.Resource(name="Z"), id=-1),
+            filter_expression=pb.FilterExpression(type=pb.FilterType.TAG, expression="*"))
+        request.invisible_duration.FromSeconds(10)
+        request.long_polling_timeout.FromSeconds(1)
+        return [r.message for r in server.call("ReceiveMessage", request, pb.ReceiveMessageResponse, stream=True)
+                if r.HasField("message")]
+
+    def ack(group: str, handle: str) -> int:
+        request = pb.AckMessageRequest(group=pb.Resource(name=group), topic=pb.Resource(name="Z"),
+                                       entries=[pb.AckMessageEntry(receipt_handle=handle)])
+        return server.call("AckMessage", request, pb.AckMessageResponse).status.code
+
+    original = b"hello " * 100
+    assert send(gzip.compress(original), pb.Encoding.GZIP, "GZ1", "one") == pb.Code.OK
+    assert send(b"not gzip", pb.Encoding.GZIP, "GZ2", "one") == pb.Code.MESSAGE_CORRUPTED
+    assert send(gzip.compress(b"x" * (4 << 20) + b"y"), pb.Encoding.GZIP, "GZ3", "one") == \
+        pb.Code.MESSAGE_BODY_TOO_LARGE
+    for i in range(6):
+        assert send(f"u{i}".encode(), pb.Encoding.IDENTITY, f"U{i}", "one") == pb.Code.OK  # one group: one queue
+    first = receive("G")[0]
+    assert first.body == original and first.system_properties.body_encoding == pb.Encoding.IDENTITY
+    queue = pb.MessageQueue(topic=pb.Resource(name="Z"), id=first.system_properties.queue_id)
+
+    def update(offset: int) -> int:
+        request = pb.UpdateOffsetRequest(group=pb.Resource(name="G"), message_queue=queue, offset=offset)
+        return server.call("UpdateOffset", request, pb.UpdateOffsetResponse).status.code
+
+    def offset() -> int:
+        request = pb.GetOffsetRequest(group=pb.Resource(name="G"), message_queue=queue)
+        return server.call("GetOffset", request, pb.GetOffsetResponse).offset
+
+    assert update(5) == pb.Code.BAD_REQUEST and offset() == 0  # the first message is still in flight
+    assert ack("G", first.system_properties.receipt_handle) == pb.Code.OK and offset() == 1
+    assert update(6) == pb.Code.OK and offset() == 6
+    after = receive("G")
+    assert [m.body for m in after] == [b"u5"]  # from the new offset, not from u0
+    assert ack("G", after[0].system_properties.receipt_handle) == pb.Code.OK and offset() == 7
+    settings = pb.Settings(client_type=pb.ClientType.SIMPLE_CONSUMER,
+                           subscription=pb.Subscription(group=pb.Resource(name="G")))
+    with grpc.insecure_channel(server.address) as channel:
+        rpc = channel.stream_stream(f"/{SERVICE}/Telemetry", request_serializer=pb.TelemetryCommand.SerializeToString,
+                                    response_deserializer=pb.TelemetryCommand.FromString)
+        call = rpc(iter([pb.TelemetryCommand(settings=settings)]), timeout=5)
+        reply = next(call)
+        call.cancel()
+    assert reply.settings.backoff_policy.max_attempts == 10
+    assert server.stop() == 0
+    with MessageStore.open(server.root, CONFIG, read_only=True) as store:
+        assert next(m.body for m in store.iter_messages()) == original

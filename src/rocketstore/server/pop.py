@@ -153,6 +153,23 @@ class PopGroups:
                     state = self._queues[key] = QueueState(committed, committed)
         return state
 
+    def move_offset(self, group: str, topic: str, queue_id: int, offset: int) -> bool:
+        """UpdateOffset for a queue this group also receives from: its state takes the new offset (receives go on
+        from there), else the group's next ack committed its old position over it (an OK answer undone, the
+        stored offset moving back). False, changing nothing, while messages of the queue are in flight or held."""
+        with self._lock:
+            state = self._queues.get((group, topic, queue_id))
+        if state is None:
+            self.store.commit_offset(group, topic, queue_id, offset)
+            return True
+        with state.lock:
+            if state.inflight or state.held:
+                return False
+            self.store.commit_offset(group, topic, queue_id, offset)
+            state.committed = state.next = offset
+            state.done.clear()
+            return True
+
     def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
                 tags: str | None, sql: SqlFilter | None = None) -> list[Delivery]:
         """Up to ``batch`` messages: those whose invisible time has passed first, then new ones.
