@@ -77,3 +77,29 @@ def test_a_store_written_in_one_minute_plots_one_bar_on_a_short_axis():
         assert len(fig.axes[1].patches) == 1
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize(("zone", "utc", "bucket", "local"), [
+    ("America/New_York", "2026-11-27T12:00:00+00:00", "day", "2026-11-27T00:00:00-05:00"),
+    ("Asia/Kathmandu", "2026-11-27T00:15:16+00:00", "hour", "2026-11-27T06:00:00+05:45"),
+    ("Asia/Kolkata", "2026-11-27T00:45:00+00:00", "hour", "2026-11-27T06:00:00+05:30"),
+])
+def test_time_buckets_start_at_local_boundaries(monkeypatch, zone, utc, bucket, local):
+    """stats labels buckets in local time but cut them at UTC boundaries: a message stored at 07:00 in New York was
+    counted under the day before, one stored at 06:00 in Kathmandu under hour 05."""
+    import datetime as dt
+    import time
+
+    import numpy as np
+
+    from rocketstore.stats import BUCKETS_MS, local_bucket_starts
+
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        ms = int(dt.datetime.fromisoformat(utc).timestamp() * 1000)
+        start = local_bucket_starts(np.array([ms, ms + 1], dtype=np.int64), BUCKETS_MS[bucket])
+        assert start.tolist() == [int(dt.datetime.fromisoformat(local).timestamp() * 1000)] * 2
+    finally:
+        monkeypatch.undo()
+        time.tzset()

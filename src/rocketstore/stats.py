@@ -6,6 +6,7 @@ what makes RocketMQ's key lookups slow and its collisions likely. Everything is 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,25 @@ class StoreStats:
     index_files: list[IndexFileStats] = field(default_factory=list)
 
 
+def _utc_offset_ms(ms: int) -> int:
+    return time.localtime(ms // 1000).tm_gmtoff * 1000
+
+
+def local_bucket_starts(store_ts: np.ndarray, width: int) -> np.ndarray:
+    """Each time's bucket, its boundaries in local time (the table labels buckets in local time, as every time the
+    CLI prints): UTC boundaries put a message stored at 07:00 in New York under the day before, one stored at 06:00
+    in Kathmandu under hour 05. The offset is the local zone's at the batch's ends, per time where they differ (a
+    daylight-saving change inside the batch)."""
+    if not len(store_ts):
+        return store_ts
+    first, last = _utc_offset_ms(int(store_ts[0])), _utc_offset_ms(int(store_ts[-1]))
+    if first == last:
+        offset = np.int64(first)
+    else:
+        offset = np.array([_utc_offset_ms(int(t)) for t in store_ts.tolist()], dtype=np.int64)
+    return store_ts - (store_ts + offset) % width
+
+
 def store_stats(root: str | Path, config: StoreConfig, bucket: str = "minute") -> StoreStats:
     if bucket not in BUCKETS_MS:
         raise ValueError(f"bucket must be one of {', '.join(BUCKETS_MS)}, not {bucket!r}")
@@ -66,7 +86,7 @@ def store_stats(root: str | Path, config: StoreConfig, bucket: str = "minute") -
         for batch in scan_dispatch(store.commit_log, max_rows=65536):
             for code, n in zip(*np.unique(batch.topic_code, return_counts=True), strict=True):
                 topics[batch.topics[code]] += int(n)
-            starts, n = np.unique(batch.store_ts - batch.store_ts % width, return_counts=True)
+            starts, n = np.unique(local_bucket_starts(batch.store_ts, width), return_counts=True)
             times.update(dict(zip(starts.tolist(), n.tolist(), strict=True)))
             stats.bytes += int(batch.size.sum())
     stats.messages = sum(topics.values())
