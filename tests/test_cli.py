@@ -176,7 +176,8 @@ def test_print_msg_filters_by_sql92_over_properties(store):
 
 
 def test_print_msg_lines_are_javas_message_ext_to_string(store):
-    """Each line is mqadmin printMsg's: the message id, Java's ``MessageExt.toString()``, the body."""
+    """Each line is mqadmin printMsg's: the producer's message id (MessageClientExt.getMsgId(), the UNIQ_KEY: the
+    offset id was printed there, twice on a line), Java's ``MessageExt.toString()``, the body."""
     root, _results = store
     out = [line for line in cli("print-msg", "--store", str(root), "-t", "Topic1", "--body").stdout.splitlines()
            if line.startswith("MSGID:")]
@@ -186,7 +187,7 @@ def test_print_msg_lines_are_javas_message_ext_to_string(store):
             for m in opened.get_message("Topic1", queue_id, 0, 1000).messages:
                 props = ", ".join(f"{k}={v}" for k, v in m.properties.items())
                 expected.append(
-                    f"MSGID: {m.msg_id} MessageExt [queueId={m.queue_id}, storeSize={m.store_size}, "
+                    f"MSGID: {m.uniq_key or m.msg_id} MessageExt [queueId={m.queue_id}, storeSize={m.store_size}, "
                     f"queueOffset={m.queue_offset}, sysFlag={m.sys_flag}, bornTimestamp={m.born_timestamp}, "
                     f"bornHost=/{m.born_host}, storeTimestamp={m.store_timestamp}, storeHost=/{m.store_host}, "
                     f"msgId={m.msg_id}, commitLogOffset={m.commit_log_offset}, bodyCRC={m.body_crc}, "

@@ -144,7 +144,7 @@ def arrow_messages(batch) -> list[dict]:
 
 
 def java_message_lines(batch, *, body: bool) -> list[str]:
-    """mqadmin printMsg's line for every row of a batch in the Arrow message columns: ``MSGID: <id>``, Java's
+    """mqadmin printMsg's line for every row of a batch in the Arrow message columns: ``MSGID: <UNIQ_KEY>``, Java's
     ``MessageExt.toString()`` and the body (or ``NOT PRINT BODY``), joined column by column."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -163,7 +163,10 @@ def java_message_lines(batch, *, body: bool) -> list[str]:
         bodies = pa.array([body_text(b or b"") for b in batch.column("body").to_pylist()], pa.string())
     else:
         bodies = pa.scalar("NOT PRINT BODY")
-    pieces = ["MSGID: ", text("msgId"), " MessageExt [queueId=", text("queueId"), ", storeSize=", text("storeSize"),
+    # MSGID is what the client's MessageClientExt.getMsgId() answers: the producer's id (UNIQ_KEY), else the offset
+    # id; toString()'s msgId= is the offset id (the field the decoder set)
+    producer_id = pc.coalesce(batch.column("uniqKey"), text("msgId"))
+    pieces = ["MSGID: ", producer_id, " MessageExt [queueId=", text("queueId"), ", storeSize=", text("storeSize"),
               ", queueOffset=", text("queueOffset"), ", sysFlag=", text("sysFlag"), ", bornTimestamp=",
               millis("bornTimestamp"), ", bornHost=/", text("bornHost"), ", storeTimestamp=", millis("storeTimestamp"),
               ", storeHost=/", text("storeHost"), ", msgId=", text("msgId"), ", commitLogOffset=",
