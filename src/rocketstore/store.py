@@ -178,12 +178,12 @@ class MessageStore:
             # the queues were loaded after the log: a live writer's units for records past this reader's log end
             # are forgotten (in memory only: a read-only queue never writes or deletes), not served as unreadable
             self.queues.truncate_dirty(end)
-            for (topic, queue_id), end in self.queues.saved_ends().items():
+            for (topic, queue_id), recorded in self.queues.saved_ends().items():  # (not `end`: used below)
                 queue = self.queues.get(topic, queue_id)
-                if (queue.max_offset_in_queue if queue is not None else 0) < end:
+                if (queue.max_offset_in_queue if queue is not None else 0) < recorded:
                     log.warning("consume queue %s-%d ended at offset %d when the store was last closed and ends "
                                 "before it now (files lost): this read-only open serves what is left, a writer's "
-                                "open re-dispatches the rest", topic, queue_id, end)
+                                "open re-dispatches the rest", topic, queue_id, recorded)
             for (topic, queue_id), queue in self.queues.queues.items():
                 if queue.hole_at >= 0:
                     log.warning("consume queue %s-%d: an invalid unit at offset %d has units after it (damage); this "
@@ -304,8 +304,9 @@ class MessageStore:
                 # entries already there are put again: duplicates, which answers never show twice)
                 newest = self.index.files[-1]  # type: ignore[union-attr]
                 again = newest.end_phy_offset if newest.index_count > 1 else covered
-                log.error("the index ends at commit-log offset %d, before the consume queues (%d): index files were "
-                          "lost; re-indexed from %d", covered, start, again)
+                log.warning("the index ends at commit-log offset %d, before the consume queues (%d): its newest "
+                            "files were lost (or the log ends in records without keys); indexed again from %d",
+                            covered, start, again)
                 start = max(min(start, again), log_min)
         if self._queue_restart >= 0:
             start = min(start, self._queue_restart)  # a queue's tail pointed at the wrong records

@@ -560,8 +560,8 @@ class MessagingService:
             raise Status(pb.Code.BAD_REQUEST, str(exc)) from None
 
     def _gunzip(self, body: bytes) -> bytes:
-        """A body the client sent gzip-compressed (``body_encoding`` GZIP), stored as what it sent before: it was
-        stored compressed with no COMPRESSED flag and handed to consumers as IDENTITY, so they got gzip bytes."""
+        """A body the client sent gzip-compressed (``body_encoding`` GZIP), inflated: it is stored and delivered
+        plain. It was stored compressed with no COMPRESSED flag and handed out as IDENTITY: consumers got gzip."""
         limit = self.store.config.max_message_size
         inflater = zlib.decompressobj(wbits=31)
         try:
