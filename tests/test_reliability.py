@@ -178,6 +178,32 @@ def test_damaged_queue_and_index_files_are_set_aside_and_rebuilt(tmp_path):
     assert len(list((tmp_path / "s" / "recovery").iterdir())) == 2
 
 
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_zeroed_slot_table_in_the_newest_index_file_is_damage(tmp_path, read_only, caplog):
+    """A slot table lost (zeroed) while its entries survived passed the open's chain check (links in range,
+    slots in range): every key that file held was silently not found. As many slots must be in use as chains
+    start in the entries: a writer sets the index aside and re-indexes; a read-only open skips the file."""
+    results = build(tmp_path / "s")
+    newest = files_of(tmp_path / "s", "index")[-1]
+    data = bytearray(newest.read_bytes())
+    data[40:40 + 97 * 4] = bytes(97 * 4)
+    newest.write_bytes(bytes(data))
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=read_only) as store:
+        if read_only:
+            assert store.index.damaged == [newest.name]
+            assert "slot table zeroed or damaged" in caplog.text
+            assert not store.query_message("T2", "k199")  # only that file held it; the others still answer
+            assert store.query_message("T0", "k0")
+        else:
+            assert store.index.set_aside
+            store.wait_for_dispatch()
+            for i, r in enumerate(results):
+                assert [m.commit_log_offset for m in store.query_message(f"T{i % 3}", f"k{i}")] == \
+                    [r.commit_log_offset]
+    if not read_only:
+        assert verify_store(tmp_path / "s", CONFIG).clean
+
+
 KILL_AFTER_FIRST_BATCH = """
 import os, signal, sys
 from rocketstore import MessageStore, StoreConfig

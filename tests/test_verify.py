@@ -324,3 +324,62 @@ def test_queue_units_below_the_log_start_after_retention_are_no_problem(tmp_path
     queue_file.write_bytes(bytes(data))
     assert [(p.path, p.offset) for p in verify_store(root, config).problems if "no record starts" in p.detail] == \
         [(str(queue_file), (live + 1) * 20)]
+
+
+@pytest.mark.parametrize("damage", ["slot table zeroed", "a slot skipping its newest entry", "a link cut short",
+                                    "a link skipping an entry", "a negative hash"])
+def test_index_chains_that_lose_keys_are_problems(tmp_path, damage):
+    """verify checked that links run backwards, not that they are the links the entries make: a slot table
+    zeroed (every key of the file not found by a lookup), a slot or link naming an older entry of its chain, or
+    a link to 0 (the chain's older keys not found) left verify at 0 problems. Only the first place is named."""
+    root = tmp_path / "s"
+    results = write(root, 600, SMALL_INDEX)
+    oldest = sorted((root / "index").iterdir())[0]
+    data = bytearray(oldest.read_bytes())
+    entries_at = 40 + 97 * 4
+    count = struct.unpack_from(">i", data, 36)[0]
+    entry = [struct.unpack_from(">iqii", data, entries_at + n * 20) for n in range(count)]
+    slot_of = {n: entry[n][0] % 97 for n in range(1, count)}
+    linked = next(n for n in range(count - 1, 0, -1) if entry[n][3] and entry[entry[n][3]][3])  # a chain of 3+
+    if damage == "slot table zeroed":
+        data[40:entries_at] = bytes(entries_at - 40)
+        first_used = min(slot_of.values())
+        where = 40 + 4 * first_used
+    elif damage == "a slot skipping its newest entry":
+        slot = slot_of[linked]
+        head = struct.unpack_from(">i", data, 40 + 4 * slot)[0]
+        struct.pack_into(">i", data, 40 + 4 * slot, entry[head][3])
+        where = 40 + 4 * slot
+    elif damage == "a link cut short":
+        struct.pack_into(">i", data, entries_at + linked * 20 + 16, 0)
+        where = entries_at + linked * 20
+    elif damage == "a link skipping an entry":
+        struct.pack_into(">i", data, entries_at + linked * 20 + 16, entry[entry[linked][3]][3])
+        where = entries_at + linked * 20
+    else:
+        struct.pack_into(">i", data, entries_at + 5 * 20, -7)
+        where = entries_at + 5 * 20
+    oldest.write_bytes(bytes(data))
+    with MessageStore.open(root, SMALL_INDEX, read_only=True) as store:  # what the damage costs: keys not found
+        lost = sum(not store.query_message(f"T{i % 3}", f"k{i}") or
+                   not store.query_message_by_uniq_key(f"T{i % 3}", r.msg_id) for i, r in enumerate(results))
+    assert lost or damage == "a negative hash"
+    report = verify_store(root, SMALL_INDEX)
+    assert [(p.path, p.offset) for p in report.problems if "broken chain" in p.detail] == [(str(oldest), where)]
+
+
+@pytest.mark.parametrize("name", ["v1_collisions_97x500", "v2_full_97x500"])
+def test_rocketmqs_own_index_files_have_the_chains_verify_expects(vectors, name):
+    """Files written by RocketMQ's ``IndexFile.putKey`` (with collisions, and full): no false alarm."""
+    from rocketstore.index import IndexFile
+    from rocketstore.index.service import chain_problem_at
+
+    folder = vectors / name
+    path = next(p for p in folder.iterdir() if p.name.isdigit())
+    index = IndexFile.open(path, 97, 500, read_only=True)
+    try:
+        assert index.index_count > 100
+        assert chain_problem_at(index, thorough=True) is None
+        assert chain_problem_at(index) is None
+    finally:
+        index.close()

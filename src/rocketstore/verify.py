@@ -539,7 +539,8 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
                 return Problem("index", path, entries_at + number * INDEX_ENTRY_SIZE, detail)
 
             report.add_many(np.flatnonzero((status == _ik.ENTRY_WRONG_KEY) | (status == _ik.ENTRY_NO_RECORD)), make)
-            broken = chain_problem_at(index, live=snapshot is not None)  # a key lookup would stop short or loop
+            # a key lookup would stop short, loop, or find nothing
+            broken = chain_problem_at(index, live=snapshot is not None, thorough=True)
             if broken is not None:
                 report.add(Problem("index", path, broken[0], f"broken chain: {broken[1]}"))
             if progress:

@@ -291,3 +291,31 @@ def check_entries(buf, entries_at, count, end, log_min, rec_phy, pair_start, key
         else:
             status[i] = ENTRY_EXPIRED if phy < log_min else ENTRY_NO_RECORD
     return status
+
+
+CHAINS_FINE, CHAIN_BAD_HASH, CHAIN_BAD_LINK, CHAIN_BAD_SLOT = 0, 1, 2, 3
+
+
+@njit(cache=True, nogil=True)
+def chain_mismatch(buf, slot_num, index_num, count, live):
+    """Where the file's links differ from the ones its entries' order makes, as (``CHAIN_*``, entry or slot
+    number, the value expected there): every writer (RocketMQ's ``putKey``, ``put_entries``, a repair) links
+    each entry to the previous entry of its slot and leaves each slot naming its newest entry, so anything else
+    is damage: a zeroed slot table (every key silently not found), a lost link (a chain cut short), a cycle.
+    ``live``: slots past ``count`` are a writer's newer entries (their links are checked when counted)."""
+    entries_at = 40 + slot_num * 4
+    newest = np.zeros(slot_num, dtype=np.int32)
+    for n in range(1, count):
+        p = entries_at + n * _ENTRY
+        h = _be32(buf, p)
+        if h < 0:  # keyHash is non-negative (Math.abs, MIN_VALUE -> 0)
+            return CHAIN_BAD_HASH, n, 0
+        s = h % slot_num
+        if _be32(buf, p + 16) != newest[s]:
+            return CHAIN_BAD_LINK, n, newest[s]
+        newest[s] = n
+    for s in range(slot_num):
+        v = _be32(buf, 40 + s * 4)
+        if v != newest[s] and not (live and count <= v < index_num):
+            return CHAIN_BAD_SLOT, s, newest[s]
+    return CHAINS_FINE, 0, 0
