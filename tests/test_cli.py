@@ -705,7 +705,8 @@ def test_a_spark_command_stops_its_session_quietly_before_the_process_exits(monk
 
 
 def test_refused_writing_commands_on_a_new_path_leave_nothing_and_serve_checks_options_first(tmp_path):
-    """A refused put or topic create on a mistyped --store left a directory of a lock and a checkpoint; serve with
+    """A refused put or topic create on a mistyped --store left a directory of a lock and a checkpoint (and beside
+    an empty log, the same files in an existing directory); serve with
     a port past 65535 listened on that port modulo 65536, a negative or NaN --stats-interval failed only after the
     store opened (and wrote the transaction topics into it); demo --messages 0 failed with "list index out of
     range" and left a store."""
@@ -716,6 +717,13 @@ def test_refused_writing_commands_on_a_new_path_leave_nothing_and_serve_checks_o
         done = cli(*args, "--store", str(new), stdin=stdin, check=False)
         assert done.returncode == 1 and done.stderr.startswith("error: "), done.stderr
         assert not new.exists(), args
+    empty = tmp_path / "empty"  # a directory with an empty log (an operator's mkdir, a store never written)
+    (empty / "commitlog").mkdir(parents=True)
+    (empty / "notes.txt").write_text("mine")
+    empty_tree = sorted(empty.rglob("*"))
+    for args, stdin in refused:
+        assert cli(*args, "--store", str(empty), stdin=stdin, check=False).returncode == 1
+        assert sorted(empty.rglob("*")) == empty_tree, args  # no lock, checkpoint or queueEnds.json left beside it
     assert cli("put", "-t", "T", "-b", "kept", "--store", str(new)).returncode == 0
     assert cli("put", "-t", "a/b", "-b", "x", "--store", str(new), check=False).returncode == 1
     assert (new / "commitlog").is_dir()  # an existing store stays, of course

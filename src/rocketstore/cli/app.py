@@ -130,17 +130,26 @@ def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int |
 
 @contextlib.contextmanager
 def writer_store(root: Path, config: StoreConfig) -> Iterator[MessageStore]:
-    """The store a writing command opens, created if missing; one this command created is removed again when the
-    command fails before anything was stored in it (a refused put on a mistyped --store left a directory of a
-    lock and a checkpoint, which later commands took for a store)."""
+    """The store a writing command opens, created if missing. When the command fails before anything was stored,
+    what its open made is removed again: the whole store if this command created it (a refused put on a mistyped
+    --store left a directory of a lock and a checkpoint, which later commands took for a store), else the files
+    it added beside an empty log (``lock``, ``checkpoint``, ``queueEnds.json``)."""
     existed = root.exists()
+    before = set(os.listdir(root)) if root.is_dir() else set()
     try:
         with MessageStore.open(root, config) as store:
             yield store
     except BaseException:
-        if not existed and root.is_dir() and not any((root / "commitlog").glob("[0-9]*")) \
-                and not (root / "config").exists():
-            shutil.rmtree(root, ignore_errors=True)
+        if root.is_dir() and not any((root / "commitlog").glob("[0-9]*")):
+            if not existed and not (root / "config").exists():
+                shutil.rmtree(root, ignore_errors=True)
+            elif existed:
+                for name in set(os.listdir(root)) - before - {"config"}:
+                    added = root / name
+                    if added.is_dir() and not added.is_symlink():
+                        shutil.rmtree(added, ignore_errors=True)
+                    else:
+                        added.unlink(missing_ok=True)
         raise
 
 
