@@ -155,6 +155,9 @@ def test_print_msg_walks_every_queue_with_filters(store):
     bodies = [json.loads(x)["body"] for x in cli("print-msg", "--store", str(root), "-t", "Topic1", "--body", "-b",
                                                  str(results[100].store_timestamp), "--json").stdout.splitlines()]
     assert len(bodies) >= sum(1 for r in results[100:120] if r.store_timestamp >= results[100].store_timestamp) // 2
+    out = cli("print-msg", "--store", str(root), "-t", "Topic1", "--json").stdout
+    unread = [json.loads(x) for x in out.splitlines()]
+    assert len(unread) == 60 and not any("body" in row for row in unread)  # not read: absent ("body": null was empty)
 
 
 def test_print_msg_filters_by_sql92_over_properties(store):

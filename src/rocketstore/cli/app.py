@@ -543,6 +543,9 @@ def print_msg(topic, begin, end, sub_expression, sql, body, as_json, **kwargs) -
                     continue
                 if as_json:
                     rows = arrow_message_rows(batch) if body else arrow_messages(batch)
+                    if not body:  # not read: absent, not null (null is an empty body)
+                        for row in rows:
+                            del row["body"]
                     click.echo("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))
                 else:
                     click.echo("\n".join(java_message_lines(batch, body=body)))
