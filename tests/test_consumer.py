@@ -404,23 +404,35 @@ def test_a_filtering_consumer_reads_past_what_it_skips_at_once_and_commits_that_
         assert store.query_offset("g2", "T", 0) == 5001
 
 
-def test_a_delay_due_while_its_topic_is_not_writable_is_delivered_once_it_is(tmp_path):
-    """A topic's perm refusing writes when a delayed (or timer) message fell due passed the message over for good
-    (listed undeliverable, never delivered, not after a reopen either): a perm is an operator's setting that
-    changes back, as RocketMQ's schedule service retries."""
+def test_a_delay_due_while_its_topic_is_not_writable_is_delivered_and_holds_no_other(tmp_path):
+    """A topic's perm refusing writes when a delayed (or timer) message fell due passed the message over for good;
+    then it held the whole delay level (and the timer wheel) until the perm changed back: messages of other
+    topics due after it waited too. A producer's perm was checked when it sent; RocketMQ's schedule service and
+    end-transaction processor put straight into the store, so the delivery goes into the read-only topic."""
+    from rocketstore.errors import TopicNotWritableError
+    from rocketstore.transaction import TransactionLog
+
     config = CONFIG.replace(message_delay_level="1s")
     with MessageStore.open(tmp_path, config) as store:
         store.create_topic("T", 1)
+        store.create_topic("U", 1)
+        transactions = TransactionLog(store)
         store.put_message(Message("T", b"delayed", properties={"DELAY": "1"}))
         store.put_message(Message("T", b"timer", properties={"TIMER_DELAY_MS": "1000"}))
+        store.put_message(Message("U", b"other delayed", properties={"DELAY": "1"}))
+        store.put_message(Message("U", b"other timer", properties={"TIMER_DELAY_MS": "1000"}))
+        half, transaction_id = transactions.prepare(Message("T", b"committed"))
         store.topic_config.create_or_update("T", write_queue_nums=1, perm=4)  # read-only for a while
-        time.sleep(1.6)
-        store.topic_config.create_or_update("T", write_queue_nums=1, perm=6)
+        with pytest.raises(TopicNotWritableError):
+            store.put_message(Message("T", b"refused"))  # a producer's put is refused
+        transactions.end(transaction_id, half.uniq_key, "T", commit=True)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and store.get_max_offset_in_queue("T", 0) < 2:
+        while time.monotonic() < deadline and (store.get_max_offset_in_queue("T", 0) < 3
+                                               or store.get_max_offset_in_queue("U", 0) < 2):
             time.sleep(0.1)
             store.wait_for_dispatch()
-        assert sorted(m.body for m in store.get_message("T", 0, 0).messages) == [b"delayed", b"timer"]
+        assert sorted(m.body for m in store.get_message("T", 0, 0).messages) == [b"committed", b"delayed", b"timer"]
+        assert sorted(m.body for m in store.get_message("U", 0, 0).messages) == [b"other delayed", b"other timer"]
         assert store.schedule.undeliverable == []
 
 

@@ -154,7 +154,7 @@ def test_a_message_the_store_refuses_holds_up_nothing_and_a_passing_refusal_is_r
         store.delete_topic("Gone")
         store.create_topic("Shrunk", queues=2)
         store.wait_for_dispatch()
-        put, failures = store.put_message, []
+        put, failures = store._put_delivered, []
 
         def disk_full_once(msg):
             if msg.body == b"flaky" and not failures:
@@ -162,7 +162,7 @@ def test_a_message_the_store_refuses_holds_up_nothing_and_a_passing_refusal_is_r
                 raise StoreIOError(28, "No space left on device")
             return put(msg)
 
-        monkeypatch.setattr(store, "put_message", disk_full_once)
+        monkeypatch.setattr(store, "_put_delivered", disk_full_once)
         assert store.schedule.deliver_due(now_ms=base + 3_600_000) == 3
         store.wait_for_dispatch()
         assert bodies(store, "Live") == [b"after the doomed one", b"level 12", b"timer"]

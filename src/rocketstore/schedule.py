@@ -28,7 +28,7 @@ import time
 from .brokerconfig import DelayOffsetManager, TimerOffsetManager
 from .codec.properties import PropertyName
 from .encoder import SCHEDULE_TOPIC, TIMER_TOPIC
-from .errors import MessageIllegalError, RocketStoreError, TopicNotWritableError
+from .errors import MessageIllegalError, RocketStoreError
 from .message import Message, MessageExt, SysFlag
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,7 @@ class Deliveries:
     def put(self, store, copy: Message, phy_offset: int) -> None:
         """Store the delivered copy; raises a refusal that may pass, records one that will not."""
         try:
-            store.put_message(copy)
-        except TopicNotWritableError:
-            raise  # the topic's perm may change back: the level tries again on a later tick
+            store._put_delivered(copy)  # into a read-only topic too, as RocketMQ's schedule service puts
         except MessageIllegalError as exc:
             self.undeliverable.append(phy_offset)
             log.error("delayed message at %d cannot be delivered to %s queue %d, passed over (it stays readable "

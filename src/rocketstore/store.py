@@ -617,6 +617,15 @@ class MessageStore:
         return PutMessageResult(status, create_offset_msg_id(self.encoder.store_host_raw, phy), pending.uniq_keys[0],
                                 phy, queue_offsets[0], store_ts, pending.sizes[0])
 
+    def _put_delivered(self, msg: Message) -> PutMessageResult:
+        """``put_message`` of a message a producer had sent and the store held back (a delay, a timer, a
+        transaction's commit): as RocketMQ's schedule service and end-transaction processor put straight into the
+        store, the topic's perm is not checked again; an operator's read-only topic would otherwise hold every
+        message of the same delay level behind it (units of a level are delivered in order)."""
+        status, phy, pending, queue_offsets, store_ts = self._put([msg], delivered=True)
+        return PutMessageResult(status, create_offset_msg_id(self.encoder.store_host_raw, phy), pending.uniq_keys[0],
+                                phy, queue_offsets[0], store_ts, pending.sizes[0])
+
     def put_messages(self, msgs: Iterable[Message]) -> PutResults:
         """Store messages as one contiguous, all-or-nothing append (``putMessages``).
 
@@ -636,12 +645,12 @@ class MessageStore:
         return PutResults(len(msgs), functools.partial(put_results, status, self._store_host_hex, phy,
                                                        pending.uniq_keys, queue_offsets, store_ts, pending.sizes))
 
-    def _put(self, msgs: list[Message], system: bool = False
+    def _put(self, msgs: list[Message], system: bool = False, delivered: bool = False
              ) -> tuple[PutMessageStatus, int, PendingRecords, list[int], int]:
         self._check_open(write=True)
         self.health.check_writable()
         pending = self.encoder.encode_many(msgs, system)
-        missing = self._check_topics(pending.queue_checks)
+        missing = self._check_topics(pending.queue_checks, any_perm=delivered)
         self.commit_log.check_fits(len(pending.data))
         if missing is not None:  # only once the whole put passed: a refused put creates no topic
             self._create_topics(missing)
@@ -716,17 +725,19 @@ class MessageStore:
                 return row
         return None
 
-    def _check_topics(self, checks: Iterable[tuple[str, int]]) -> list[tuple[str, int]] | None:
+    def _check_topics(self, checks: Iterable[tuple[str, int]], any_perm: bool = False
+                      ) -> list[tuple[str, int]] | None:
         """RocketMQ's topic rules for every topic of a put: an unknown topic is to be created
         (``auto_create_topic_enable``, with ``default_topic_queue_nums`` queues, or as many as the queue id needs)
-        or refused; a queue id must be below the topic's write queue count. Creates nothing: returns the topics
-        ``_create_topics`` must create once the whole put has passed every check (None if there are none)."""
+        or refused; a queue id must be below the topic's write queue count and the topic writable (unless
+        ``any_perm``: ``_put_delivered``). Creates nothing: returns the topics ``_create_topics`` must create once
+        the whole put has passed every check (None if there are none)."""
         missing = None
         get = self.topic_config.get
         for topic, queue_id in checks:
             config = get(topic)
             if config is not None:
-                if queue_id >= config.write_queue_nums or not config.writable:
+                if queue_id >= config.write_queue_nums or not (config.writable or any_perm):
                     _refuse_queue(topic, queue_id, config.write_queue_nums, config.perm)
                 continue
             if not self.config.auto_create_topic_enable and topic not in PARKED_TOPICS:

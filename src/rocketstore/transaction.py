@@ -144,7 +144,7 @@ class TransactionLog:
             del self._open[entry.phy]  # no second end while this one writes
         try:
             half = self.store.look_message_by_offset(entry.phy)
-            result = self.store.put_message(committed_copy(half)) if commit else None
+            result = self.store._put_delivered(committed_copy(half)) if commit else None  # prepare checked perm
             self._close(entry)
         except BaseException:
             with self._lock:
