@@ -74,8 +74,9 @@ class MappedFile:
         self.copy_limit = COPY_LIMIT  # the largest write copied into the mapping (see write)
         self._map()
 
-    def _map(self) -> None:
-        """Map the file. Only the mapping is kept: CPython's mmap holds its own duplicate of the descriptor."""
+    def _map(self) -> mmap.mmap:
+        """Map the file and return the mapping. Only the mapping is kept: CPython's mmap holds its own duplicate of
+        the descriptor."""
         flags = os.O_RDONLY if self.read_only else os.O_RDWR
         try:
             fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0))
@@ -97,18 +98,47 @@ class MappedFile:
         finally:
             if fd >= 0:
                 os.close(fd)
+        mm = self._mm
+        assert mm is not None
         self._evicted = False
         if self._budget is not None:
-            self._budget.opened(self)
+            self._budget.opened(self)  # may evict this very file again (other threads map too): mm stays valid
+        return mm
+
+    def _map_again(self) -> mmap.mmap:
+        """``buffer`` of a file without its mapping: mapped again if a ``FileBudget`` evicted it. Under the budget's
+        ``map_lock``, as evictions are: two threads mapping at once, or an eviction between a mapping and its
+        bookkeeping, left a file with no mapping and not marked evicted, "closed" for good (acknowledged messages
+        unreadable, and dispatch into it failing until a reopen)."""
+        if self._budget is None:
+            return self._gone()
+        with self._budget.map_lock:
+            mm = self._mm
+            if mm is not None:
+                return mm
+            if not self._evicted or self._deleted:
+                return self._gone()
+            return self._map()
+
+    def _gone(self) -> mmap.mmap:
+        if self._deleted:
+            raise SegmentDeletedError(f"{self.path.name} was deleted by retention while it was read")
+        raise StoreIOError(errno.EBADF, f"segment {self.path} is closed")
 
     def evict(self) -> None:
-        """Give the mapping back (``FileBudget``): flush what was written, unmap; the next access maps again."""
-        if self._mm is None:
+        """Give the mapping back (``FileBudget``): flush what was written and drop this file's reference; the next
+        access maps again. The mapping is not closed here: a thread reading or writing it (it took it from
+        ``buffer`` a moment before) keeps it valid until it lets it go, and then it is unmapped. Closing it under
+        that thread raised ``ValueError``/``TypeError``/``AssertionError`` from reads and dispatch alike."""
+        if self._budget is None:
             return
-        self.flush()
-        close_mapping(self._mm, self._fd)
-        self._mm, self._fd = None, -1
-        self._evicted = True
+        with self._budget.map_lock:
+            if self._mm is None:
+                return
+            try:
+                self.flush()
+            finally:
+                self._mm, self._evicted = None, True
 
     @classmethod
     def create(cls, path: Path, file_size: int, *, preallocate: bool = True, staging: Path | None = None,
@@ -129,14 +159,8 @@ class MappedFile:
         """The mapping itself, for struct.unpack_from and slicing without copies of the whole file."""
         mm = self._mm
         if mm is None:
-            if self._deleted:
-                raise SegmentDeletedError(f"{self.path.name} was deleted by retention while it was read")
-            if not self._evicted:
-                raise StoreIOError(errno.EBADF, f"segment {self.path} is closed")
-            self._map()
-            mm = self._mm
-            assert mm is not None
-        elif self._budget is not None:
+            return self._map_again()
+        if self._budget is not None:
             self._budget.used(self)
         return mm
 
@@ -203,13 +227,18 @@ class MappedFile:
         Returns the new flushed position.
         """
         written = self.wrote_position
-        if written <= self.flushed_position or self._mm is None or self.read_only:  # evicted files are flushed
+        if written <= self.flushed_position or self.read_only:
             return self.flushed_position
         if least_pages > 0 and (written // PAGE_SIZE - self.flushed_position // PAGE_SIZE) < least_pages:
             return self.flushed_position
+        mm = self._mm
+        if mm is None:  # evicted, and written since through a mapping a thread still held: map it to sync
+            if not self._evicted or self._deleted:
+                return self.flushed_position
+            mm = self._map_again()
         start = self.flushed_position - self.flushed_position % PAGE_SIZE
         try:
-            msync(self._mm, start, written - start)
+            msync(mm, start, written - start)
         except OSError as exc:
             raise FlushError(exc.errno, f"msync of {self.path} failed: {exc.strerror}") from exc
         self.flushed_position = written
@@ -252,9 +281,9 @@ _MS_SYNC = 4
 class FileBudget:
     """At most ``limit`` mapped files of one kind open at once, least recently used given back first.
 
-    Mapping a file past the limit gives back the least recently used one. A thread that was inside the
-    evicted mapping at that moment sees ``ValueError`` from the closed mapping and retries
-    (``retry_evicted``); the file is mapped again by its next use.
+    Mapping a file past the limit gives back the least recently used one (``MappedFile.evict``): the file drops
+    its mapping, which a thread inside it at that moment keeps valid until it is done; the file is mapped again
+    by its next use. (``retry_evicted`` still retries a read that meets a mapping closed by ``close``.)
     """
 
     def __init__(self, limit: int) -> None:
@@ -262,6 +291,9 @@ class FileBudget:
         self._open: dict[int, MappedFile] = {}  # insertion order = least recently used first
         self._newest: int | None = None  # the last key of _open, read without the lock
         self._lock = threading.Lock()
+        # held to map a file again and to evict one (``MappedFile._map_again``); reentrant: a mapping's
+        # ``opened`` trims, and an eviction's flush may map
+        self.map_lock = threading.RLock()
         self.flush_error: StoreIOError | None = None  # an eviction whose flush failed (the store stops vouching)
 
     def opened(self, mapped: MappedFile) -> None:
@@ -305,10 +337,8 @@ class FileBudget:
         for victim in victims:
             try:
                 victim.evict()
-            except StoreIOError as exc:  # unmapped all the same; the store learns it through flush_error
+            except StoreIOError as exc:  # dropped all the same; the store learns it through flush_error
                 self.flush_error = exc
-                close_mapping(victim._mm, -1)
-                victim._mm, victim._evicted = None, True
         return len(victims)
 
 
