@@ -83,6 +83,34 @@ def test_dataframe_equals_the_stores_own_reads(spark, tmp_path):
         assert row.brokerName == "broker-a"
 
 
+def test_records_larger_than_a_task_are_read_once_by_every_reader(spark, tmp_path):
+    """A task found the first record starting in its byte range by validating it only up to the range's end: a
+    record longer than a task was passed over by both tasks it spans (the reviewer's 1 MiB messages in 8 tasks: 6
+    rows of 10), so an export wrote fewer rows and a rebuild left gaps in the queues, both as success."""
+    from rocketstore.rebuild import rebuild as rebuild_here
+
+    config = CONFIG.replace(mapped_file_size_commit_log=1 << 20)
+    original = tmp_path / "original"
+    with MessageStore.open(original, config, index_clock=counter_clock()) as store:
+        for i in range(12):
+            store.put_message(Message("Big", bytes([i]) * (20_000 + 5_000 * (i % 3)), keys=[f"b{i}"], queue_id=i % 2))
+            store.put_message(Message("Small", b"s%d" % i, keys=[f"s{i}"]))
+        store.wait_for_dispatch()
+        expected = [(m.topic, m.commit_log_offset, m.body) for m in store.iter_messages()]
+    for task_bytes in (4096, 9000, 1 << 20):
+        df = read_store(spark, original, maxBytesPerPartition=task_bytes, columns=["topic", "commitLogOffset", "body"])
+        rows = sorted((r.topic, r.commitLogOffset, bytes(r.body)) for r in df.collect())
+        assert rows == sorted(expected), task_bytes
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copytree(original / "commitlog", copy / "commitlog")
+    shutil.copy(original / "checkpoint", copy / "checkpoint")
+    report = rebuild_here(copy, config=config, clock=counter_clock(), max_bytes_per_task=4096)
+    assert report.records == 24 and report.partitions > 20
+    assert tree(copy, "consumequeue") == tree(original, "consumequeue")
+    assert tree(copy, "index") == tree(original, "index")
+
+
 def test_columns_read_only_what_is_asked_in_tasks_of_equal_size(spark, tmp_path):
     build_store(tmp_path / "s")
     path = str(tmp_path / "s")
@@ -185,6 +213,12 @@ def test_several_stores_by_glob(spark, tmp_path):
     df = read_store(spark, str(tmp_path / "broker-*" / "store"))
     counts = {r.brokerName: r["count"] for r in df.groupBy("brokerName").count().collect()}
     assert counts == {"broker-a": 122, "broker-b": 122}
+    (tmp_path / "broker-c").mkdir()
+    (tmp_path / "broker-c" / "store").symlink_to(tmp_path / "broker-a" / "store")
+    a = str(tmp_path / "broker-a" / "store")
+    for named in (f"{a},{a}", [str(tmp_path / "broker-*" / "store"), a]):  # a store named twice is read once
+        twice = read_store(spark, named, columns=["brokerName", "commitLogOffset"])
+        assert twice.count() == twice.distinct().count() == (122 if isinstance(named, str) else 244)
     with pytest.raises(Exception, match="no store found"):
         read_store(spark, str(tmp_path / "nothing-*")).count()
 

@@ -419,13 +419,17 @@ _SYNC_MAGICS = (MAGIC_V1.to_bytes(4, "big", signed=True), MAGIC_V2.to_bytes(4, "
                 BLANK_MAGIC.to_bytes(4, "big", signed=True))
 
 
-def find_record_start(buf, pos: int, limit: int, segment_start: int, segment_size: int) -> int | None:
+def find_record_start(buf, pos: int, limit: int, segment_start: int, segment_size: int, *,
+                      record_limit: int | None = None) -> int | None:
     """The first record (or closing BLANK) at or after ``pos``; None if there is none before ``limit``.
 
     A record start is a V1/V2 magic whose record validates and whose PHYSICALOFFSET field equals its
     own position (``segment_start + p``): a broker writes every record's position into it, so a
-    body that merely contains a magic does not qualify.
+    body that merely contains a magic does not qualify. The record may end past ``limit``, up to
+    ``record_limit`` (default ``limit``): a reader of one byte range looks for starts in its range only,
+    and a record starting there is whole only past its end.
     """
+    record_limit = limit if record_limit is None else record_limit
     while pos < limit:
         candidates = [buf.find(magic, pos + 4, limit) for magic in _SYNC_MAGICS]
         found = [c - 4 for c in candidates if c >= 0]
@@ -438,7 +442,7 @@ def find_record_start(buf, pos: int, limit: int, segment_start: int, segment_siz
                 return p
         elif int.from_bytes(buf[p + PHY_OFFSET_POS : p + PHY_OFFSET_POS + 8], "big", signed=True) == segment_start + p:
             try:
-                read_layout(buf, p, limit)
+                read_layout(buf, p, record_limit)
                 return p
             except CorruptDataError:
                 pass

@@ -233,9 +233,12 @@ class LogRange:
 
 
 def resolve_roots(paths: str | list[str]) -> list[Path]:
-    """Absolute store roots from a path, a comma-separated list or globs; each must hold a commitlog directory."""
+    """Absolute store roots from a path, a comma-separated list or globs; each must hold a commitlog directory.
+    A store named twice (listed twice, matched by a glob and named too, reached through a symlink) is one root, the
+    first: read twice, every row came twice (and an export imported stored each message twice)."""
     items = paths.split(",") if isinstance(paths, str) else list(paths)
     roots: list[Path] = []
+    seen: set[str] = set()
     for item in (i.strip() for i in items):
         if not item:
             continue
@@ -246,7 +249,10 @@ def resolve_roots(paths: str | list[str]) -> list[Path]:
                 if glob.has_magic(item):
                     continue
                 raise StoreIOError(2, f"{root} holds no store (no {COMMITLOG_DIR} directory)")
-            roots.append(root)
+            real = os.path.realpath(root)
+            if real not in seen:
+                seen.add(real)
+                roots.append(root)
     if not roots:
         raise StoreIOError(2, f"no store found at {paths!r}")
     return roots
@@ -464,7 +470,9 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
     stop = r.stop - r.segment_start
     pos = r.start - r.segment_start
     if pos > 0:
-        found = find_record_start(buf, pos, min(limit, stop + 4), r.segment_start, r.segment_size)
+        # a record starting in this range may end far past it (a 4 MB body in a 1 MB task): validated to the data's
+        # end, or this task and the one before both passed it over
+        found = find_record_start(buf, pos, min(limit, stop + 4), r.segment_start, r.segment_size, record_limit=limit)
         pos = found if found is not None else limit
     end = min(limit, stop)
     skipped: list[dict] = []
@@ -514,7 +522,8 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         assert halt.error is not None
         if options.on_corrupt == "fail":
             raise halt.error
-        found = find_record_start(buf, halt.pos + 1, min(limit, stop + 4), r.segment_start, r.segment_size)
+        found = find_record_start(buf, halt.pos + 1, min(limit, stop + 4), r.segment_start, r.segment_size,
+                                  record_limit=limit)
         resume = limit if found is None else found
         log.warning("skipping %d bytes of corrupt data: %s", resume - halt.pos, halt.error)
         skipped.append({"segment": r.segment, "offset": halt.offset, "bytes": resume - halt.pos,
