@@ -4,6 +4,7 @@ the shipped package and its numba cache (the cluster itself: test_cluster.py).""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -242,9 +243,10 @@ def test_a_failed_export_prints_one_line_and_no_stack_trace(tmp_path):
     assert lines[0].startswith("error: ChecksumError: body CRC") and "(in partition 0 of stage" in lines[0]
 
 
-def test_a_bad_master_is_one_line_naming_it_before_a_jvm_starts(tmp_path):
+def test_a_bad_master_is_one_line_naming_it_before_a_jvm_starts(tmp_path, monkeypatch):
     """An unknown scheme printed a Java stack trace and "Java gateway process exited"; a standalone master nobody
-    answers failed after ~65 s with "Cannot call methods on a stopped SparkContext", not naming it."""
+    answers failed after ~65 s with "Cannot call methods on a stopped SparkContext", not naming it; local[0], yarn
+    without a Hadoop configuration and an unreachable Kubernetes API server printed 12-53 lines of Java."""
     import socket
     import time
 
@@ -256,10 +258,17 @@ def test_a_bad_master_is_one_line_naming_it_before_a_jvm_starts(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     check_master("local[2]")
+    monkeypatch.delenv("HADOOP_CONF_DIR", raising=False)
+    monkeypatch.delenv("YARN_CONF_DIR", raising=False)
+    with pytest.raises(ConfigError, match="'yarn' needs HADOOP_CONF_DIR or YARN_CONF_DIR"):
+        check_master("yarn")
+    monkeypatch.setenv("YARN_CONF_DIR", str(tmp_path))
     check_master("yarn")
     for master, text in [("bogus://x", "'bogus://x' is not a master URL"),
+                         ("local[0]", "'local[0]' is not a master URL"),
+                         (f"k8s://https://127.0.0.1:{port}", "cannot reach the Spark master k8s://https://127.0.0.1:"),
                          (f"spark://127.0.0.1:{port}", f"cannot reach the Spark master spark://127.0.0.1:{port} ")]:
-        with pytest.raises(ConfigError, match=text):
+        with pytest.raises(ConfigError, match=re.escape(text)):
             check_master(master)
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "rebuild", "--store", str(tmp_path / "s"),
@@ -268,3 +277,66 @@ def test_a_bad_master_is_one_line_naming_it_before_a_jvm_starts(tmp_path):
         assert done.returncode == 1 and done.stderr.splitlines() == [f"error: {done.stderr[7:].strip()}"]
         assert text in done.stderr and time.monotonic() - started < 30
         assert (tmp_path / "s" / "consumequeue").is_dir() and (tmp_path / "s" / "index").is_dir()
+
+
+class _Context:
+    def __init__(self, stopped: bool, app_id: str) -> None:
+        self.applicationId, self._stopped, self.stops = app_id, stopped, 0
+
+        class _Jsc:
+            def sc(inner):
+                return inner
+
+            def isStopped(inner) -> bool:
+                return stopped
+
+        self._jsc = _Jsc()
+
+
+def test_a_spark_address_that_registers_nothing_is_named_in_one_line():
+    """An address that accepts connections but is no master (the web UI's 8080, another service): Spark retried for
+    ~60 s, logged "All masters are unresponsive" with requests outstanding, and the job failed with "Cannot call
+    methods on a stopped SparkContext". The session's check names the master instead (the ~60 s are Spark's own,
+    so the end-to-end run is the slow test below)."""
+    from rocketstore.errors import ConfigError
+    from rocketstore.spark.session import check_registered
+
+    class Session:
+        def __init__(self, context) -> None:
+            self.sparkContext, self.stopped = context, 0
+
+        def stop(self) -> None:
+            self.stopped += 1
+
+    check_registered(Session(_Context(False, "app-20261127020000-0000")), "spark://127.0.0.1:7077")
+    check_registered(Session(_Context(True, "local-1")), "local[2]")  # only standalone masters register apps
+    for context in (_Context(True, "app-20261127020000-0000"), _Context(False, "spark-application-1")):
+        session = Session(context)
+        with pytest.raises(ConfigError, match=re.escape("no Spark master answered at spark://127.0.0.1:8080")):
+            check_registered(session, "spark://127.0.0.1:8080")
+        assert session.stopped == 1
+
+
+@pytest.mark.slow
+def test_an_export_to_an_address_that_is_no_spark_master_fails_in_one_line(tmp_path):
+    import socket
+    import threading
+
+    build_store(tmp_path / "s", 5)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted = []
+    threading.Thread(target=lambda: accepted.extend(listener.accept() for _ in range(8)), daemon=True).start()
+    master = f"spark://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "export", "--store", str(tmp_path / "s"),
+                               "--out", str(tmp_path / "out"), "--master", master, "--max-hash-slot-num", "97",
+                               "--max-index-num", "300"],
+                              capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        listener.close()
+    lines = [line for line in done.stderr.splitlines() if "jdk.incubator.vector" not in line]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"error: no Spark master answered at {master}: ")
+    assert accepted and not (tmp_path / "out").exists()

@@ -46,7 +46,12 @@ TASK_FAILURE_LOGGERS = ("org.apache.spark.scheduler.TaskSetManager", "org.apache
 # An executor's status update reaching a driver whose scheduler just stopped (a failed command exiting) is logged
 # at ERROR with a stack trace, "Could not find CoarseGrainedScheduler": a shutdown race, under the command's own
 # one-line error (seen in one CI-form run in two of the cluster's failing export). ``--verbose`` still shows it.
-SHUTDOWN_RACE_LOGGERS = ("org.apache.spark.network.server.TransportRequestHandler",)
+SHUTDOWN_RACE_LOGGERS = ("org.apache.spark.network.server.TransportRequestHandler",
+                         # and a registration with no master answering: "All masters are unresponsive! Giving up.",
+                         # then requests left outstanding (``check_registered`` names the master in one line)
+                         "org.apache.spark.scheduler.cluster.StandaloneSchedulerBackend",
+                         "org.apache.spark.deploy.client.StandaloneAppClient",
+                         "org.apache.spark.network.client.TransportResponseHandler")
 
 
 def log4j2_properties(verbose: bool) -> str:
@@ -123,8 +128,8 @@ def is_local(master: str) -> bool:
     return master.startswith("local")
 
 
-_MASTER = re.compile(r"local(\[(\*|\d+)(,\s*\d+)?\])?|local-cluster\[\d+,\s*\d+,\s*\d+\]|spark://.+|yarn"
-                     r"|k8s://.+")
+_MASTER = re.compile(r"local(\[(\*|[1-9]\d*)(,\s*\d+)?\])?|local-cluster\[[1-9]\d*,\s*[1-9]\d*,\s*[1-9]\d*\]"
+                     r"|spark://.+|yarn|k8s://.+")
 MASTER_CONNECT_TIMEOUT_S = 5.0
 
 
@@ -136,13 +141,24 @@ def check_master(master: str, timeout: float = MASTER_CONNECT_TIMEOUT_S) -> None
     from ..errors import ConfigError
 
     if not _MASTER.fullmatch(master):
-        raise ConfigError(f"Spark master {master!r} is not a master URL: use local[*], local[N], spark://HOST:PORT, "
-                          "yarn or k8s://HOST:PORT")
-    if not master.startswith("spark://"):
+        raise ConfigError(f"Spark master {master!r} is not a master URL: use local[*], local[N] (N at least 1), "
+                          "spark://HOST:PORT, yarn or k8s://HOST:PORT")
+    if master == "yarn":  # else spark-submit prints its usage and a stack trace, and PySpark "gateway exited"
+        if not (os.environ.get("HADOOP_CONF_DIR") or os.environ.get("YARN_CONF_DIR")):
+            raise ConfigError("Spark master 'yarn' needs HADOOP_CONF_DIR or YARN_CONF_DIR set to the cluster's "
+                              "Hadoop configuration directory")
+        return
+    if master.startswith("k8s://"):  # an API server nobody answers: a Kubernetes client's stack trace, 50 lines
+        address = re.sub(r"^https?://", "", master[len("k8s://"):]).split("/")[0]
+        scheme_port = "80" if master[len("k8s://"):].startswith("http://") else "443"
+        addresses = [address if re.search(r":\d+$", address) else f"{address}:{scheme_port}"]
+    elif master.startswith("spark://"):
+        addresses = [address.strip() for address in master[len("spark://"):].split(",")]
+    else:
         return
     errors = []
-    for address in master[len("spark://"):].split(","):
-        host, _, port = address.strip().rpartition(":")
+    for address in addresses:
+        host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"Spark master {master!r}: {address!r} is not HOST:PORT")
         try:
@@ -215,13 +231,19 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
     os.environ["PYSPARK_PYTHON"] = python
     try:
         with shipping.working_directory(jvm_directory) if jvm_directory else contextlib.nullcontext():
-            spark = builder.getOrCreate()
+            try:
+                spark = builder.getOrCreate()
+            except Exception as exc:
+                if master.startswith("spark://") and "stopped SparkContext" in str(exc):
+                    raise _unregistered(master) from None  # stopped while PySpark was still setting it up
+                raise
     finally:
         if jvm_directory is not None:
             if saved is None:
                 del os.environ["PYSPARK_PYTHON"]
             else:
                 os.environ["PYSPARK_PYTHON"] = saved
+    check_registered(spark, master)
     if launching:
         classcache.watch(getattr(SparkContext._gateway, "proc", None))
         classcache.check_mapped(spark._jvm.java.lang.ProcessHandle.current().pid())
@@ -231,6 +253,28 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
         spark.sparkContext.addPyFile(str(shipping.package_zip(scratch)))
     register(spark)
     return spark
+
+
+def check_registered(spark, master: str) -> None:
+    """A ``spark://`` address that accepts connections but is no master (its web UI's port, another service) passes
+    ``check_master``; Spark then retries registering for ~60 s, gives up, stops the context and fails the first
+    job with "Cannot call methods on a stopped SparkContext". Named here instead, in one line. A standalone
+    master names the applications it registers ``app-...``; an unregistered context keeps Spark's fallback id."""
+    if not master.startswith("spark://"):
+        return
+    context = spark.sparkContext
+    if context._jsc.sc().isStopped() or not str(context.applicationId).startswith("app-"):
+        with contextlib.suppress(Exception):
+            spark.stop()
+        raise _unregistered(master)
+
+
+def _unregistered(master: str) -> Exception:
+    from ..errors import ConfigError
+
+    return ConfigError(f"no Spark master answered at {master}: something accepts connections there but did not "
+                       "register this application (a standalone master's port is 7077 unless set otherwise; 8080 "
+                       "is its web UI)")
 
 
 def stop_quietly(spark) -> None:
