@@ -934,7 +934,7 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(spark, 
     report = import_messages(df, tmp_path / "s", config=CONFIG)
     assert (report.skipped, report.rows) == ((96, 104) if stop == "after the append" else (64, 136))
     assert _stored_bodies(tmp_path / "s") == [body for _t, body, _k in rows]
-    assert not (tmp_path / "s" / "importProgress.json").exists()
+    assert json.loads((tmp_path / "s" / "importProgress.json").read_text())["complete"] is True
     assert json.loads(cli("inspect", "--store", str(tmp_path / "s"), *geometry, "--json").stdout)[
         "unfinishedImport"] is None
     with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
@@ -955,7 +955,7 @@ def test_a_damaged_import_journal_is_a_typed_error_and_changes_nothing(spark, tm
         assert files_of(tmp_path / "s") == before
     report = import_messages(df, tmp_path / "s", config=CONFIG, skip_rows=0)  # named: the journal is replaced
     assert report.rows == 1 and _stored_bodies(tmp_path / "s") == [b"a", b"a"]
-    assert not (tmp_path / "s" / "importProgress.json").exists()
+    assert json.loads((tmp_path / "s" / "importProgress.json").read_text())["complete"] is True
     source = {"plan": df.semanticHash(), "rows": 1, "reader": "spark", "order": "partitions"}  # a journal that
     # counted rows past the log's end
     (tmp_path / "s" / "importProgress.json").write_text(json.dumps({"source": source, "rows_done": 5,

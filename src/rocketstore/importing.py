@@ -58,6 +58,7 @@ class ImportReport:
     rows: int = 0  # stored by this import
     batches: int = 0
     skipped: int = 0  # rows not stored by this import: named by ``skip_rows``, or held from an unfinished one
+    already_imported: bool = False  # the store's journal says this very import finished before: nothing stored
     first_offset: int | None = None
     last_offset: int | None = None
 
@@ -149,7 +150,10 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
     report = ImportReport()
     journal = ImportJournal(root)
     unfinished = None if fresh or skip_rows is not None else journal.load()  # a named row replaces it
+    if unfinished is not None and unfinished.complete and unfinished.source != source:
+        unfinished = None  # another import finished before: this one replaces its journal
     report.skipped = skip_rows or 0
+    report.already_imported = unfinished is not None and unfinished.complete
     if unfinished is not None:
         if unfinished.source != source:
             raise ConfigError(
@@ -181,7 +185,10 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                         if not report.skipped + report.rows and store.commit_log.max_offset == log_end:
                             journal.clear()  # refused before any of its rows was stored: nothing to go on from
                         raise
-            journal.clear()
+            if report.rows or not report.already_imported:
+                store.flush()  # the last batch on the disk before the journal says the import is over
+                journal.record(ImportProgress(source, report.skipped + report.rows, store.commit_log.max_offset,
+                                              complete=True))
     except BaseException:
         if fresh and not report.rows:  # an import into a new path that stored nothing leaves no store skeleton
             if before is None:

@@ -5,7 +5,9 @@ many rows are stored, where the log ends and what the batch's first row is. A cr
 it or a prefix (it is one crash-atomic append per segment it spans; after an OS crash the page cache may have
 reached the disk in part), all stamped with one store time. The journal and the log together then tell how many
 rows are stored: the rows it records, plus those of the batch it was about to write found after the recorded end.
-The journal goes when the import finishes; a store with one is a store with an unfinished import.
+When the import has stored its last row and flushed the log, the journal says so (``complete``) and stays: the same
+import run again (after a kill before it could report, or a close that failed) then stores nothing, where removing
+the journal had it store every row a second time. Another import replaces a complete journal.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ImportProgress:
     batch_rows: int = 0  # the pending batch (0: none)
     batch_topic: str = ""  # its first row's topic
     batch_body_crc: int = 0  # and body CRC, as the record's BODYCRC holds it
+    complete: bool = False  # every row stored and flushed: the import is over
 
     @staticmethod
     def body_crc(body: bytes) -> int:
@@ -62,7 +65,7 @@ class ImportJournal:
                               "the rows the store holds (the journal is then replaced)") from None
         numbers = (progress.rows_done, progress.log_end, progress.batch_rows, progress.batch_body_crc)
         if not isinstance(progress.source, dict) or not isinstance(progress.batch_topic, str) \
-                or any(type(n) is not int or n < 0 for n in numbers):
+                or type(progress.complete) is not bool or any(type(n) is not int or n < 0 for n in numbers):
             raise ConfigError(f"the import journal {self.path} is damaged (a field of the wrong type): import with "
                               "--from-row set to the rows the store holds (the journal is then replaced)")
         return progress

@@ -48,7 +48,7 @@ def inspect_store(root: Path, config: StoreConfig) -> dict:
                  for f in store.index.files]
         try:
             progress = ImportJournal(root).load()
-            unfinished = None if progress is None else {
+            unfinished = None if progress is None or progress.complete else {
                 "source": describe_source(progress.source), "rowsStored": rows_stored(store, progress)}
         except ConfigError as exc:
             unfinished = {"error": str(exc)}
