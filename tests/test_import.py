@@ -22,6 +22,7 @@ from rocketstore.errors import (
     InvalidTopicError,
     MessageIllegalError,
     MessageTooLargeError,
+    StoreIOError,
 )
 from rocketstore.importing import import_parquet
 from test_cli import cli
@@ -59,6 +60,11 @@ def export_like(root: Path) -> list[tuple[str, bytes]]:
     return expected
 
 
+def import_complete(root: Path) -> bool:
+    """The store's journal says its last import finished (it stays: the same import run again stores nothing)."""
+    return json.loads((root / "importProgress.json").read_text())["complete"] is True
+
+
 def test_a_dataset_is_stored_in_file_name_order_with_its_partition_columns_as_strings(tmp_path):
     expected = export_like(tmp_path / "exp")
     report = import_parquet(tmp_path / "exp", tmp_path / "s", config=CONFIG)
@@ -66,7 +72,7 @@ def test_a_dataset_is_stored_in_file_name_order_with_its_partition_columns_as_st
     messages = stored(tmp_path / "s")
     assert [(m.topic, m.body) for m in messages] == expected
     assert all(m.keys == [f"k-{m.body.decode().replace(' ', '-')}"] for m in messages)
-    assert not (tmp_path / "s" / "importProgress.json").exists()
+    assert import_complete(tmp_path / "s")
     with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:  # every queue in its original order
         for queue in (0, 1):
             got = [m.body for m in store.get_message("Orders", queue, 0, 1000).messages]
@@ -182,7 +188,12 @@ def test_an_import_stopped_mid_way_finishes_each_row_once_when_run_again(tmp_pat
     report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
     assert (report.skipped, report.rows) == (done, 200 - done)
     assert [m.body for m in stored(tmp_path / "s")] == rows
-    assert not (tmp_path / "s" / "importProgress.json").exists()
+    assert import_complete(tmp_path / "s")
+    again = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)  # run once more: a kill hid the report
+    assert (again.already_imported, again.rows, again.skipped) == (True, 0, 200)
+    assert [m.body for m in stored(tmp_path / "s")] == rows
+    import_parquet(tmp_path / "other.parquet", tmp_path / "s", config=CONFIG)  # another import replaces the journal
+    assert stored(tmp_path / "s")[-1].body == b"o" and import_complete(tmp_path / "s")
 
 
 def test_an_unfinished_import_read_by_spark_is_not_finished_in_another_order(tmp_path):
@@ -318,3 +329,47 @@ def test_an_import_refused_before_storing_anything_leaves_no_journal(tmp_path, b
     report = import_parquet(tmp_path / "ok", root, config=CONFIG)
     assert (report.skipped, report.rows) == (0, 10)
     assert [m.body for m in stored(root)] == [b"there before"] + [b"ok"] * 10
+
+
+def test_an_import_whose_close_failed_stores_nothing_when_run_again(tmp_path, monkeypatch):
+    """The journal went before the store closed: a close that failed after the last batch (queueEnds.json not
+    written), or a kill before the report, and the same import run again stored every row a second time. The CLI
+    said only "error:", exit 1, as if nothing had been stored; now exit 3 says the change is stored."""
+    from rocketstore.consumequeue import ConsumeQueueTable
+
+    write(tmp_path / "d" / "part-0.parquet", topic=[f"T{i % 2}" for i in range(50)],
+          body=[f"row {i}".encode() for i in range(50)])
+
+    def failing_save(self):
+        raise StoreIOError(5, "cannot write queueEnds.json: Input/output error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ConsumeQueueTable, "save_ends", failing_save)
+        with pytest.raises(StoreIOError, match=r"queueEnds\.json"):
+            import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert len(stored(tmp_path / "s")) == 50
+    report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert (report.already_imported, report.rows) == (True, 0)
+    assert len(stored(tmp_path / "s")) == 50
+    done = cli("import", "--no-spark", "--parquet", str(tmp_path / "d"), "--store", str(tmp_path / "s"), *GEOMETRY)
+    assert done.stdout.startswith("nothing imported: this import finished before, its 50 rows are in ")
+    assert len(stored(tmp_path / "s")) == 50
+
+
+def test_a_writing_command_whose_close_fails_prints_its_result_and_exits_3(tmp_path):
+    """put, topic create/delete and reset-offset applied their change, then a failing close made them exit 1 with
+    the close's error alone (no SendResult): a script ran the put again and stored it twice."""
+    root = tmp_path / "s"
+    cli("put", "-t", "T", "-b", "first", "--store", str(root), *GEOMETRY)
+    (root / "queueEnds.json").unlink()
+    (root / "queueEnds.json").mkdir()  # the close cannot replace it
+    for args in (["put", "-t", "T", "-b", "second"], ["topic", "create", "-t", "NewT"],
+                 ["reset-offset", "-g", "G", "-t", "T", "-s", "earliest"], ["topic", "delete", "-t", "NewT"]):
+        done = cli(*args, "--store", str(root), *GEOMETRY, check=False)
+        assert done.returncode == 3, (args, done.stderr)
+        assert done.stderr.startswith("error: the command's change is stored, but closing the store failed: ")
+        assert done.stdout, args  # the command's own output came first
+    assert (root / "abort").exists()  # the queue ends were not saved: the next open checks the queues
+    (root / "queueEnds.json").rmdir()
+    assert [m.body for m in stored(root)] == [b"first", b"second"]
+    assert "SendResult [sendStatus=PUT_OK" in cli("put", "-t", "T", "-b", "x", "--store", str(root), *GEOMETRY).stdout

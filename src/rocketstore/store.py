@@ -568,7 +568,8 @@ class MessageStore:
                     clean = not errors and self.health.healthy and not self._derived_flush_failed
                     if clean and self.dispatcher.behind_bytes() == 0:  # else the next open re-dispatches
                         step(self.queues.save_ends)
-                        step(self._abort.delete)
+                        if not errors:  # the queue ends unsaved: the next open checks the queues as after a crash
+                            step(self._abort.delete)
             finally:
                 self._release()
             if errors:

@@ -133,24 +133,48 @@ def writer_store(root: Path, config: StoreConfig) -> Iterator[MessageStore]:
     """The store a writing command opens, created if missing. When the command fails before anything was stored,
     what its open made is removed again: the whole store if this command created it (a refused put on a mistyped
     --store left a directory of a lock and a checkpoint, which later commands took for a store), else the files
-    it added beside an empty log (``lock``, ``checkpoint``, ``queueEnds.json``)."""
+    it added beside an empty log (``lock``, ``checkpoint``, ``queueEnds.json``). When the command's work was done
+    and only the close failed, that is said (``ChangedButNotClosed``): a plain error had scripts run it again."""
     existed = root.exists()
     before = set(os.listdir(root)) if root.is_dir() else set()
     try:
-        with MessageStore.open(root, config) as store:
-            yield store
+        store = MessageStore.open(root, config)
     except BaseException:
-        if root.is_dir() and not any((root / "commitlog").glob("[0-9]*")):
-            if not existed and not (root / "config").exists():
-                shutil.rmtree(root, ignore_errors=True)
-            elif existed:
-                for name in set(os.listdir(root)) - before - {"config"}:
-                    added = root / name
-                    if added.is_dir() and not added.is_symlink():
-                        shutil.rmtree(added, ignore_errors=True)
-                    else:
-                        added.unlink(missing_ok=True)
+        _remove_what_was_added(root, existed, before)
         raise
+    try:
+        yield store
+    except BaseException:
+        with contextlib.suppress(Exception):  # the command's own error is the one to report
+            store.close()
+        _remove_what_was_added(root, existed, before)
+        raise
+    try:
+        store.close()
+    except RocketStoreError as exc:
+        raise ChangedButNotClosed(f"the command's change is stored, but closing the store failed: {exc}. Do not "
+                                  "run the command again; the store's next open recovers") from None
+
+
+class ChangedButNotClosed(Failure):
+    """A writing command did its work and only the store's close failed: exit code 3, not 1 (running it again
+    would put its messages twice)."""
+
+    exit_code = 3
+
+
+def _remove_what_was_added(root: Path, existed: bool, before: set[str]) -> None:
+    if not root.is_dir() or any((root / "commitlog").glob("[0-9]*")):
+        return
+    if not existed and not (root / "config").exists():
+        shutil.rmtree(root, ignore_errors=True)
+    elif existed:
+        for name in set(os.listdir(root)) - before - {"config"}:
+            added = root / name
+            if added.is_dir() and not added.is_symlink():
+                shutil.rmtree(added, ignore_errors=True)
+            else:
+                added.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -245,15 +269,16 @@ def put(topic, body, keys, tags, props, queue_id, as_json, **kwargs) -> None:
         raise Failure("nothing to put: give -t TOPIC -b BODY, or JSON lines on stdin")
     with writer_store(root, config) as store:
         results = store.put_messages(messages)
-    for msg, result in zip(messages, results, strict=True):
-        if as_json:
-            emit_json({"status": result.status.value, "msgId": result.uniq_key, "offsetMsgId": result.msg_id,
-                       "topic": msg.topic, "queueId": msg.queue_id, "queueOffset": result.queue_offset,
-                       "commitLogOffset": result.commit_log_offset, "storeTimestamp": result.store_timestamp})
-        else:
-            click.echo(f"SendResult [sendStatus={result.status.value}, msgId={result.uniq_key}, "
-                       f"offsetMsgId={result.msg_id}, messageQueue=[topic={msg.topic}, queueId={msg.queue_id}], "
-                       f"queueOffset={result.queue_offset}, commitLogOffset={result.commit_log_offset}]")
+        for msg, result in zip(messages, results, strict=True):  # before the close: a failing close still shows the ids
+            if as_json:
+                emit_json({"status": result.status.value, "msgId": result.uniq_key, "offsetMsgId": result.msg_id,
+                           "topic": msg.topic, "queueId": msg.queue_id, "queueOffset": result.queue_offset,
+                           "commitLogOffset": result.commit_log_offset, "storeTimestamp": result.store_timestamp})
+            else:
+                click.echo(f"SendResult [sendStatus={result.status.value}, msgId={result.uniq_key}, "
+                           f"offsetMsgId={result.msg_id}, messageQueue=[topic={msg.topic}, "
+                           f"queueId={msg.queue_id}], queueOffset={result.queue_offset}, "
+                           f"commitLogOffset={result.commit_log_offset}]")
 
 
 def _message_from_options(topic, body, keys, tags, props, queue_id) -> Message:
@@ -269,25 +294,67 @@ def _message_from_options(topic, body, keys, tags, props, queue_id) -> Message:
                    queue_id=queue_id)
 
 
+_STDIN_FIELDS = frozenset({"topic", "body", "bodyBase64", "keys", "tags", "properties", "queueId", "queue", "flag"})
+
+
 def _stdin_messages() -> Iterator[Message]:
+    """One message per JSON line; anything not a message of these fields is refused, naming the line: a bad
+    ``bodyBase64`` was decoded to another body (``!!!``: empty), ``queueId`` 1.9 or true went to queue 1,
+    ``keys`` {"a": 1} became the key "a", and unknown fields (``flag``, ``bornTimestamp``) were dropped."""
     if sys.stdin is None or sys.stdin.isatty():
         return
     for n, line in enumerate(sys.stdin, 1):
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
-            body = data.get("body", "")
-            if data.get("bodyBase64"):
-                import base64
-
-                body = base64.b64decode(data["bodyBase64"])
-            keys = data.get("keys") or ()
-            yield Message(data["topic"], body.encode() if isinstance(body, str) else body, tags=data.get("tags"),
-                          keys=keys, properties=data.get("properties"),
-                          queue_id=int(data.get("queue", data.get("queueId", 0))))
+            yield _json_message(json.loads(line))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise Failure(f"stdin line {n} is not a message (JSON with topic and body): {exc}") from None
+
+
+def _json_message(data) -> Message:
+    import base64
+    import binascii
+
+    if not isinstance(data, dict):
+        raise TypeError("not a JSON object")
+    unknown = sorted(set(data) - _STDIN_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(_STDIN_FIELDS))}")
+    body = data.get("body", "")
+    if "bodyBase64" in data:
+        if "body" in data:
+            raise ValueError("give body or bodyBase64, not both")
+        encoded = data["bodyBase64"]
+        if not isinstance(encoded, str):
+            raise TypeError("bodyBase64 must be a string")
+        try:
+            body = base64.b64decode(encoded, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"bodyBase64 is not base64 ({exc})") from None
+    elif not isinstance(body, str):
+        raise TypeError("body must be a string (bodyBase64 for bytes)")
+    keys = data.get("keys") or []
+    if isinstance(keys, str):
+        keys = [keys]
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise TypeError("keys must be a string or a list of strings")
+    tags = data.get("tags")
+    if tags is not None and not isinstance(tags, str):
+        raise TypeError("tags must be a string")
+    properties = data.get("properties")
+    if properties is not None and (not isinstance(properties, dict)
+                                   or not all(isinstance(v, str) for v in properties.values())):
+        raise TypeError("properties must be an object of strings")
+    if "queue" in data and "queueId" in data:
+        raise ValueError("give queueId or queue, not both")
+    numbers = {name: data.get(name, 0) for name in ("queueId" if "queueId" in data else "queue", "flag")}
+    for name, value in numbers.items():
+        if type(value) is not int:
+            raise TypeError(f"{name} must be an integer, not {value!r}")
+    queue_id, flag = numbers.values()
+    return Message(data["topic"], body.encode() if isinstance(body, str) else body, tags=tags, keys=keys,
+                   properties=properties, queue_id=queue_id, flag=flag)
 
 
 # --- queries ---------------------------------------------------------------------------------------
@@ -726,7 +793,7 @@ def topic_create(name, write_queues, read_queues, **kwargs) -> None:
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     with writer_store(root, config) as store:
         store.create_topic(name, write_queues, read_queues=read_queues)
-    click.echo(f"create topic {name}: {write_queues} write queues, {read_queues or write_queues} read queues")
+        click.echo(f"create topic {name}: {write_queues} write queues, {read_queues or write_queues} read queues")
 
 
 @topic.command("delete", epilog="Example:\n  rocketstore topic delete -t OrderPaid")
@@ -736,10 +803,10 @@ def topic_create(name, write_queues, read_queues, **kwargs) -> None:
 def topic_delete(name, **kwargs) -> None:
     """Remove a topic from config/topics.json (its messages stay until retention removes them)."""
     root, config = config_for(**_store_args(kwargs))
-    with MessageStore.open(root, config) as store:
+    with writer_store(root, config) as store:
         if not store.delete_topic(name):
             raise Failure(f"topic {name} is not configured")
-    click.echo(f"delete topic {name}")
+        click.echo(f"delete topic {name}")
 
 
 @main.command("consumer-progress", epilog="""\b
@@ -793,13 +860,13 @@ def reset_offset(group, topic_name, timestamp, **kwargs) -> None:
     """Point a consumer group at a time in every queue (like mqadmin resetOffsetByTime)."""
     target = timestamp if timestamp in ("earliest", "latest") else parse_time(timestamp, "--timestamp")
     root, config = config_for(**_store_args(kwargs))
-    with MessageStore.open(root, config) as store:
+    with writer_store(root, config) as store:
         if not store.queue_ids(topic_name) and store.topic_config.get(topic_name) is None:
             raise Failure(f"topic {topic_name} does not exist in this store")
         offsets = store.reset_offset(group, topic_name, target)
-    click.echo(f"{'#QID':<6}{'#Offset':>12}")
-    for queue_id, offset in offsets.items():
-        click.echo(f"{queue_id:<6}{offset:>12}")
+        click.echo(f"{'#QID':<6}{'#Offset':>12}")
+        for queue_id, offset in offsets.items():
+            click.echo(f"{queue_id:<6}{offset:>12}")
 
 
 # --- Spark jobs and stats ---------------------------------------------------------------------------
@@ -930,6 +997,10 @@ def import_command(master, ship_env, verbose, parquet, from_row, no_spark, **kwa
         with progress_bar("import") as progress:
             report = import_messages(read_parquet(spark, source), root, config=config, progress=progress,
                                      explicit=GEOMETRY, skip_rows=from_row)
+    if report.already_imported:
+        click.echo(f"nothing imported: this import finished before, its {report.skipped} rows are in {root} "
+                   "(--from-row 0 stores them again)")
+        return
     click.echo(f"imported {report.rows} messages in {report.batches} batches into {root}"
                + (f" (rows {report.skipped} on)" if report.skipped else ""))
 
