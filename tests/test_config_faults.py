@@ -578,3 +578,35 @@ def test_bad_arguments_raise_typed_errors_and_never_make_the_store_unopenable(tm
     with MessageStore.open(tmp_path, CONFIG) as store:
         assert store.consumer_offsets.table == {"T@g": {0: 1}}
         assert store.topic_config.get("U") is None and not store.subscription_groups.groups
+
+
+SHORT_CHECKPOINT = """
+import sys
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.errors import StoreIOError
+store = MessageStore.open(sys.argv[1], StoreConfig(mapped_file_size_commit_log=4096))
+store.put_message(Message("T", b"x"))
+try:
+    store.close()
+    print("closed")
+except StoreIOError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_short_write_of_the_checkpoint_is_an_error_not_success(tmp_path):
+    """The checkpoint's 48 bytes were written with one pwrite whose count was not read: a short write closed the
+    store as if its checkpoint were current. Now the rest is written after a short write, and a write that makes
+    no progress (0 bytes here) is ENOSPC."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        store.put_message(Message("T", b"first"))
+    target = tmp_path / "checkpoint"
+    done = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(target),
+                           "-e", "inject=pwrite64:retval=0", sys.executable, "-c", SHORT_CHECKPOINT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.startswith("StoreIOError") and "checkpoint" in done.stdout, (done.stdout, done.stderr)
+    assert (tmp_path / "abort").exists()  # the next open recovers
+    with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)) as store:
+        assert [m.body for m in store.iter_messages()] == [b"first", b"x"]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import StoreIOError
+from .mapped.file import pwrite_all
 
 CHECKPOINT_SIZE = 4096
 FIELDS_FMT = ">qqqqq"
@@ -96,7 +97,7 @@ class StoreCheckpoint:
             try:
                 if os.fstat(fd).st_size != CHECKPOINT_SIZE:
                     os.ftruncate(fd, CHECKPOINT_SIZE)
-                os.pwrite(fd, data, 0)
+                pwrite_all(fd, data, 0)  # a short write is not success (the old fields stay, half new)
                 os.fsync(fd)
             finally:
                 os.close(fd)

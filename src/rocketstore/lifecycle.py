@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from .errors import StoreIOError, StoreLockedError
+from .mapped.file import pwrite_all
 
 LOCK_FILE = "lock"
 ABORT_FILE = "abort"
@@ -67,7 +68,7 @@ class StoreLock:
                     raise
                 _held.add(key)
             if st.st_size == 0:
-                os.pwrite(fd, b"lock", 0)
+                pwrite_all(fd, b"lock", 0)
         except BaseException as exc:
             os.close(fd)
             if key is not None:  # a failure after the lock was taken must not keep this process out for good
@@ -151,7 +152,7 @@ class AbortFile:
                 shutil.copyfile(self.path, self.path.with_name(ABORT_FILE + ".bak"))
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
             try:
-                os.write(fd, str(os.getpid()).encode())
+                pwrite_all(fd, str(os.getpid()).encode(), 0)
                 os.fsync(fd)
             finally:
                 os.close(fd)

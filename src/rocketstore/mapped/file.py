@@ -443,6 +443,17 @@ def allocate(fd: int, size: int, preallocate: bool) -> None:
     os.ftruncate(fd, size)
 
 
+def pwrite_all(fd: int, data: bytes, pos: int = 0) -> None:
+    """pwrite(2) until every byte is written: a short write (a full disk, a signal) is not success. Raises
+    ``OSError`` (ENOSPC for a write that makes no progress), for the caller to type."""
+    view = memoryview(data).cast("B")
+    while view:
+        done = os.pwrite(fd, view, pos)
+        if done <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view, pos = view[done:], pos + done
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename, link or unlink in ``directory`` durable; a failure raises (it is a lost durability promise)."""
     try:
