@@ -356,6 +356,18 @@ def test_a_broker_conf_that_is_not_utf8_is_named(store, tmp_path):
     assert done.returncode == 1 and done.stderr == f"error: {conf} is not UTF-8 text (byte 0)\n"
 
 
+def test_a_broker_conf_names_the_store_unless_store_is_given(store, tmp_path):
+    """--broker-conf read the geometry but not storePathRootDir: without --store, commands looked at ~/store."""
+    root, results = store
+    conf = tmp_path / "broker.conf"
+    conf.write_text(f"brokerName=broker-a\nstorePathRootDir={root}\nmaxHashSlotNum={CONFIG.max_hash_slot_num}\n"
+                    f"maxIndexNum={CONFIG.max_index_num}\n")
+    found = cli("query-by-key", "--broker-conf", str(conf), "-t", "Topic1", "-k", "order-7", "--json").stdout
+    assert json.loads(found)["commitLogOffset"] == results[7].commit_log_offset
+    done = cli("inspect", "--broker-conf", str(conf), "--store", str(tmp_path / "elsewhere"), check=False)
+    assert done.returncode == 1 and "elsewhere holds no store" in done.stderr  # --store wins
+
+
 def test_writer_lock_is_reported(store, tmp_path):
     root = tmp_path / "locked"
     with MessageStore.open(root, CONFIG) as writer:

@@ -143,20 +143,37 @@ def broker_conf_values(path: str | Path) -> dict[str, object]:
     # RocketMQ spells acronyms in capitals (checkCRCOnRecover), so keys match case-insensitively.
     known = {f.name.replace("_", ""): f for f in dataclasses.fields(StoreConfig) if f.init}
     values: dict[str, object] = {}
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start})") from None
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", "!")) or "=" not in line:
-            continue
-        key, value = (part.strip() for part in line.split("=", 1))
+    for key, value in _conf_settings(path):
         f = known.get(key.lower())
         if f is None:
             continue
         values[f.name] = _coerce(f, value)
     return broker_sizes(values)
+
+
+def broker_conf_store_root(path: str | Path) -> str | None:
+    """The ``storePathRootDir`` a ``broker.conf`` names (the store the broker runs on), or None."""
+    found = None
+    for key, value in _conf_settings(path):
+        if key.lower() == "storepathrootdir" and value:
+            found = value  # the last one wins, as in a Properties file
+    return found
+
+
+def _conf_settings(path: str | Path) -> list[tuple[str, str]]:
+    """The ``key=value`` lines of a ``broker.conf`` (a Java properties file: ``#``/``!`` comments)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+    settings = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", "!")) or "=" not in line:
+            continue
+        key, value = (part.strip() for part in line.split("=", 1))
+        settings.append((key, value))
+    return settings
 
 
 def broker_sizes(values: dict[str, object]) -> dict[str, object]:

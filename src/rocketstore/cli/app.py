@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 
 from .. import Message, MessageStore, StoreConfig
-from ..config import GEOMETRY, broker_conf_values, broker_sizes, detect_config
+from ..config import GEOMETRY, broker_conf_store_root, broker_conf_values, broker_sizes, detect_config
 from ..errors import MessageNotFoundError, RocketStoreError
 from ..reads import GetMessageStatus
 from .render import (
@@ -92,7 +92,8 @@ def store_options(command):
     command = click.option("--max-hash-slot-num", type=click.IntRange(1, 100_000_000), default=None,
                            help="the broker's maxHashSlotNum (default 5000000)")(command)
     command = click.option("--broker-conf", type=click.Path(dir_okay=False, exists=True),
-                           help="read settings (maxHashSlotNum, ...) from a broker.conf")(command)
+                           help="read settings (maxHashSlotNum, ..., and storePathRootDir unless --store is "
+                           "given) from a broker.conf")(command)
     return click.option("--store", "store_dir", default=DEFAULT_STORE, show_default=True,
                         help="the store root (RocketMQ's storePathRootDir)")(command)
 
@@ -115,6 +116,8 @@ def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int |
                max_index_num: int | None, mapped_file_size_commit_log: int | None = None,
                mapped_file_size_consume_queue: int | None = None, *, must_exist: bool = True
                ) -> tuple[Path, StoreConfig]:
+    if broker_conf and _defaulted("store_dir"):  # the broker's own storePathRootDir, unless --store names one
+        store_dir = broker_conf_store_root(broker_conf) or store_dir
     root = Path(store_dir).expanduser()
     if must_exist and not (root / "commitlog").is_dir():
         raise Failure(f"{root} holds no store (no commitlog directory); pass --store DIR")
@@ -126,6 +129,12 @@ def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int |
     base = StoreConfig(**broker_sizes(values))  # type: ignore[arg-type]
     # what the broker.conf and the flags name wins over what the files suggest
     return root, detect_config(root, base, explicit=values) if root.exists() else base
+
+
+def _defaulted(param: str) -> bool:
+    """Whether the running command's ``param`` took its default (not given on the command line or in the env)."""
+    context = click.get_current_context(silent=True)
+    return context is not None and context.get_parameter_source(param) is click.core.ParameterSource.DEFAULT
 
 
 @contextlib.contextmanager
