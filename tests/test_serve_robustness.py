@@ -127,6 +127,17 @@ def test_undecodable_receipt_handles_are_invalid_not_internal_errors(server):
 
 # --- 2. consumer groups -------------------------------------------------------------------------------------
 
+def test_invisible_durations_past_twelve_hours_are_illegal(server):
+    """2^40 s was accepted: a message hidden that long was freed only by a restart, and held its queue's committed
+    offset meanwhile. RocketMQ's proxy refuses more than 12 hours."""
+    send(server, "Invisible", b"x")
+    assert receive(server, "G12h", "Invisible", invisible_s=12 * 3600 + 1)[0] == pb.Code.ILLEGAL_INVISIBLE_TIME
+    [msg] = receive_until(server, "G12h", "Invisible", 1, invisible_s=12 * 3600)
+    handle = msg.system_properties.receipt_handle
+    assert change_invisible(server, "G12h", "Invisible", handle, 1 << 40).status.code == pb.Code.ILLEGAL_INVISIBLE_TIME
+    assert ack(server, "G12h", "Invisible", handle).status.code == pb.Code.OK  # the refused change changed nothing
+
+
 ILLEGAL_GROUPS = ("", "   ", "g" * 121, "bad/group", "bad group", "gr\u00fcppe", "CID_RMQ_SYS_TRANS", "CID_RMQ_SYS_x")
 
 

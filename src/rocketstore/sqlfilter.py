@@ -541,6 +541,8 @@ class _Parser:
         if token.kind == "decimal":
             self.take()
             digits = token.text.rstrip("lL")
+            if len(digits.lstrip("0")) > 19:  # past 64 bits whatever the digits (int() refuses 4,300 and more)
+                raise InvalidFilterError(f"{token.text[:40]}... does not fit in 64 bits")
             value = int(digits)
             if value > _LONG_RANGE[1]:
                 raise InvalidFilterError(f"{token.text} does not fit in 64 bits")
