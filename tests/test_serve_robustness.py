@@ -1005,3 +1005,61 @@ def test_waking_a_receive_or_a_telemetry_stream_as_the_server_loop_closes_is_qui
     finally:
         del loop.is_closed
     assert ticket.woken
+
+
+def test_a_restart_keeps_what_consumers_hold_and_acknowledged(tmp_path):
+    """A clean restart (and a crash after the state was saved) forgot the in-flight table: a message held for 300 s
+    came back at once as a first delivery (a failing message never reached the DLQ; a FIFO group's message went to
+    a second consumer while the first still processed it), and every message acknowledged above a held one of the
+    same queue came back too (the committed offset stops below the held message). The state is saved at a stop."""
+    root = tmp_path / "store"
+    with MessageStore.open(root, CONFIG) as store:
+        store.create_topic("Held", 1)
+    server = Served(root)
+    try:
+        send(server, "Held", b"slow")
+        [slow] = receive_until(server, "G", "Held", 1, invisible_s=1)
+        time.sleep(1.2)
+        [slow] = receive_until(server, "G", "Held", 1, invisible_s=300)  # its second delivery, held for 5 minutes
+        assert slow.system_properties.delivery_attempt == 2
+        send(server, "Held", *[b"m%d" % i for i in range(10)])
+        rest = receive_until(server, "G", "Held", 10, invisible_s=300)
+        assert ack(server, "G", "Held", *[m.system_properties.receipt_handle for m in rest]).status.code == pb.Code.OK
+        assert server.stop() == 0
+        server = Served(root)
+        assert receive(server, "G", "Held", invisible_s=300, poll_s=2)[1] == []  # nothing back: held or acknowledged
+        handle = slow.system_properties.receipt_handle  # a handle from before the restart is good
+        shortened = change_invisible(server, "G", "Held", handle, 1)
+        assert shortened.status.code == pb.Code.OK, shortened.status
+        time.sleep(1.2)
+        [third] = receive_until(server, "G", "Held", 1, invisible_s=300)
+        assert third.body == b"slow" and third.system_properties.delivery_attempt == 3  # counted on
+        assert ack(server, "G", "Held", third.system_properties.receipt_handle).status.code == pb.Code.OK
+        assert server.stop() == 0
+        with MessageStore.open(root, CONFIG, read_only=True) as store:
+            assert store.query_offset("G", "Held", 0) == 11  # every message consumed, the offset committed
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+def test_a_reset_offset_while_serve_was_down_wins_over_its_saved_state(tmp_path):
+    root = tmp_path / "store"
+    with MessageStore.open(root, CONFIG) as store:
+        store.create_topic("Reset", 1)
+    server = Served(root)
+    try:
+        send(server, "Reset", *[b"r%d" % i for i in range(5)])
+        got = receive_until(server, "G", "Reset", 5, invisible_s=300)
+        assert ack(server, "G", "Reset", *[m.system_properties.receipt_handle for m in got]).status.code == pb.Code.OK
+        assert server.stop() == 0
+        subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "reset-offset", "--store", str(root), "-g", "G",
+                        "-t", "Reset", "-s", "earliest", "--max-hash-slot-num", "97", "--max-index-num", "400"],
+                       check=True, capture_output=True, timeout=60)
+        server = Served(root)
+        again = receive_until(server, "G", "Reset", 5, invisible_s=300)
+        assert sorted(m.body for m in again) == [b"r%d" % i for i in range(5)]  # read again from the start
+        assert server.stop() == 0
+    finally:
+        if server.proc.poll() is None:
+            server.kill()

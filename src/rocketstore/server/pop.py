@@ -4,8 +4,15 @@ Per group, topic and queue: the committed offset (the store's consumer offset, c
 the next offset to hand out, the messages in flight with their invisible deadlines and delivery attempts,
 and the offsets acknowledged above the committed one. The committed offset only moves over a contiguous run
 of acknowledged (or filtered-out) offsets, so after a crash every message that was received and not
-acknowledged is delivered again from it: the in-flight table itself needs no file. What a restart may
-deliver twice is an acknowledged message above an unacknowledged one (at-least-once, as RocketMQ).
+acknowledged is delivered again from it.
+
+That state is also saved (``config/popState.json``, which RocketMQ ignores; RocketMQ keeps it in pop checkpoints
+and ack records): at a clean stop, every ``flush_consumer_offset_interval`` while it changes, and under
+SYNC_FLUSH before an ack is answered. A restart then keeps a held message invisible until its deadline with its
+delivery count (a FIFO group's message is not handed to a second consumer meanwhile), keeps the acknowledgements
+above an unacknowledged message, and takes the receipt handles it issued. Without it, a clean restart delivered
+every held message at once as a first attempt (never reaching the DLQ) and every acknowledged message above a
+held one again. What a crash may still deliver twice is what changed after the last save (at-least-once).
 
 A FIFO group (consumeMessageOrderly in subscriptionGroup.json) has at most one message of each message
 group in flight: a message whose group has one in flight, or an earlier one held back, is held back too
@@ -13,8 +20,8 @@ group in flight: a message whose group has one in flight, or an earlier one held
 dead-lettered. A message that is not acknowledged in time comes back before any later one of its group.
 
 A receipt handle names the queue, the offset and the delivery (a number that changes with every
-delivery and every ChangeInvisibleDuration), signed with a key made at server start: a forged handle, one
-from an earlier delivery of the same message, or one from before a restart is refused.
+delivery and every ChangeInvisibleDuration), signed with a key kept with the saved state: a forged handle or one
+from an earlier delivery of the same message is refused.
 """
 
 from __future__ import annotations
@@ -22,15 +29,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import json
 import logging
 import re
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..codec.properties import PropertyName
 from ..errors import RocketStoreError
+from ..mapped.file import replace_file
 from ..message import MessageExt
 from ..reads import GetMessageStatus
 from ..sqlfilter import SqlFilter
@@ -109,7 +119,8 @@ class PopGroups:
     a slow read of one queue holds up only the calls on that queue. ``_lock`` only guards the table of queue states
     and the counters, never across store I/O."""
 
-    def __init__(self, store: MessageStore, *, max_attempts: int = 16, is_fifo=None) -> None:
+    def __init__(self, store: MessageStore, *, max_attempts: int = 16, is_fifo=None,
+                 state_path: Path | None = None) -> None:
         self.store = store
         self.max_attempts = max_attempts
         self.is_fifo = is_fifo or (lambda group: False)
@@ -119,6 +130,12 @@ class PopGroups:
         self._deliveries = itertools.count(1)  # next() is atomic: no lock needed
         self.dead_lettered = 0
         self.dead_letter_failures = 0
+        self.state_path = state_path
+        self._changed = 0  # changes so far (``_mark``, under the queue's lock); ``save`` writes all it has seen
+        self._saved = 0
+        self._save_lock = threading.Lock()
+        if state_path is not None:
+            self._load(state_path)
 
     # --- receipt handles -------------------------------------------------------------------------
 
@@ -168,6 +185,7 @@ class PopGroups:
             self.store.commit_offset(group, topic, queue_id, offset)
             state.committed = state.next = offset
             state.done.clear()
+            self._mark()
             return True
 
     def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
@@ -224,6 +242,7 @@ class PopGroups:
     def _deliver(self, group: str, topic: str, queue_id: int, state: QueueState, msg: MessageExt, attempt: int,
                  now: int, invisible_ms: int, out: list[Delivery], message_group: str | None = None) -> None:
         delivery = next(self._deliveries)
+        self._mark()
         state.inflight[msg.queue_offset] = InFlight(now + invisible_ms, attempt, delivery, message_group)
         if message_group is not None:
             state.busy[message_group] = msg.queue_offset
@@ -318,6 +337,7 @@ class PopGroups:
             flight = self._in_flight(state, offset, delivery)
             flight.deadline_ms = _now_ms() + invisible_ms
             flight.delivery = next(self._deliveries)
+            self._mark()
             return self._sign(group, topic, queue_id, offset, flight.delivery)
 
     def release(self, group: str, topic: str, deliveries: list[Delivery]) -> int:
@@ -335,6 +355,7 @@ class PopGroups:
                     continue
                 flight.deadline_ms = 0
                 flight.attempt -= 1  # its next delivery is this attempt again
+                self._mark()
                 released += 1
         return released
 
@@ -352,6 +373,7 @@ class PopGroups:
     # --- bookkeeping ----------------------------------------------------------------------------
 
     def _finish(self, group: str, topic: str, queue_id: int, state: QueueState, offset: int) -> None:
+        self._mark()
         flight = state.inflight.pop(offset, None)
         if flight is not None and flight.group is not None and state.busy.get(flight.group) == offset:
             del state.busy[flight.group]
@@ -386,6 +408,88 @@ class PopGroups:
         with self._lock:
             self.dead_lettered += 1
 
+    # --- the saved state ------------------------------------------------------------------------
+
+    @property
+    def unsaved(self) -> bool:
+        return self._changed > self._saved
+
+    def _mark(self) -> None:
+        """Count a change to a queue's state; called holding that queue's lock, so a save that has seen the count
+        snapshots the queue after the change is whole."""
+        with self._lock:
+            self._changed += 1
+
+    def save(self) -> None:
+        """Write every queue's state (and first the consumer offsets it agrees with) if it changed since the last
+        save; concurrent callers share one write (a caller whose change an ongoing write did not see waits for
+        the next). Raises ``StoreIOError``."""
+        if self.state_path is None:
+            return
+        with self._lock:
+            wanted = self._changed
+        with self._save_lock:
+            if self._saved >= wanted:
+                return
+            with self._lock:
+                seen = self._changed
+                queues = list(self._queues.items())
+            rows = []
+            for (group, topic, queue_id), state in queues:
+                with state.lock:
+                    rows.append({"group": group, "topic": topic, "queueId": queue_id, "committed": state.committed,
+                                 "next": state.next, "done": _runs(state.done),
+                                 "inflight": [[o, f.deadline_ms, f.attempt, f.delivery, f.group]
+                                              for o, f in sorted(state.inflight.items())],
+                                 "held": sorted(state.held.items())})
+            self.store.consumer_offsets.persist(force=True)
+            document = {"version": 1, "key": self._key.hex(), "delivery": next(self._deliveries), "queues": rows}
+            replace_file(self.state_path, json.dumps(document, separators=(",", ":")).encode())
+            self._saved = seen
+
+    def _load(self, path: Path) -> None:
+        """The saved state, each queue's as far as it agrees with the store's committed offset: an offsets file
+        written after it (later acks) moves the queue on; one before it (an operator's reset-offset) wins, and
+        that queue starts over. A state that does not parse is logged and ignored (at-least-once: the committed
+        offsets alone)."""
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+            key = bytes.fromhex(document["key"])
+            delivery = int(document["delivery"])
+            rows = document["queues"]
+            if len(key) != 32 or delivery < 1 or not isinstance(rows, list):
+                raise ValueError("bad key, delivery or queues")
+            states = {}
+            for row in rows:
+                group, topic, queue_id = str(row["group"]), str(row["topic"]), int(row["queueId"])
+                committed, nxt = int(row["committed"]), int(row["next"])
+                stored = self.store.query_offset(group, topic, queue_id)
+                if 0 <= stored < committed or nxt < committed:
+                    continue  # the offset was moved back since: it wins
+                base = max(committed, stored)
+                state = QueueState(base, max(nxt, base))
+                state.done = {o for start, end in row["done"] for o in range(max(int(start), base), int(end))}
+                for offset, deadline, attempt, number, message_group in row["inflight"]:
+                    if int(offset) >= base:
+                        state.inflight[int(offset)] = InFlight(int(deadline), int(attempt), int(number),
+                                                               None if message_group is None else str(message_group))
+                        if message_group is not None:
+                            state.busy[str(message_group)] = int(offset)
+                for offset, message_group in row["held"]:
+                    if int(offset) >= base:
+                        state.hold(int(offset), str(message_group))
+                if stored != base:
+                    self.store.commit_offset(group, topic, queue_id, base)
+                self._advance(group, topic, queue_id, state)
+                states[(group, topic, queue_id)] = state
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("ignoring the saved consumer state %s (%s): messages held before the restart are delivered "
+                      "again now", path, exc)
+            return
+        self._key, self._deliveries, self._queues = key, itertools.count(delivery), states
+
     def in_flight(self) -> int:
         with self._lock:
             states = list(self._queues.values())
@@ -394,3 +498,14 @@ class PopGroups:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _runs(offsets: set[int]) -> list[list[int]]:
+    """``offsets`` as sorted [start, end) runs: acknowledgements come mostly in order, so a few runs."""
+    runs: list[list[int]] = []
+    for offset in sorted(offsets):
+        if runs and runs[-1][1] == offset:
+            runs[-1][1] = offset + 1
+        else:
+            runs.append([offset, offset + 1])
+    return runs

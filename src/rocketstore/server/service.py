@@ -27,6 +27,7 @@ import grpc
 from ..brokerconfig import PERM_READ, PERM_WRITE, TopicConfig
 from ..codec.hosts import Host
 from ..codec.properties import PropertyName
+from ..config import FlushDiskType
 from ..encoder import (
     _TOPIC_CHARS,
     DLQ_GROUP_TOPIC_PREFIX,
@@ -231,7 +232,10 @@ class MessagingService:
         self.store = store
         self.accounts = accounts
         self.auto_create_topics = auto_create_topics
-        self.pop = PopGroups(store, max_attempts=max_attempts, is_fifo=store.subscription_groups.is_orderly)
+        self.pop = PopGroups(store, max_attempts=max_attempts, is_fifo=store.subscription_groups.is_orderly,
+                             state_path=store.root / "config" / "popState.json")
+        # under SYNC_FLUSH an ack answered OK is saved first (nothing acknowledged comes back after a crash)
+        self._save_acks = store.config.flush_disk_type is FlushDiskType.SYNC_FLUSH
         self.transactions = TransactionLog(store, check_after_ms=transaction_check_ms)
         self.metrics = Metrics()
         self._round_robin: dict[str, int] = {}
@@ -245,10 +249,25 @@ class MessagingService:
         self._clients_lock = threading.Lock()
         self._checker = threading.Thread(target=self._check_transactions, args=(max(transaction_check_ms, 100),),
                                          name="rocketstore-transaction-check", daemon=True)
+        self._saver = threading.Thread(target=self._save_pop_state, name="rocketstore-pop-state", daemon=True)
 
     def start(self) -> None:
         self._checker.start()
+        self._saver.start()
         self.long_polls.start()
+
+    def _save_pop_state(self) -> None:
+        """Save what consumers hold and acknowledged (``PopGroups.save``) while it changes, as RocketMQ flushes
+        consumer offsets: every ``flush_consumer_offset_interval``."""
+        interval = max(self.store.config.flush_consumer_offset_interval, 100) / 1000
+        while not self._closing.wait(interval):
+            self._save_pop_quietly()
+
+    def _save_pop_quietly(self) -> None:
+        try:
+            self.pop.save()
+        except RocketStoreError as exc:
+            log.error("saving the consumers' state failed (tried again later): %s", exc)
 
     # --- plumbing --------------------------------------------------------------------------------------
 
@@ -314,6 +333,9 @@ class MessagingService:
                 client.send(None)
         if self._checker.is_alive():
             self._checker.join()
+        if self._saver.is_alive():
+            self._saver.join()
+        self._save_pop_quietly()  # a clean stop keeps what is held and acknowledged
 
     # --- routes -----------------------------------------------------------------------------------------
 
@@ -792,6 +814,13 @@ class MessagingService:
                 entries.append(pb.AckMessageResultEntry(message_id=entry.message_id,
                                                         receipt_handle=entry.receipt_handle,
                                                         status=status(failure.code, str(failure))))
+        if self._save_acks and failures < len(entries):
+            try:
+                self.pop.save()
+            except RocketStoreError as exc:  # stored, not saved: the client is told, as for a send's failed flush
+                return pb.AckMessageResponse(status=status(pb.Code.INTERNAL_SERVER_ERROR, f"acknowledged, but "
+                                                           f"saving the acknowledgement failed: {exc}"),
+                                             entries=entries)
         self.metrics.add("acked", len(entries) - failures)
         if failures < len(entries) and self.pop.is_fifo(group):  # the next messages of their groups are free
             self.long_polls.wake(topic, group, len(entries) - failures)
