@@ -1063,3 +1063,19 @@ def test_a_reset_offset_while_serve_was_down_wins_over_its_saved_state(tmp_path)
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+def test_a_damaged_saved_consumer_state_is_ignored_with_a_word(tmp_path, caplog):
+    from rocketstore.server.pop import PopGroups
+
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.put_message(Message("T", b"x", queue_id=0))
+        store.wait_for_dispatch()
+        path = tmp_path / "s" / "config" / "popState.json"
+        for bad in ("{", '{"key": "zz"}', '{"version": 1, "key": "00", "delivery": 1, "queues": []}', "[]",
+                    '{"version": 1, "key": "' + "00" * 32 + '", "delivery": 1, "queues": [{"group": "G"}]}'):
+            path.write_text(bad)
+            caplog.clear()
+            pop = PopGroups(store, state_path=path)
+            assert "ignoring the saved consumer state" in caplog.text, bad
+            assert [d.message.body for d in pop.receive("G", "T", [0], 4, 30_000, None)] == [b"x"]  # serves on
