@@ -103,3 +103,31 @@ def test_time_buckets_start_at_local_boundaries(monkeypatch, zone, utc, bucket, 
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+@pytest.mark.parametrize("zone", ["Europe/Berlin", "America/St_Johns", "Australia/Lord_Howe"])
+def test_each_time_of_a_batch_takes_its_own_offset(monkeypatch, zone):
+    """The offset was read at a batch's two ends and, when they agreed (January and December), applied to every
+    time: a July message in Berlin was counted under the day before (the time-semantics review). Newfoundland
+    changes at 05:30 UTC and Lord Howe by half an hour: every time here is checked against its own local day."""
+    import datetime as dt
+    import time
+
+    import numpy as np
+
+    from rocketstore.stats import BUCKETS_MS, local_bucket_starts
+
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        base = int(dt.datetime(2024, 1, 10, tzinfo=dt.UTC).timestamp() * 1000)
+        times = np.array(sorted({base + k * 3_917_113 for k in range(0, 8_100)} | {base + 350 * 86_400_000}),
+                         dtype=np.int64)  # every ~65 minutes through 2024, and the first and last in winter
+        starts = local_bucket_starts(times, BUCKETS_MS["day"])
+        for t, start in zip(times.tolist(), starts.tolist(), strict=True):
+            local = dt.datetime.fromtimestamp(t / 1000)
+            midnight = dt.datetime(local.year, local.month, local.day)
+            assert start == int(midnight.timestamp() * 1000), (local, dt.datetime.fromtimestamp(start / 1000))
+    finally:
+        monkeypatch.undo()
+        time.tzset()

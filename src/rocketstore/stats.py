@@ -63,16 +63,24 @@ def _utc_offset_ms(ms: int) -> int:
 def local_bucket_starts(store_ts: np.ndarray, width: int) -> np.ndarray:
     """Each time's bucket, its boundaries in local time (the table labels buckets in local time, as every time the
     CLI prints): UTC boundaries put a message stored at 07:00 in New York under the day before, one stored at 06:00
-    in Kathmandu under hour 05. The offset is the local zone's at the batch's ends, per time where they differ (a
-    daylight-saving change inside the batch)."""
+    in Kathmandu under hour 05. Each time takes the local zone's offset of its own quarter hour (zones change
+    offset only at quarter hours): the offset at the batch's two ends, applied to all when they agreed, put a
+    summer message of a batch from January to December under the day before."""
     if not len(store_ts):
         return store_ts
-    first, last = _utc_offset_ms(int(store_ts[0])), _utc_offset_ms(int(store_ts[-1]))
-    if first == last:
-        offset = np.int64(first)
-    else:
-        offset = np.array([_utc_offset_ms(int(t)) for t in store_ts.tolist()], dtype=np.int64)
-    return store_ts - (store_ts + offset) % width
+    wall = store_ts + _offsets_at(store_ts // _QUARTER_HOUR_MS * _QUARTER_HOUR_MS)
+    start_wall = wall - wall % width  # the bucket's start on the local clock
+    # back to UTC with the offset in force at the bucket's start: on a change's day, midnight had the old one
+    return start_wall - _offsets_at(start_wall - (wall - store_ts))
+
+
+def _offsets_at(times: np.ndarray) -> np.ndarray:
+    """The local zone's UTC offset at each time, looked up once per distinct time."""
+    distinct, where = np.unique(times, return_inverse=True)
+    return np.array([_utc_offset_ms(int(t)) for t in distinct.tolist()], dtype=np.int64)[where]
+
+
+_QUARTER_HOUR_MS = 15 * 60_000
 
 
 def store_stats(root: str | Path, config: StoreConfig, bucket: str = "minute") -> StoreStats:
