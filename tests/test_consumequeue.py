@@ -9,7 +9,7 @@ import pytest
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.codec import java_string_hash
 from rocketstore.consumequeue import CQ_UNIT_SIZE, ConsumeQueue
-from rocketstore.errors import InvalidTopicError
+from rocketstore.errors import InvalidQueryError, InvalidTopicError
 from rocketstore.reads import GetMessageStatus
 
 
@@ -156,6 +156,15 @@ def test_store_offset_by_time_and_earliest_time(tmp_path, small_config):
         assert store.get_earliest_message_time("T", 1) == times[0]
         assert store.get_earliest_message_time() == times[0]
         assert store.get_earliest_message_time("T", 9) == -1
+        # a topic alone answered its queue 0's time (-1 here: the messages are in queue 1); a queue id alone, the
+        # whole store's (the time-semantics review)
+        later = store.put_message(Message("T", b"later", queue_id=0))
+        store.wait_for_dispatch()
+        assert store.get_earliest_message_time("T", 0) == later.store_timestamp
+        assert store.get_earliest_message_time("T") == times[0]
+        assert store.get_earliest_message_time("Nope") == -1
+        with pytest.raises(InvalidQueryError, match="needs its topic"):
+            store.get_earliest_message_time(None, 0)
         with pytest.raises(ValueError):
             store.get_offset_in_queue_by_time("T", 1, 0, "middle")
 

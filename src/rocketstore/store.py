@@ -899,13 +899,21 @@ class MessageStore:
         return queue.max_offset_in_queue if queue else 0
 
     def get_earliest_message_time(self, topic: str | None = None, queue_id: int | None = None) -> int:
-        """Store time of the oldest message of a queue, or of the whole store; -1 if there is none."""
+        """Store time of the oldest message of a queue, of a topic (its queues' oldest), or of the whole store; -1 if
+        there is none. A queue id needs its topic (it answered the whole store's time); a topic alone answered its
+        queue 0's."""
         self._check_open()
         if topic is not None:
             check_str("topic", topic)
         if queue_id is not None:
             queue_id = check_int("queue_id", queue_id)
-        return self._reader().earliest_message_time(topic, queue_id)
+            if topic is None:
+                raise InvalidQueryError("a queue id needs its topic: get_earliest_message_time(topic, queue_id)")
+        reader = self._reader()
+        if topic is not None and queue_id is None:
+            times = [reader.earliest_message_time(topic, q) for q in self.queue_ids(topic)]
+            return min((t for t in times if t >= 0), default=-1)
+        return reader.earliest_message_time(topic, queue_id)
 
     def query_message(self, topic: str, key: str, max_num: int = 64, begin: int = 0,
                       end: int | None = None) -> list[MessageExt]:
