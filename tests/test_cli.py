@@ -15,6 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import click
 import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
@@ -778,3 +779,18 @@ def test_put_refuses_json_lines_it_would_have_changed(tmp_path):
                                                          "--body").stdout.splitlines()) + "]") if m["queueId"] == 1]
     assert (base64.b64decode(msg["body"]), msg["flag"], msg["properties"]["KEYS"], msg["properties"]["TAGS"]) == \
         (b"hi", 7, "k1", "a")
+
+
+def test_times_are_ascii_epoch_milliseconds_within_a_long_or_iso_8601(store):
+    """isdigit() took "²" (int() then failed with Python's own message) and "５0" (50 ms: reset-offset moved every
+    queue to its start); a number past a Java long and "--5" went through too (the time-semantics review)."""
+    from rocketstore.cli.render import parse_time
+
+    assert parse_time("1700000000000") == 1_700_000_000_000 and parse_time("-5") == -5
+    assert parse_time("2026-11-21#09:30:00:123") is not None
+    for bad in ("²", "５0", "--5", "99999999999999999999999", "9223372036854775808", "２０２６-11-21#09:30:00:123"):
+        with pytest.raises(click.BadParameter):
+            parse_time(bad)
+    root, _ = store
+    done = cli("query-by-key", "--store", str(root), "-t", "Topic1", "-k", "order-1", "-b", "²", check=False)
+    assert done.returncode == 2 and "neither epoch milliseconds nor an ISO-8601 time" in done.stderr

@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,8 +104,9 @@ def key_window_options(max_help: str):
     def apply(command):
         command = click.option("-m", "--max", "max_num", type=click.IntRange(1, 64), default=64, show_default=True,
                                help=max_help)(command)
-        command = click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")(command)
-        return click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")(command)
+        command = click.option("-e", "--end", help="end time, inclusive (epoch ms or ISO-8601; as mqadmin's "
+                               "queryMsgByKey)")(command)
+        return click.option("-b", "--begin", help="begin time, inclusive (epoch ms or ISO-8601)")(command)
     return apply
 
 
@@ -584,8 +586,9 @@ Examples:
 """)
 @store_options
 @click.option("-t", "--topic", required=True, help="topic")
-@click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
-@click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
+@click.option("-b", "--begin", help="begin time, inclusive (epoch ms or ISO-8601)")
+@click.option("-e", "--end", help="end time, exclusive: messages stored before it (epoch ms or ISO-8601; as "
+              "mqadmin's printMsg)")
 @click.option("-s", "--sub-expression", default="*", show_default=True, help="tags, e.g. 'TagA || TagB'")
 @click.option("--sql", callback=lambda _ctx, _param, value: _sql_option(value),
               help="an SQL92 filter over the properties instead of tags, e.g. \"region = 'eu' AND amount > 100\"")
@@ -863,10 +866,12 @@ Examples:
 @store_options
 @click.option("-g", "--group", required=True, help="consumer group")
 @click.option("-t", "--topic", "topic_name", required=True, help="topic")
-@click.option("-s", "--timestamp", required=True, help="epoch ms, ISO-8601, 'earliest' or 'latest'")
+@click.option("-s", "--timestamp", required=True, help="epoch ms, ISO-8601, 'now', 'earliest' or 'latest'")
 @fails_cleanly
 def reset_offset(group, topic_name, timestamp, **kwargs) -> None:
     """Point a consumer group at a time in every queue (like mqadmin resetOffsetByTime)."""
+    if timestamp == "now":  # as mqadmin's resetOffsetByTime
+        timestamp = str(time.time_ns() // 1_000_000)
     target = timestamp if timestamp in ("earliest", "latest") else parse_time(timestamp, "--timestamp")
     root, config = config_for(**_store_args(kwargs))
     with writer_store(root, config) as store:
@@ -944,8 +949,8 @@ Examples:
 @master_option
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory (Parquet)")
 @click.option("-t", "--topic", "topics", multiple=True, help="a topic to export (repeatable; default all)")
-@click.option("-b", "--begin", help="begin time (epoch ms or ISO-8601)")
-@click.option("-e", "--end", help="end time (epoch ms or ISO-8601)")
+@click.option("-b", "--begin", help="begin time, inclusive (epoch ms or ISO-8601)")
+@click.option("-e", "--end", help="end time, exclusive (epoch ms or ISO-8601)")
 @click.option("--overwrite", is_flag=True, help="replace what --out holds (only once the new export is complete); "
               "without it a non-empty --out is refused")
 @fails_cleanly

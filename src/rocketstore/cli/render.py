@@ -16,7 +16,10 @@ import click
 from ..codec.record import MAGIC_V1, MAGIC_V2
 from ..message import MessageExt
 
-_ROCKETMQ_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})#(\d{2}):(\d{2}):(\d{2}):(\d{3})")
+_ROCKETMQ_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})#(\d{2}):(\d{2}):(\d{2}):(\d{3})", re.ASCII)
+
+
+_EPOCH_MS = re.compile(r"-?[0-9]{1,25}", re.ASCII)
 
 
 def parse_time(value: str | int | None, name: str = "time") -> int | None:
@@ -24,8 +27,11 @@ def parse_time(value: str | int | None, name: str = "time") -> int | None:
     if value is None or value == "":
         return None
     text = str(value).strip()
-    if text.lstrip("-").isdigit():
-        return int(text)
+    if _EPOCH_MS.fullmatch(text):  # ASCII digits only: isdigit() took "²" (then int() failed) and "５0" (50)
+        ms = int(text)
+        if not -(1 << 63) <= ms < 1 << 63:
+            raise click.BadParameter(f"{value!r} is past a Java long's range of epoch milliseconds", param_hint=name)
+        return ms
     match = _ROCKETMQ_TIME.fullmatch(text)
     try:
         if match:
