@@ -757,9 +757,8 @@ def test_refused_writing_commands_on_a_new_path_leave_nothing_and_serve_checks_o
 def test_put_refuses_json_lines_it_would_have_changed(tmp_path):
     """Bad base64 was decoded to another body ("!!!": empty), queueId 1.9 or true went to queue 1, keys {"a": 1}
     became the key "a", and unknown fields (RocketMQ's flag, bornTimestamp) were dropped: all stored, exit 0."""
-    root = tmp_path / "s"
-    cli("put", "-t", "T", "-b", "first", "--store", str(root))
-    before = tree(root)
+    from rocketstore.cli.app import _json_message
+
     for line, reason in (('{"topic":"T","bodyBase64":"!!!"}', "bodyBase64 is not base64"),
                          ('{"topic":"T","body":"a","bodyBase64":"YQ=="}', "body or bodyBase64, not both"),
                          ('{"topic":"T","body":"c","queueId":1.9}', "queueId must be an integer"),
@@ -768,15 +767,22 @@ def test_put_refuses_json_lines_it_would_have_changed(tmp_path):
                          ('{"topic":"T","body":"d","bornTimestamp":"x"}', "unknown field(s) 'bornTimestamp'"),
                          ('{"topic":"T","body":5}', "body must be a string"),
                          ('["T"]', "not a JSON object")):
-        done = cli("put", "--store", str(root), stdin=f'{{"topic":"T","body":"ok"}}\n{line}\n', check=False)
-        assert done.returncode == 1 and done.stderr.startswith("error: stdin line 2 is not a message"), line
-        assert reason in done.stderr, (line, done.stderr)
-        assert tree(root) == before  # the good first line was not stored either
+        with pytest.raises((TypeError, ValueError)) as caught:
+            _json_message(json.loads(line))
+        assert reason in str(caught.value), line
+    root = tmp_path / "s"
+    cli("put", "-t", "T", "-b", "first", "--store", str(root))
+    before = tree(root)
+    done = cli("put", "--store", str(root), stdin='{"topic":"T","body":"ok"}\n{"topic":"T","bodyBase64":"!!!"}\n',
+               check=False)
+    assert done.returncode == 1 and done.stderr.startswith("error: stdin line 2 is not a message"), done.stderr
+    assert "bodyBase64 is not base64" in done.stderr
+    assert tree(root) == before  # the good first line was not stored either
     out = cli("put", "--store", str(root), "--json",
               stdin='{"topic":"T","bodyBase64":"aGk=","keys":"k1","queueId":1,"flag":7,"tags":"a"}\n').stdout
     assert json.loads(out)["queueId"] == 1
-    [msg] = [m for m in json.loads("[" + ",".join(cli("print-msg", "--store", str(root), "-t", "T", "--json",
-                                                         "--body").stdout.splitlines()) + "]") if m["queueId"] == 1]
+    [msg] = [json.loads(line) for line in cli("print-msg", "--store", str(root), "-t", "T", "--json",
+                                              "--body").stdout.splitlines() if json.loads(line)["queueId"] == 1]
     assert (base64.b64decode(msg["body"]), msg["flag"], msg["properties"]["KEYS"], msg["properties"]["TAGS"]) == \
         (b"hi", 7, "k1", "a")
 

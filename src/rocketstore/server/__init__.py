@@ -124,6 +124,7 @@ class Server:
                 self.service.close()
             self._workers.shutdown(wait=True)
             self._loop.close()
+            self.service.save_pop_state()  # again: calls that ran on through the grace period may have acked
             self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -249,21 +249,23 @@ class MessagingService:
         self._clients_lock = threading.Lock()
         self._checker = threading.Thread(target=self._check_transactions, args=(max(transaction_check_ms, 100),),
                                          name="rocketstore-transaction-check", daemon=True)
-        self._saver = threading.Thread(target=self._save_pop_state, name="rocketstore-pop-state", daemon=True)
+        self._saver = threading.Thread(target=self._save_pop_state_periodically, name="rocketstore-pop-state",
+                                       daemon=True)
 
     def start(self) -> None:
         self._checker.start()
         self._saver.start()
         self.long_polls.start()
 
-    def _save_pop_state(self) -> None:
+    def _save_pop_state_periodically(self) -> None:
         """Save what consumers hold and acknowledged (``PopGroups.save``) while it changes, as RocketMQ flushes
         consumer offsets: every ``flush_consumer_offset_interval``."""
         interval = max(self.store.config.flush_consumer_offset_interval, 100) / 1000
         while not self._closing.wait(interval):
-            self._save_pop_quietly()
+            self.save_pop_state()
 
-    def _save_pop_quietly(self) -> None:
+    def save_pop_state(self) -> None:
+        """``PopGroups.save``, a failure logged (the periodic saver tries again; a stop's last save is the last)."""
         try:
             self.pop.save()
         except RocketStoreError as exc:
@@ -335,7 +337,7 @@ class MessagingService:
             self._checker.join()
         if self._saver.is_alive():
             self._saver.join()
-        self._save_pop_quietly()  # a clean stop keeps what is held and acknowledged
+        self.save_pop_state()  # a clean stop keeps what is held and acknowledged
 
     # --- routes -----------------------------------------------------------------------------------------
 
