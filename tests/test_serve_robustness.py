@@ -1065,3 +1065,29 @@ def test_a_damaged_saved_consumer_state_is_ignored_with_a_word(tmp_path, caplog)
             pop = PopGroups(store, state_path=path)
             assert "ignoring the saved consumer state" in caplog.text, bad
             assert [d.message.body for d in pop.receive("G", "T", [0], 4, 30_000, None)] == [b"x"]  # serves on
+
+
+def test_a_handle_from_before_a_crash_never_acts_on_a_later_delivery(tmp_path):
+    """The saved state restarted the delivery numbers where the save had left them, under the same key: numbers
+    handed out after the last save came again after a kill, so a dead consumer's handle acked a message another
+    consumer held (the new-code review). A save reserves the numbers after it."""
+    from rocketstore.server.pop import InvalidReceiptHandleError, PopGroups
+
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        for body in (b"m0", b"m1"):
+            store.put_message(Message("T", body, queue_id=0))
+        store.wait_for_dispatch()
+        path = tmp_path / "s" / "config" / "popState.json"
+        pop = PopGroups(store, state_path=path)
+        [first] = pop.receive("G", "T", [0], 1, 60_000, None)
+        pop.ack("G", "T", first.receipt_handle)
+        pop.save()
+        [old] = pop.receive("G", "T", [0], 1, 60_000, None)  # after the save: lost with the "crash"
+        again = PopGroups(store, state_path=path)  # the restart, from the last save
+        [new] = again.receive("G", "T", [0], 1, 60_000, None)
+        assert new.message.body == old.message.body == b"m1" and new.receipt_handle != old.receipt_handle
+        renewed = again.change_invisible("G", "T", new.receipt_handle, 60_000)
+        for stale in (old.receipt_handle, new.receipt_handle):
+            with pytest.raises(InvalidReceiptHandleError):
+                again.ack("G", "T", stale)
+        again.ack("G", "T", renewed)

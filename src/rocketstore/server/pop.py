@@ -443,7 +443,11 @@ class PopGroups:
                                               for o, f in sorted(state.inflight.items())],
                                  "held": sorted(state.held.items())})
             self.store.consumer_offsets.persist(force=True)
-            document = {"version": 1, "key": self._key.hex(), "delivery": next(self._deliveries), "queues": rows}
+            # numbers handed out after this save must never be handed out again by a restart that loads it (the
+            # same key signs them: a dead consumer's handle would act on a new delivery): the file reserves the next
+            # 2^32, more than any server hands out between two saves
+            document = {"version": 1, "key": self._key.hex(), "delivery": next(self._deliveries) + _RESERVED,
+                        "queues": rows}
             replace_file(self.state_path, json.dumps(document, separators=(",", ":")).encode())
             self._saved = seen
 
@@ -498,6 +502,9 @@ class PopGroups:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+_RESERVED = 1 << 32
 
 
 def _runs(offsets: set[int]) -> list[list[int]]:
