@@ -373,3 +373,17 @@ def test_a_writing_command_whose_close_fails_prints_its_result_and_exits_3(tmp_p
     (root / "queueEnds.json").rmdir()
     assert [m.body for m in stored(root)] == [b"first", b"second"]
     assert "SendResult [sendStatus=PUT_OK" in cli("put", "-t", "T", "-b", "x", "--store", str(root), *GEOMETRY).stdout
+
+
+def test_a_dataset_rewritten_with_other_rows_is_another_import(tmp_path):
+    """A finished import is remembered by its source; named by file names and row count alone, a file rewritten
+    with three other rows was taken for it: "nothing imported", and the new rows never stored (the review)."""
+    path = tmp_path / "d" / "part-0.parquet"
+    write(path, topic=["T"] * 3, body=[b"day1-%d" % i for i in range(3)])
+    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    write(path, topic=["T"] * 3, body=[b"day2-%d" % i for i in range(3)])
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))  # a later write, surely
+    report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert (report.already_imported, report.rows) == (False, 3)
+    assert [m.body for m in stored(tmp_path / "s")] == [b"day1-%d" % i for i in range(3)] + \
+        [b"day2-%d" % i for i in range(3)]

@@ -309,10 +309,19 @@ class ParquetDataset:
         return values
 
     def source(self) -> dict:
-        """What the import's journal names it by: its files (number, first, a digest of the names), row count, and
-        the reader (its order is name order; Spark's is its own)."""
+        """What the import's journal names it by: its files (number, first, a digest of the names, sizes and
+        modification times), row count, and the reader (its order is name order; Spark's is its own). A file
+        rewritten with other rows of the same count is another import: named by its names alone, it was taken for
+        the import that had finished, and its rows were never stored."""
         names = [str(file) for file in self.files]
-        digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:32]
+        stamps = []
+        for name in names:
+            try:
+                info = os.stat(name)
+                stamps.append(f"{name}\t{info.st_size}\t{info.st_mtime_ns}")
+            except OSError:  # not a local file (Spark reads it): its name
+                stamps.append(name)
+        digest = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:32]
         return {"reader": "arrow", "first": names[0], "files": len(names), "digest": digest, "rows": self.rows}
 
     def tables(self, columns: Iterable[str] | None = None) -> Iterator[pa.Table]:
