@@ -805,3 +805,25 @@ def test_zlibs_crc32_is_found_without_the_usual_soname_or_named_when_missing(mon
         _kernels._register_zlib_crc32()
     monkeypatch.undo()
     _kernels._register_zlib_crc32()  # leave the usual registration behind
+
+
+@pytest.mark.parametrize("before_cut", range(0, 9))
+def test_a_record_starting_just_before_a_range_end_is_read_by_that_range(tmp_path, before_cut):
+    """The search for a range's first record ended 4 bytes past the range, but a magic lies 4-8 bytes into its
+    record: a record starting 1-3 bytes before the end, in a range holding no other start (a long record before
+    it), was read by neither range (the review of stop 51's long-record fix)."""
+    from rocketstore.spark.partitions import LogRange, ScanOptions, read_range
+
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20)
+    with MessageStore.open(tmp_path / "s", config) as store:
+        results = [store.put_message(Message("T", b"x" * size)) for size in (100, 200_000, 100, 100)]
+    segment = tmp_path / "s" / "commitlog" / f"{0:020d}"
+    end = results[-1].commit_log_offset + results[-1].store_size
+    starts = [r.commit_log_offset for r in results]
+    cut = starts[2] + 4 - before_cut  # the third record starts before_cut - 4 bytes past the cut (or before it)
+    options = ScanOptions().with_schema([("commitLogOffset", "bigint")])
+    found = []
+    for start, stop in zip([0, starts[1] + 1, cut], [starts[1] + 1, cut, end], strict=True):
+        r = LogRange(str(tmp_path / "s"), "b", str(segment), 0, 1 << 20, start, stop, end)
+        found += [row["commitLogOffset"] for b in read_range(r, options) for row in b.to_pylist()]
+    assert found == starts, (cut, starts)

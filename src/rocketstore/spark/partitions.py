@@ -465,6 +465,12 @@ def unpacked(blobs: pa.ChunkedArray | pa.Array, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_batches(batches, schema)
 
 
+# a record starting at the range's last byte has its magic (bytes 4..8) 7 bytes past the end: the search for the
+# first record of a range looks that far (+4 missed records starting 1-3 bytes before the end) and no further (a
+# record starting at the end is the next range's)
+_LAST_START = 7
+
+
 def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
     limit = r.data_end - r.segment_start
     stop = r.stop - r.segment_start
@@ -472,7 +478,8 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
     if pos > 0:
         # a record starting in this range may end far past it (a 4 MB body in a 1 MB task): validated to the data's
         # end, or this task and the one before both passed it over
-        found = find_record_start(buf, pos, min(limit, stop + 4), r.segment_start, r.segment_size, record_limit=limit)
+        found = find_record_start(buf, pos, min(limit, stop + _LAST_START), r.segment_start, r.segment_size,
+                                  record_limit=limit)
         pos = found if found is not None else limit
     end = min(limit, stop)
     skipped: list[dict] = []
@@ -522,7 +529,7 @@ def _read(buf, r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         assert halt.error is not None
         if options.on_corrupt == "fail":
             raise halt.error
-        found = find_record_start(buf, halt.pos + 1, min(limit, stop + 4), r.segment_start, r.segment_size,
+        found = find_record_start(buf, halt.pos + 1, min(limit, stop + _LAST_START), r.segment_start, r.segment_size,
                                   record_limit=limit)
         resume = limit if found is None else found
         log.warning("skipping %d bytes of corrupt data: %s", resume - halt.pos, halt.error)
