@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -243,3 +244,45 @@ def test_readers_and_dispatch_race_evictions_without_errors(tmp_path):
             assert not unreadable, unreadable[:5]
     finally:
         sys.setswitchinterval(switch)
+
+
+def test_a_segment_deleted_while_another_thread_maps_it_again_stays_unmapped(tmp_path, monkeypatch):
+    """``destroy`` did not wait for a re-map in progress (its file open, not yet mapped): the deleted segment was
+    mapped afterwards and kept in the budget, a live file evicted for it (the review of the eviction change)."""
+    import os
+    import threading
+
+    from rocketstore.errors import SegmentDeletedError
+    from rocketstore.mapped import file as mapped_file
+    from rocketstore.mapped.file import FileBudget, MappedFile
+
+    budget = FileBudget(limit=1)
+    f1 = MappedFile.create(tmp_path / f"{0:020d}", 4096, preallocate=False, budget=budget)
+    f2 = MappedFile.create(tmp_path / f"{4096:020d}", 4096, preallocate=False, budget=budget)  # evicts f1
+    real_fstat, mapping = os.fstat, threading.Event()
+
+    def slow_fstat(fd):
+        mapping.set()
+        time.sleep(0.3)
+        return real_fstat(fd)
+
+    monkeypatch.setattr(mapped_file.os, "fstat", slow_fstat)
+    outcome = []
+
+    def read() -> None:
+        try:
+            outcome.append(bytes(f1.buffer[0:4]))
+        except SegmentDeletedError as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert mapping.wait(5)
+    f1.destroy()
+    reader.join(5)
+    monkeypatch.setattr(mapped_file.os, "fstat", real_fstat)
+    assert outcome and (outcome[0] == bytes(4) or isinstance(outcome[0], SegmentDeletedError))
+    assert f1.deleted and f1._mm is None and budget.open_count <= 1
+    maps = Path("/proc/self/maps").read_text()
+    assert str(f1.path) not in maps, "the deleted segment is still mapped"
+    f2.close()

@@ -255,9 +255,12 @@ class MappedFile:
         return length <= 0 or populate_write(mm, start, length)
 
     def close(self) -> None:
-        close_mapping(self._mm, self._fd)
-        self._mm, self._fd = None, -1
-        self._evicted = False
+        # under the budget's map lock: a re-map running meanwhile (its file open, not yet mapped) would map a file
+        # this close (or ``destroy``) is giving up, and keep a deleted segment's blocks mapped in the budget
+        with self._budget.map_lock if self._budget is not None else contextlib.nullcontext():
+            close_mapping(self._mm, self._fd)
+            self._mm, self._fd = None, -1
+            self._evicted = False
         if self._budget is not None:
             self._budget.forget(self)
 
@@ -266,8 +269,9 @@ class MappedFile:
         return self._deleted
 
     def destroy(self) -> None:
-        self._deleted = True  # before the unmap: a reader that fails on the closed mapping learns why
-        self.close()
+        with self._budget.map_lock if self._budget is not None else contextlib.nullcontext():
+            self._deleted = True  # before the unmap: a reader that fails on the closed mapping learns why
+            self.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
