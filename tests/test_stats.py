@@ -105,11 +105,12 @@ def test_time_buckets_start_at_local_boundaries(monkeypatch, zone, utc, bucket, 
         time.tzset()
 
 
-@pytest.mark.parametrize("zone", ["Europe/Berlin", "America/St_Johns", "Australia/Lord_Howe"])
+@pytest.mark.parametrize("zone", ["Europe/Berlin", "America/St_Johns", "Australia/Lord_Howe", "America/Havana"])
 def test_each_time_of_a_batch_takes_its_own_offset(monkeypatch, zone):
     """The offset was read at a batch's two ends and, when they agreed (January and December), applied to every
     time: a July message in Berlin was counted under the day before (the time-semantics review). Newfoundland
-    changes at 05:30 UTC and Lord Howe by half an hour: every time here is checked against its own local day."""
+    changes at 05:30 UTC, Lord Howe by half an hour, and Havana falls back from 01:00 to 00:00 (its day begins at the
+    first midnight: it was two buckets): every time here is checked against its own local day."""
     import datetime as dt
     import time
 

@@ -71,7 +71,13 @@ def local_bucket_starts(store_ts: np.ndarray, width: int) -> np.ndarray:
     wall = store_ts + _offsets_at(store_ts // _QUARTER_HOUR_MS * _QUARTER_HOUR_MS)
     start_wall = wall - wall % width  # the bucket's start on the local clock
     # back to UTC with the offset in force at the bucket's start: on a change's day, midnight had the old one
-    return start_wall - _offsets_at(start_wall - (wall - store_ts))
+    later = start_wall - _offsets_at(start_wall - (wall - store_ts))
+    if width < BUCKETS_MS["day"]:
+        return later  # an hour the clock shows twice is two buckets, each from its own start
+    # a midnight the clock shows twice (Havana falls back at 01:00 to 00:00): the day begins at the first
+    earlier = start_wall - _offsets_at(later - 3_600_000)
+    first = (earlier < later) & (earlier + _offsets_at(earlier) == start_wall)
+    return np.where(first, earlier, later)
 
 
 def _offsets_at(times: np.ndarray) -> np.ndarray:
