@@ -20,7 +20,7 @@ import re
 import shutil
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +151,9 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
     journal = ImportJournal(root)
     unfinished = None if fresh or skip_rows is not None else journal.load()  # a named row replaces it
     if unfinished is not None and unfinished.complete and unfinished.source != source:
-        unfinished = None  # another import finished before: this one replaces its journal
+        unfinished = None  # another import finished before (or these files changed since): this one replaces it
+    elif unfinished is not None and not unfinished.complete and _by_name(unfinished.source) == _by_name(source):
+        unfinished = replace(unfinished, source=source)  # a file fixed since it stopped goes on
     report.skipped = skip_rows or 0
     report.already_imported = unfinished is not None and unfinished.complete
     if unfinished is not None:
@@ -199,6 +201,14 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                         (shutil.rmtree if (root / name).is_dir() else os.unlink)(root / name)
         raise
     return report
+
+
+CONTENT = "content"  # a source's digest of its files' sizes and times: whether a finished import is this one
+
+
+def _by_name(source: dict) -> dict:
+    """A source without its content digest: an unfinished import goes on after a file was fixed (rewritten)."""
+    return {k: v for k, v in source.items() if k != CONTENT}
 
 
 def _stopping_with_the_count(chunks: Iterable[pa.Table], report: ImportReport) -> Iterator[pa.Table]:
@@ -321,8 +331,10 @@ class ParquetDataset:
                 stamps.append(f"{name}\t{info.st_size}\t{info.st_mtime_ns}")
             except OSError:  # not a local file (Spark reads it): its name
                 stamps.append(name)
-        digest = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:32]
-        return {"reader": "arrow", "first": names[0], "files": len(names), "digest": digest, "rows": self.rows}
+        digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:32]
+        content = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:32]
+        return {"reader": "arrow", "first": names[0], "files": len(names), "digest": digest, "rows": self.rows,
+                CONTENT: content}
 
     def tables(self, columns: Iterable[str] | None = None) -> Iterator[pa.Table]:
         """The rows in order as tables of at most ``IMPORT_CHUNK_ROWS`` rows and about ``IMPORT_CHUNK_BYTES``."""
