@@ -1059,10 +1059,16 @@ def test_a_damaged_saved_consumer_state_is_ignored_with_a_word(tmp_path, caplog)
         store.wait_for_dispatch()
         path = tmp_path / "s" / "config" / "popState.json"
         for bad in ("{", '{"key": "zz"}', '{"version": 1, "key": "00", "delivery": 1, "queues": []}', "[]",
-                    '{"version": 1, "key": "' + "00" * 32 + '", "delivery": 1, "queues": [{"group": "G"}]}'):
+                    '{"version": 1, "key": "' + "00" * 32 + '", "delivery": 1, "queues": [{"group": "G"}]}',
+                    '{"version": 1, "key": "' + "00" * 32 + '", "delivery": 1, "queues": [{"group": "G", "topic": "T", '
+                    '"queueId": 0, "committed": 0, "next": 1000000000000, "done": [[0, 1000000000000]], "inflight": '
+                    '[], "held": []}]}'):
             path.write_text(bad)
             caplog.clear()
             pop = PopGroups(store, state_path=path)
+            if "1000000000000" in bad:  # wild numbers stop at the queue's end: x counts as consumed, no memory blowup
+                assert pop.receive("G", "T", [0], 4, 30_000, None) == [] and store.query_offset("G", "T", 0) == 1
+                continue
             assert "ignoring the saved consumer state" in caplog.text, bad
             assert [d.message.body for d in pop.receive("G", "T", [0], 4, 30_000, None)] == [b"x"]  # serves on
 

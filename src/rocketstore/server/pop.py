@@ -471,8 +471,12 @@ class PopGroups:
                 if 0 <= stored < committed or nxt < committed:
                     continue  # the offset was moved back since: it wins
                 base = max(committed, stored)
-                state = QueueState(base, max(nxt, base))
-                state.done = {o for start, end in row["done"] for o in range(max(int(start), base), int(end))}
+                # nothing past the queue's end can have been handed out: a damaged file's wild numbers stop there
+                # (a run to 10^12 would otherwise fill the memory)
+                nxt = min(max(nxt, base), max(self.store.get_max_offset_in_queue(topic, queue_id), base))
+                state = QueueState(base, nxt)
+                state.done = {o for start, end in row["done"]
+                              for o in range(max(int(start), base), min(int(end), nxt))}
                 for offset, deadline, attempt, number, message_group in row["inflight"]:
                     if int(offset) >= base:
                         state.inflight[int(offset)] = InFlight(int(deadline), int(attempt), int(number),
