@@ -771,9 +771,12 @@ def test_a_receive_cancelled_mid_read_hands_back_what_it_took(tmp_path, monkeypa
         assert time.monotonic() - began < 1, "the messages came back at once"
 
 
-def test_a_receive_cancelled_mid_reply_hands_back_what_it_did_not_write(tmp_path):
+def test_a_receive_cancelled_mid_reply_hands_back_what_it_did_not_write(tmp_path, monkeypatch):
     """A receive whose client stops reading and cancels while the reply is written (8 messages of 3 MB: grpc's flow
     control holds the writes): what was not written is visible again at once."""
+    from rocketstore.server import pop
+
+    monkeypatch.setattr(pop, "MAX_BATCH_BYTES", 64 << 20)  # a receive takes all 8
     with in_process_server(tmp_path, ("T", 1)) as (server, store), grpc.insecure_channel(server.address) as channel:
         bodies = [bytes([65 + i]) * (3 << 20) for i in range(8)]
         for body in bodies:
@@ -1097,3 +1100,39 @@ def test_a_handle_from_before_a_crash_never_acts_on_a_later_delivery(tmp_path):
             with pytest.raises(InvalidReceiptHandleError):
                 again.ack("G", "T", stale)
         again.ack("G", "T", renewed)
+
+
+def pull_in_process(channel, topic: str, offset: int, batch: int) -> tuple[list, int]:
+    """(messages, next offset) of one PullMessage of queue 0."""
+    request = pb.PullMessageRequest(group=pb.Resource(name="Puller"), batch_size=batch, offset=offset,
+                                    message_queue=pb.MessageQueue(topic=pb.Resource(name=topic), id=0))
+    rpc = channel.unary_stream(f"/{SERVICE}/PullMessage", request_serializer=pb.PullMessageRequest.SerializeToString,
+                               response_deserializer=pb.PullMessageResponse.FromString)
+    replies = list(rpc(request, timeout=10))
+    return [r.message for r in replies if r.HasField("message")], replies[-1].next_offset
+
+
+def test_receives_and_pulls_hand_out_at_most_32_messages_and_256_kib(tmp_path):
+    """RocketMQ's proxy takes at most 32 messages a receive, and its store stops a batch past 256 KiB (one message
+    at least): a receive of 1,024 messages of 3.5 MB held 3.5 GB. What a receive leaves comes with the next ones,
+    each message once."""
+    with in_process_server(tmp_path, ("Small", 1), ("Big", 1)) as (server, store), \
+            grpc.insecure_channel(server.address) as channel:
+        assert send_in_process(channel, "Small", *[b"s%d" % i for i in range(40)]).status.code == pb.Code.OK
+        big = [bytes([65 + i]) * (100 << 10) for i in range(5)] + [b"Z" * (300 << 10), b"tail"]
+        for body in big:
+            assert send_in_process(channel, "Big", body).status.code == pb.Code.OK
+        store.wait_for_dispatch()
+        first = messages_of(receive_call(channel, "G", "Small", batch=1000, poll_s=1))
+        assert [m.body for m in first] == [b"s%d" % i for i in range(32)]
+        assert [m.body for m in messages_of(receive_call(channel, "G", "Small", poll_s=1))] == \
+               [b"s%d" % i for i in range(32, 40)]
+        sizes = [[len(m.body) >> 10 for m in messages_of(receive_call(channel, "G", "Big", poll_s=1))]
+                 for _ in range(5)]
+        assert sizes == [[100, 100], [100, 100], [100], [300], [0]]  # the 300 KiB one alone: one at least
+        got, next_offset = pull_in_process(channel, "Big", 0, 1000)
+        assert [len(m.body) >> 10 for m in got] == [100, 100] and next_offset == 2
+        got, next_offset = pull_in_process(channel, "Big", 5, 32)
+        assert [m.body for m in got] == big[5:6] and next_offset == 6
+        got, next_offset = pull_in_process(channel, "Big", 4, 32)
+        assert [len(m.body) >> 10 for m in got] == [100] and next_offset == 5

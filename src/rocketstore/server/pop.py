@@ -50,10 +50,39 @@ log = logging.getLogger("rocketstore.server")
 
 DLQ_PREFIX = "%DLQ%"
 SCAN_MAX = 32  # messages read per queue per look (the store's get_message batch)
+MAX_BATCH = 32  # messages a receive or pull hands out at most (RocketMQ's proxy: MAX_MSG_NUMS_FOR_POP_REQUEST)
+# and their bodies' bytes, past the first message (RocketMQ's maxTransferBytesOnMessageInMemory): a receive of 32
+# 4 MiB messages would otherwise hold 128 MiB per call
+MAX_BATCH_BYTES = 256 * 1024
 HELD_MAX = 4096  # a FIFO queue stops reading ahead once this many messages wait behind their groups
 # what _sign makes, and nothing else: ASCII digits only (int() would take "٣", " 3" or "1_0"), a hex MAC (a
 # non-ASCII one made hmac.compare_digest raise TypeError: an internal error instead of INVALID_RECEIPT_HANDLE)
 _HANDLE = re.compile(r"([0-9]{1,10})\.([0-9]{1,19})\.([0-9]{1,19})\.([0-9a-f]{24})", re.ASCII)
+
+
+def fit(messages: list[MessageExt], next_begin: int, taken_bytes: int = 0) -> tuple[list[MessageExt], int]:
+    """The head of ``messages`` whose bodies fit in MAX_BATCH_BYTES beside ``taken_bytes`` already taken (one at
+    least, when nothing is), and the queue offset to read next: the first message left out, or ``next_begin``."""
+    total = taken_bytes
+    for i, msg in enumerate(messages):
+        total += len(msg.body)
+        if total > MAX_BATCH_BYTES and (i or taken_bytes):
+            return messages[:i], msg.queue_offset
+    return messages, next_begin
+
+
+class _Taken(list):
+    """A receive's deliveries, with their bodies' bytes: full past MAX_BATCH_BYTES."""
+
+    bytes = 0
+
+    def append(self, delivery: Delivery) -> None:
+        super().append(delivery)
+        self.bytes += len(delivery.message.body)
+
+    @property
+    def full(self) -> bool:
+        return self.bytes >= MAX_BATCH_BYTES
 
 
 class InvalidReceiptHandleError(RocketStoreError):
@@ -195,20 +224,21 @@ class PopGroups:
         A store error raises only when nothing was taken yet: messages already marked in flight are handed out
         (else they would be invisible, undelivered, until their deadline) and the error is logged."""
         now = _now_ms()
-        out: list[Delivery] = []
+        out = _Taken()
+        batch = min(batch, MAX_BATCH)
         try:
             for queue_id in queue_ids:
-                if len(out) >= batch:
+                if len(out) >= batch or out.full:
                     break
                 state = self._state(group, topic, queue_id)
                 with state.lock:
                     for offset in sorted(o for o, f in state.inflight.items() if f.deadline_ms <= now):
-                        if len(out) >= batch:
+                        if len(out) >= batch or out.full:
                             break
                         self._redeliver(group, topic, queue_id, state, offset, now, invisible_ms, out)
             fifo = self.is_fifo(group)
             for queue_id in queue_ids:
-                if len(out) >= batch:
+                if len(out) >= batch or out.full:
                     break
                 state = self._state(group, topic, queue_id)
                 with state.lock:
@@ -220,7 +250,7 @@ class PopGroups:
             if not out:
                 raise
             log.error("receive of %s from %s stopped after %d messages: %s", group, topic, len(out), exc)
-        return out
+        return list(out)
 
     def next_due(self, group: str, topic: str, queue_ids: list[int], *, wait: bool = True) -> int | None:
         """When (epoch ms) the first message of these queues now in flight becomes visible again, if any: a
@@ -271,7 +301,7 @@ class PopGroups:
                    invisible_ms: int, out: list[Delivery]) -> None:
         """FIFO: held-back messages whose group is free again, oldest first, one per group."""
         for offset in sorted(state.held):
-            if room <= 0:
+            if room <= 0 or out.full:
                 return
             if state.held[offset] in state.busy:
                 continue
@@ -287,25 +317,26 @@ class PopGroups:
     def _take_new(self, group: str, topic: str, queue_id: int, state: QueueState, room: int, now: int,
                   invisible_ms: int, tags: str | None, sql: SqlFilter | None, out: list[Delivery],
                   fifo: bool = False) -> None:
-        while room > 0 and not (fifo and len(state.held) >= HELD_MAX):
+        while room > 0 and not out.full and not (fifo and len(state.held) >= HELD_MAX):
             found = self.store.get_message(topic, queue_id, state.next, min(SCAN_MAX, room), tags, sql=sql)
             if found.status is GetMessageStatus.OFFSET_TOO_SMALL:  # retention removed what we had not read
                 state.next = max(state.next, found.min_offset)
                 state.committed = max(state.committed, found.min_offset)
                 continue
-            delivered = {m.queue_offset for m in found.messages}
-            for offset in range(state.next, found.next_begin_offset):
+            messages, next_begin = fit(found.messages, found.next_begin_offset, out.bytes)
+            delivered = {m.queue_offset for m in messages}
+            for offset in range(state.next, next_begin):
                 if offset not in delivered:
                     state.done.add(offset)  # filtered out by tag: consumed as far as this group goes
-            for msg in found.messages:
+            for msg in messages:
                 message_group = msg.properties.get(PropertyName.SHARDING_KEY) if fifo else None
                 if message_group is not None and (message_group in state.busy or message_group in state.held_groups):
                     state.hold(msg.queue_offset, message_group)  # waits for the one before it
                     continue
                 self._deliver(group, topic, queue_id, state, msg, 1, now, invisible_ms, out, message_group)
                 room -= 1
-            advanced = found.next_begin_offset > state.next
-            state.next = max(state.next, found.next_begin_offset)
+            advanced = next_begin > state.next
+            state.next = max(state.next, next_begin)
             self._advance(group, topic, queue_id, state)
             if not advanced or (found.status is not GetMessageStatus.FOUND and not found.messages):
                 return

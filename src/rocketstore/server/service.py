@@ -54,7 +54,7 @@ from ..store import MessageStore
 from ..transaction import TransactionLog, UnknownTransactionError
 from .auth import Accounts
 from .longpoll import LongPolls, call_soon
-from .pop import DeadLetterError, InvalidReceiptHandleError, PopGroups
+from .pop import MAX_BATCH, DeadLetterError, InvalidReceiptHandleError, PopGroups, fit
 from .protocol import SERVICE, pb, service_methods
 
 log = logging.getLogger("rocketstore.server")
@@ -675,7 +675,7 @@ class MessagingService:
             invisible_ms = _duration_ms(request.invisible_duration) if request.HasField("invisible_duration") \
                 else DEFAULT_INVISIBLE_MS
             check_invisible(invisible_ms)
-            batch = max(1, min(request.batch_size or 32, 1024))
+            batch = max(1, min(request.batch_size or MAX_BATCH, MAX_BATCH))
         except Status as exc:
             yield pb.ReceiveMessageResponse(status=status(exc.code, str(exc)))
             return
@@ -922,17 +922,18 @@ class MessagingService:
             if request.offset < 0:
                 raise Status(pb.Code.ILLEGAL_OFFSET, f"offset {request.offset} is negative")
             tags, sql = subscription(request.filter_expression)
-            found = self.store.get_message(topic, queue_id, request.offset, max(1, min(request.batch_size or 32, 1024)),
-                                           tags, sql=sql)
+            found = self.store.get_message(topic, queue_id, request.offset,
+                                           max(1, min(request.batch_size or MAX_BATCH, MAX_BATCH)), tags, sql=sql)
+            messages, next_offset = fit(found.messages, found.next_begin_offset)
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             yield pb.PullMessageResponse(status=status(failure.code, str(failure)))
             return
-        code = pb.Code.OK if found.messages else pb.Code.MESSAGE_NOT_FOUND
+        code = pb.Code.OK if messages else pb.Code.MESSAGE_NOT_FOUND
         yield pb.PullMessageResponse(status=status(code, found.status.name))
-        for msg in found.messages:
+        for msg in messages:
             yield pb.PullMessageResponse(message=self._to_proto(msg, None, 1, 0))
-        yield pb.PullMessageResponse(next_offset=found.next_begin_offset)
+        yield pb.PullMessageResponse(next_offset=next_offset)
 
 
 def _message_type(props: dict[str, str]) -> int:
