@@ -1102,6 +1102,26 @@ def test_a_handle_from_before_a_crash_never_acts_on_a_later_delivery(tmp_path):
         again.ack("G", "T", renewed)
 
 
+def test_the_saved_consumer_state_is_readable_by_its_owner_alone(tmp_path):
+    """popState.json holds the key that signs receipt handles: anyone who reads it can forge acks. It is written
+    0600, also over a temporary file a crash left with a wider mode."""
+    from rocketstore.server.pop import PopGroups
+
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.put_message(Message("T", b"m0", queue_id=0))
+        store.wait_for_dispatch()
+        path = tmp_path / "s" / "config" / "popState.json"
+        path.parent.mkdir(exist_ok=True)
+        left = path.with_name(f".{path.name}.tmp")
+        left.write_bytes(b"a crash's")
+        left.chmod(0o644)
+        pop = PopGroups(store, state_path=path)
+        pop.receive("G", "T", [0], 1, 60_000, None)
+        pop.save()
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert not left.exists()
+
+
 def pull_in_process(channel, topic: str, offset: int, batch: int) -> tuple[list, int]:
     """(messages, next offset) of one PullMessage of queue 0."""
     request = pb.PullMessageRequest(group=pb.Resource(name="Puller"), batch_size=batch, offset=offset,

@@ -472,13 +472,17 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def replace_file(path: Path, data: bytes) -> None:
+def replace_file(path: Path, data: bytes, *, private: bool = False) -> None:
     """Make ``data`` the content of ``path`` so that a crash leaves the old content or the new: a temporary file,
-    fsync, rename, directory fsync. A failure is a ``StoreIOError`` and leaves no temporary file."""
+    fsync, rename, directory fsync. A failure is a ``StoreIOError`` and leaves no temporary file. ``private``: the
+    owner alone may read it (it holds a secret)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                     0o600 if private else 0o644)
         try:
+            if private:  # a temporary file left by a crash keeps its mode through O_TRUNC
+                os.fchmod(fd, 0o600)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

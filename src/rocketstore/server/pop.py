@@ -479,7 +479,8 @@ class PopGroups:
             # 2^32, more than any server hands out between two saves
             document = {"version": 1, "key": self._key.hex(), "delivery": next(self._deliveries) + _RESERVED,
                         "queues": rows}
-            replace_file(self.state_path, json.dumps(document, separators=(",", ":")).encode())
+            # private: it holds the key that signs receipt handles
+            replace_file(self.state_path, json.dumps(document, separators=(",", ":")).encode(), private=True)
             self._saved = seen
 
     def _load(self, path: Path) -> None:
