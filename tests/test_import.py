@@ -22,6 +22,7 @@ from rocketstore.errors import (
     InvalidTopicError,
     MessageIllegalError,
     MessageTooLargeError,
+    StoredButNotClosedError,
     StoreIOError,
 )
 from rocketstore.importing import import_parquet
@@ -345,8 +346,9 @@ def test_an_import_whose_close_failed_stores_nothing_when_run_again(tmp_path, mo
 
     with monkeypatch.context() as patch:
         patch.setattr(ConsumeQueueTable, "save_ends", failing_save)
-        with pytest.raises(StoreIOError, match=r"queueEnds\.json"):
+        with pytest.raises(StoredButNotClosedError, match=r"queueEnds\.json") as failed:
             import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert (failed.value.done.rows, failed.value.done.batches) == (50, 1)
     assert len(stored(tmp_path / "s")) == 50
     report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
     assert (report.already_imported, report.rows) == (True, 0)
@@ -369,9 +371,14 @@ def test_a_writing_command_whose_close_fails_prints_its_result_and_exits_3(tmp_p
         assert done.returncode == 3, (args, done.stderr)
         assert done.stderr.startswith("error: the command's change is stored, but closing the store failed: ")
         assert done.stdout, args  # the command's own output came first
+    write(tmp_path / "d" / "part-0.parquet", topic=["T"] * 3, body=[b"imported"] * 3)
+    done = cli("import", "--no-spark", "--parquet", str(tmp_path / "d"), "--store", str(root), *GEOMETRY, check=False)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.startswith("imported 3 messages in 1 batches into ")
+    assert done.stderr.startswith("error: closing ") and "Do not run the import again" in done.stderr
     assert (root / "abort").exists()  # the queue ends were not saved: the next open checks the queues
     (root / "queueEnds.json").rmdir()
-    assert [m.body for m in stored(root)] == [b"first", b"second"]
+    assert [m.body for m in stored(root)] == [b"first", b"second"] + [b"imported"] * 3
     assert "SendResult [sendStatus=PUT_OK" in cli("put", "-t", "T", "-b", "x", "--store", str(root), *GEOMETRY).stdout
 
 

@@ -76,6 +76,15 @@ class DispatchFailedError(StoreIOError):
 
 # --- bad messages -----------------------------------------------------------------------------
 
+class StoredButNotClosedError(StoreIOError):
+    """Work that writes (an import) stored all it had to and only closing the store failed: doing it again would
+    store it twice. ``done`` is the work's report; the store's next open recovers."""
+
+    def __init__(self, message: str, done: object = None) -> None:
+        super().__init__(message)
+        self.done = done
+
+
 class MessageIllegalError(RocketStoreError, ValueError):
     """A message RocketMQ would reject with MESSAGE_ILLEGAL; nothing was written."""
 

@@ -37,6 +37,7 @@ from .errors import (
     MessageIllegalError,
     MessageTooLargeError,
     RocketStoreError,
+    StoredButNotClosedError,
 )
 from .importjournal import ImportJournal, ImportProgress, describe_source, rows_stored
 from .store import MessageStore
@@ -166,7 +167,8 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
             report.skipped = rows_stored(view, unfinished)
     before = set(os.listdir(root)) if root.is_dir() else None
     try:
-        with MessageStore.open(root, config) as store:
+        store = MessageStore.open(root, config)
+        try:
             skip = report.skipped  # rows come in the same order every time: the first skip go by
             for chunk in _stopping_with_the_count(chunks, report):
                 dropped = min(skip, chunk.num_rows)
@@ -191,6 +193,17 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                 store.flush()  # the last batch on the disk before the journal says the import is over
                 journal.record(ImportProgress(source, report.skipped + report.rows, store.commit_log.max_offset,
                                               complete=True))
+        except BaseException:
+            with contextlib.suppress(Exception):  # the import's own error is the one to report
+                store.close()
+            raise
+        try:
+            store.close()
+        except RocketStoreError as exc:
+            if report.rows:  # stored, and the journal says complete: running it again would store nothing
+                raise StoredButNotClosedError(f"closing {root} failed after the import stored its rows: {exc}",
+                                              report) from exc
+            raise
     except BaseException:
         if fresh and not report.rows:  # an import into a new path that stored nothing leaves no store skeleton
             if before is None:

@@ -24,7 +24,7 @@ import click
 
 from .. import Message, MessageStore, StoreConfig
 from ..config import GEOMETRY, broker_conf_store_root, broker_conf_values, broker_sizes, detect_config
-from ..errors import MessageNotFoundError, RocketStoreError
+from ..errors import MessageNotFoundError, RocketStoreError, StoredButNotClosedError
 from ..reads import GetMessageStatus
 from .render import (
     arrow_message_rows,
@@ -991,6 +991,17 @@ def import_command(master, ship_env, verbose, parquet, from_row, no_spark, **kwa
     """Append a Parquet dataset of messages to a store (created if missing), each row exactly once (Spark;
     --no-spark: in this process)."""
     root, config = config_for(**_store_args(kwargs), must_exist=False)
+    try:
+        report = _import(root, config, master, ship_env, verbose, parquet, from_row, no_spark)
+    except StoredButNotClosedError as exc:  # its rows are stored and its journal says so: exit 3, not 1
+        _say_imported(exc.done, root)
+        raise ChangedButNotClosed(f"{exc}. Do not run the import again (it would say nothing imported); the store's "
+                                  "next open recovers") from None
+    _say_imported(report, root)
+
+
+def _import(root: Path, config: StoreConfig, master, ship_env, verbose, parquet: str, from_row: int | None,
+            no_spark: bool):
     if no_spark:
         if ship_env or master != "local[*]":
             raise click.UsageError("--no-spark runs no Spark job: leave out --master and --ship-env")
@@ -999,18 +1010,20 @@ def import_command(master, ship_env, verbose, parquet, from_row, no_spark, **kwa
         from ..importing import import_parquet
 
         with progress_bar("import") as progress:
-            report = import_parquet(parquet, root, config=config, progress=progress, explicit=GEOMETRY,
-                                    skip_rows=from_row)
-    else:
-        from ..spark.jobs import import_messages, read_parquet
+            return import_parquet(parquet, root, config=config, progress=progress, explicit=GEOMETRY,
+                                  skip_rows=from_row)
+    from ..spark.jobs import import_messages, read_parquet
 
-        source = parquet if "://" in parquet else os.path.abspath(parquet)  # the JVM's working directory differs
-        if "://" not in parquet and not os.path.exists(source):
-            raise Failure(f"{parquet} does not exist")
-        spark = _spark(master, ship_env, verbose)
-        with progress_bar("import") as progress:
-            report = import_messages(read_parquet(spark, source), root, config=config, progress=progress,
-                                     explicit=GEOMETRY, skip_rows=from_row)
+    source = parquet if "://" in parquet else os.path.abspath(parquet)  # the JVM's working directory differs
+    if "://" not in parquet and not os.path.exists(source):
+        raise Failure(f"{parquet} does not exist")
+    spark = _spark(master, ship_env, verbose)
+    with progress_bar("import") as progress:
+        return import_messages(read_parquet(spark, source), root, config=config, progress=progress,
+                               explicit=GEOMETRY, skip_rows=from_row)
+
+
+def _say_imported(report, root: Path) -> None:
     if report.already_imported:
         click.echo(f"nothing imported: this import finished before, its {report.skipped} rows are in {root} "
                    "(--from-row 0 stores them again)")
