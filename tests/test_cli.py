@@ -680,10 +680,12 @@ def test_topics_consumer_progress_and_reset_offset(store, tmp_path):
         expected = {q: s.get_offset_in_queue_by_time("Topic0", q, middle) for q in s.queue_ids("Topic0")}
         assert {q: s.query_offset("g1", "Topic0", q) for q in expected} == expected
     assert out.splitlines()[0].split() == ["#QID", "#Offset"]
-    cli("reset-offset", "--store", str(root), "-g", "g1", "-t", "Topic0", "-s", "now")  # as mqadmin: past every message
-    with MessageStore.open(root, CONFIG, read_only=True) as s:
-        assert {q: s.query_offset("g1", "Topic0", q) for q in s.queue_ids("Topic0")} == \
-            {q: s.get_max_offset_in_queue("Topic0", q) for q in s.queue_ids("Topic0")}
+    for to_the_end in ("now", "-1"):  # as mqadmin: past every message; -1 is the broker's "latest"
+        cli("reset-offset", "--store", str(root), "-g", "g1", "-t", "Topic0", "-s", "earliest")
+        cli("reset-offset", "--store", str(root), "-g", "g1", "-t", "Topic0", "-s", to_the_end)
+        with MessageStore.open(root, CONFIG, read_only=True) as s:
+            assert {q: s.query_offset("g1", "Topic0", q) for q in s.queue_ids("Topic0")} == \
+                {q: s.get_max_offset_in_queue("Topic0", q) for q in s.queue_ids("Topic0")}, to_the_end
     assert "deleted" not in cli("topic", "delete", "--store", str(root), "-t", "Fresh").stdout
     bad = cli("reset-offset", "--store", str(root), "-g", "g1", "-t", "Nope", "-s", "earliest", check=False)
     assert bad.returncode == 1 and "does not exist" in bad.stderr

@@ -866,12 +866,15 @@ Examples:
 @store_options
 @click.option("-g", "--group", required=True, help="consumer group")
 @click.option("-t", "--topic", "topic_name", required=True, help="topic")
-@click.option("-s", "--timestamp", required=True, help="epoch ms, ISO-8601, 'now', 'earliest' or 'latest'")
+@click.option("-s", "--timestamp", required=True, help="epoch ms, ISO-8601, 'now', 'earliest' or 'latest' (or -1, "
+              "as the broker takes it)")
 @fails_cleanly
 def reset_offset(group, topic_name, timestamp, **kwargs) -> None:
     """Point a consumer group at a time in every queue (like mqadmin resetOffsetByTime)."""
     if timestamp == "now":  # as mqadmin's resetOffsetByTime
         timestamp = str(time.time_ns() // 1_000_000)
+    elif timestamp == "-1":  # the broker's resetOffset: each queue's max offset
+        timestamp = "latest"
     target = timestamp if timestamp in ("earliest", "latest") else parse_time(timestamp, "--timestamp")
     root, config = config_for(**_store_args(kwargs))
     with writer_store(root, config) as store:
