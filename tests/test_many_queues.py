@@ -112,6 +112,32 @@ def test_a_failing_dispatch_refuses_puts_and_clears_when_the_fault_goes(tmp_path
     assert not (tmp_path / "abort").exists()
 
 
+
+def test_a_dispatch_still_failing_at_close_is_raised_and_the_next_open_re_dispatches(tmp_path, monkeypatch):
+    """close() caught the last dispatch's failure, logged it and returned: a put's command exited 0 although its
+    message was in no queue. It now raises (abort kept: the next open dispatches what was left)."""
+    from rocketstore import consumequeue
+
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20)
+    real = consumequeue.ConsumeQueue.put_position
+
+    def put_position(self, *args):
+        if self.topic == "Broken":
+            raise StoreIOError(errno.EIO, "consume-queue write failed")
+        return real(self, *args)
+
+    store = MessageStore.open(tmp_path, config)
+    with monkeypatch.context() as patch:
+        patch.setattr(consumequeue.ConsumeQueue, "put_position", put_position)
+        store.put_message(Message("Broken", b"stored, not dispatched"))
+        with pytest.raises(DispatchFailedError, match="consume-queue write failed"):
+            store.close()
+    assert store.closed and (tmp_path / "abort").exists()
+    with MessageStore.open(tmp_path, config) as again:
+        again.wait_for_dispatch()
+        assert [m.body for m in again.get_message("Broken", 0, 0).messages] == [b"stored, not dispatched"]
+    assert not (tmp_path / "abort").exists()
+
 class _Segment:
     """What ``FileBudget`` needs of a mapped file."""
 

@@ -13,6 +13,7 @@ Readers call ``wait_dispatched(offset)`` to see their own writes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import struct
 import threading
@@ -31,7 +32,7 @@ from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
 from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, TIMER_TOPIC
-from .errors import CorruptDataError, StoreIOError
+from .errors import CorruptDataError, DispatchFailedError, StoreIOError
 from .health import StoreHealth
 from .index.service import IndexRequest, IndexService
 from .mapped.file import reading
@@ -351,8 +352,8 @@ class Dispatcher:
         return max(0, self.commit_log.max_offset - self.reput_from_offset)
 
     def shutdown(self) -> None:
-        """Stop the thread and catch up. If catching up fails (a full disk), the store's abort file
-        stays and the next open re-dispatches: queues and index are derived data."""
+        """Stop the thread and catch up. If catching up fails (a full disk), DispatchFailedError: the store's
+        abort file stays and the next open re-dispatches (queues and index are derived data)."""
         self._stop.set()
         self._work.set()
         self._urgent.set()
@@ -363,4 +364,6 @@ class Dispatcher:
             self.dispatch_available()
         except (StoreIOError, CorruptDataError, OSError) as exc:
             self.last_error = exc
-            log.error("dispatch could not catch up before closing (%s); the next open re-dispatches", exc)
+            raise DispatchFailedError(getattr(exc, "errno", None) or errno.EIO,
+                                      f"dispatch could not catch up before closing ({exc}); the next open "
+                                      "re-dispatches") from exc
