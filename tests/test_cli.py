@@ -806,3 +806,13 @@ def test_times_are_ascii_epoch_milliseconds_within_a_long_or_iso_8601(store):
     root, _ = store
     done = cli("query-by-key", "--store", str(root), "-t", "Topic1", "-k", "order-1", "-b", "²", check=False)
     assert done.returncode == 2 and "neither epoch milliseconds nor an ISO-8601 time" in done.stderr
+
+
+def test_a_writing_command_whose_store_path_is_a_file_says_so_and_leaves_it(tmp_path):
+    """mkdir's "[Errno 17] File exists" did not say that the path is a file."""
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"an operator's file")
+    done = cli("put", "-t", "T", "-b", "x", "--store", str(path), check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.rstrip().endswith(f"cannot create store root {path}: it exists and is not a directory")
+    assert path.read_bytes() == b"an operator's file"

@@ -150,6 +150,9 @@ class MessageStore:
         else:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
+            except FileExistsError as exc:  # mkdir's "File exists" for a file in the way named nothing useful
+                raise StoreIOError(exc.errno, f"cannot create store root {self.root}: it exists and is not a "
+                                              "directory") from exc
             except OSError as exc:
                 raise StoreIOError(exc.errno, f"cannot create store root {self.root}: {exc.strerror}") from exc
             self._lock = StoreLock(self.root)
