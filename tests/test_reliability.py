@@ -636,3 +636,43 @@ def test_coverage_guided_fuzzing_of_the_decoders(tmp_path):
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Done" in done.stderr
+
+
+def _everything_but_the_lock(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink() and p.name != "lock"}
+
+
+@pytest.mark.parametrize("gone", ["dangling symlink", "a file", "missing"])
+def test_a_store_whose_log_directory_is_not_there_is_refused_not_wiped(tmp_path, gone):
+    """A writer open took a commitlog/ it could not see (a symlink to a disk not mounted, a file in its place,
+    the directory moved away) for an empty log: it deleted every consume-queue file and the newer index file and
+    wrote every consumer group's offset back to 0 (the review). Both opens now refuse and change nothing."""
+    root = tmp_path / "s"
+    build(root, 40)
+    with MessageStore.open(root, CONFIG) as store, store.consumer("G", "T0") as consumer:
+        assert consumer.poll(timeout=2, max_msgs=5)
+        consumer.commit()
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        committed = {q: store.query_offset("G", "T0", q) for q in store.queue_ids("T0")}
+    assert sum(committed.values()) > 0
+    (root / "commitlog").rename(tmp_path / "commitlog.away")
+    if gone == "dangling symlink":
+        (root / "commitlog").symlink_to(tmp_path / "not-mounted" / "commitlog")
+    elif gone == "a file":
+        (root / "commitlog").write_bytes(b"")
+    before = _everything_but_the_lock(root)
+    for read_only in (False, True):
+        with pytest.raises(RocketStoreError, match="commitlog"):
+            MessageStore.open(root, CONFIG, read_only=read_only)
+        assert _everything_but_the_lock(root) == before, read_only
+    if gone == "missing":  # the way to start over: an empty log directory is a log that lost its segments
+        (root / "commitlog").mkdir()
+        with MessageStore.open(root, CONFIG) as store:
+            assert store.max_phy_offset == 0 and not store.get_message("T0", 0, 0).messages
+        return
+    (root / "commitlog").unlink()  # the disk is back
+    (tmp_path / "commitlog.away").rename(root / "commitlog")
+    with MessageStore.open(root, CONFIG) as store:
+        assert {q: store.query_offset("G", "T0", q) for q in store.queue_ids("T0")} == committed
+        assert sum(len(store.get_message("T0", q, 0).messages) for q in store.queue_ids("T0")) == 14

@@ -8,6 +8,7 @@ files; it sees the log as it was when opened.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
 import logging
@@ -74,6 +75,34 @@ CHECKPOINT_FILE = "checkpoint"
 
 class StoreNotFoundError(RocketStoreError, FileNotFoundError):
     """A read-only open of a directory that holds no store."""
+
+
+def _check_log_directory(root: Path, writer: bool = False) -> None:
+    """Refuse a store whose ``commitlog`` is not there as a directory while the rest of the store is: a writer
+    would take the log for empty and delete every consume queue and index file, and move every consumer group
+    back to 0 (a symlinked log whose disk is not mounted, a file in its place). An empty ``commitlog``
+    directory is a log that lost its segments, recovered as such; a root with no ``commitlog`` and nothing
+    derived from one is a new store."""
+    log_dir = root / "commitlog"
+    if log_dir.is_symlink() and not log_dir.exists():
+        raise StoreNotFoundError(errno.ENOENT, f"{log_dir} is a symlink to {os.readlink(log_dir)}, which does not "
+                                 "exist (a disk not mounted?): refusing to open the store")
+    if log_dir.exists() and not log_dir.is_dir():
+        raise StoreNotFoundError(errno.ENOTDIR, f"{log_dir} is not a directory: refusing to open the store")
+    if writer and not log_dir.exists():
+        derived = [name for name in ("consumequeue", "index") if _holds_files(root / name)]
+        if derived:
+            raise StoreNotFoundError(errno.ENOENT, f"{root} has no commitlog directory but has {' and '.join(derived)} "
+                                     "files made from one (a log on a disk not mounted, a directory moved?): "
+                                     "refusing to open the store. To start it over with an empty log, create an "
+                                     "empty commitlog directory")
+
+
+def _holds_files(path: Path) -> bool:
+    try:
+        return any(files for _dir, _subdirs, files in os.walk(path))
+    except OSError:
+        return True  # unreadable: not known to be empty
 
 
 class MessageStore:
@@ -144,6 +173,7 @@ class MessageStore:
 
     def _start(self) -> None:
         if self.read_only:
+            _check_log_directory(self.root)
             if not (self.root / "commitlog").is_dir():
                 raise StoreNotFoundError(f"{self.root} holds no store (no commitlog directory)")
             check_geometry(self.root / "index", self.config.max_hash_slot_num, self.config.max_index_num)
@@ -157,6 +187,7 @@ class MessageStore:
                 raise StoreIOError(exc.errno, f"cannot create store root {self.root}: {exc.strerror}") from exc
             self._lock = StoreLock(self.root)
             self._lock.acquire()
+            _check_log_directory(self.root, writer=True)
             _clear_staging(self.root / STAGING_DIR)
             finish_staged(self.root / STAGING_DIR, self.root)  # a rebuild killed mid-swap: its new set goes in
             check_geometry(self.root / "index", self.config.max_hash_slot_num, self.config.max_index_num)
