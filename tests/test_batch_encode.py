@@ -661,3 +661,26 @@ def test_an_arrow_column_whose_offsets_leave_its_data_is_a_typed_error_and_write
         with pytest.raises(MessageIllegalError, match="not a valid Arrow array"):
             store.put_batch(pa.table(columns))
         assert store.max_phy_offset == 0
+
+
+def test_a_topic_too_long_for_a_v1_record_is_refused_by_every_put(tmp_path):
+    """With auto_message_version_on_topic_len off every record is V1, whose topic length is one signed byte:
+    put_batch wrote a 200-byte %RETRY% topic's length as -56 and acknowledged it; every read and dispatch then
+    failed, every later put was refused, and the reopen cut the acknowledged rows (the review)."""
+    topic = "%RETRY%" + "g" * 193
+    config = StoreConfig(mapped_file_size_commit_log=16 * 1024, max_hash_slot_num=97, max_index_num=2000,
+                         auto_message_version_on_topic_len=False)
+    with MessageStore.open(tmp_path, config) as store:
+        store.put_message(Message("Before", b"x"))
+        end = store.max_phy_offset
+        with pytest.raises(InvalidTopicError, match="row 2: topic longer than 127 bytes"):
+            store.put_batch(pa.table({"topic": ["Fine", "Fine", topic], "body": [b"a", b"b", b"c"]}))
+        for put in (lambda: store.put_message(Message(topic, b"c")),
+                    lambda: store.put_messages([Message("Fine", b"a")] * 4 + [Message(topic, b"c")])):
+            with pytest.raises(InvalidTopicError, match="topic longer than 127 bytes"):
+                put()
+        assert store.max_phy_offset == end
+        store.put_batch(pa.table({"topic": ["%RETRY%" + "g" * 120], "body": [b"127 bytes fit"]}))
+        store.wait_for_dispatch()
+    with MessageStore.open(tmp_path, config) as store:
+        assert [m.body for m in store.iter_messages()] == [b"x", b"127 bytes fit"]

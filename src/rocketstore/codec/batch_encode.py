@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 from ..errors import (
     InvalidFlagError,
     InvalidPropertyError,
+    InvalidTopicError,
     MessageIllegalError,
     MessageTooLargeError,
     PropertiesTooLargeError,
@@ -179,6 +180,11 @@ class BatchEncoder:
             topic_index = np.fromiter((code_of[t] for t in stored_topic_names), dtype=np.int32, count=n) \
                 if len(stored_topics) > 1 else np.zeros(n, dtype=np.int32)
         topic_bytes = [t.encode("utf-8") for t in stored_topics]
+        if not self.config.auto_message_version_on_topic_len:  # a V1 record's topic length is one signed byte
+            for i, name in enumerate(topic_bytes):
+                if len(name) > MAX_TOPIC_LEN_V1:
+                    raise InvalidTopicError(f"row {int(np.argmax(topic_index == i))}: topic longer than 127 bytes "
+                                            "needs auto_message_version_on_topic_len")
         v2 = np.array([self.config.auto_message_version_on_topic_len and len(t) > MAX_TOPIC_LEN_V1
                        for t in stored_topics], dtype=bool)
         row_v2 = v2[topic_index]
