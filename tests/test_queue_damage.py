@@ -256,3 +256,40 @@ def test_a_queue_gone_with_its_topic_is_not_brought_back(tmp_path):
     with MessageStore.open(tmp_path, CONFIG) as store:
         store.wait_for_dispatch()
         assert store.queue_ids("Gone") == [] and len(bodies(store, "Kept")) == 5
+
+
+@pytest.mark.parametrize("lost", [5, 130])  # within one queue file, and over two (100 units a file)
+def test_a_queue_whose_every_unit_is_past_the_recovered_log_is_emptied_on_disk(tmp_path, lost):
+    """A queue all of whose units pointed past the log's recovered end (the log's tail lost, the queue files
+    kept) had its first file kept with only its position reset: the units stayed on disk and came back at the
+    next load, so after a clean close the queue's offsets jumped (a put took offset 37 after offset 0) and verify
+    reported units of other topics' records (the review)."""
+    root = tmp_path / "s"
+    with MessageStore.open(root, CONFIG) as store:
+        store.put_messages([Message("A", b"a" * 100, queue_id=0) for _ in range(5)])
+        first_n = store.put_message(Message("N", b"n" * 100, queue_id=0)).commit_log_offset
+        for _ in range(lost - 1):
+            store.put_message(Message("N", b"n" * 100, queue_id=0))
+        store.wait_for_dispatch()
+    segment = root / "commitlog" / f"{0:020d}"
+    with open(segment, "r+b") as f:  # the log's tail from N's first record never reached the disk
+        f.seek(first_n)
+        f.write(bytes(CONFIG.mapped_file_size_commit_log - first_n))
+    (root / "queueEnds.json").unlink()  # as after a crash
+    with MessageStore.open(root, CONFIG) as store:
+        assert store.get_max_offset_in_queue("N", 0) == 0
+        store.put_messages([Message("A", b"x" * 100, queue_id=0) for _ in range(10)])  # over the lost records
+        assert store.put_message(Message("N", b"new-0", queue_id=0)).queue_offset == 0
+        store.wait_for_dispatch()
+    units = (root / "consumequeue" / "N" / "0" / f"{0:020d}").read_bytes()
+    assert units[20:] == bytes(len(units) - 20)  # nothing stale left behind the new unit
+    with MessageStore.open(root, CONFIG) as store:
+        assert store.get_max_offset_in_queue("N", 0) == 1
+        assert store.put_message(Message("N", b"new-1", queue_id=0)).queue_offset == 1
+        store.wait_for_dispatch()
+        assert [m.body for m in store.get_message("N", 0, 0).messages] == [b"new-0", b"new-1"]
+    done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "verify", "--store", str(root),
+                           "--mapped-file-size-commit-log", str(CONFIG.mapped_file_size_commit_log),
+                           "--mapped-file-size-consume-queue", str(CONFIG.mapped_file_size_consume_queue)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "0 problem(s)" in done.stdout, done.stdout + done.stderr

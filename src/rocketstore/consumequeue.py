@@ -141,6 +141,9 @@ class ConsumeQueue:
             cut = mapped.file_from_offset + pos
             self._zero_after(mapped, pos)
             break
+        else:  # every file dirty: the first is kept, empty; its units would come back at the next load
+            if files:
+                self._zero_after(files[0], 0)
         self.mapped_files.truncate_dirty_files(cut)
         self.max_physic_offset = self._last_real_unit_end(self.mapped_files.files)
 
