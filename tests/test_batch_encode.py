@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from rocketstore import FlushDiskType, Message, MessageStore, PutMessageStatus, StoreConfig
 from rocketstore.codec.batch_encode import BatchEncoder
+from rocketstore.codec.msgid import decode_uniq_key
 from rocketstore.codec.scratch import KEEP_MAX, scratch
 from rocketstore.encoder import MessageEncoder
 from rocketstore.errors import (
@@ -118,12 +119,12 @@ def test_batch_and_single_encoders_write_the_same_bytes(items, prop_crc, store_h
     config = StoreConfig(enabled_append_prop_crc=prop_crc, store_host=store_host)
     single = MessageEncoder(config)
     batch = BatchEncoder(MessageEncoder(config))
-    counter = single.uniq_keys._counter
+    state = single.uniq_keys.state
     batch.encoder.uniq_keys = single.uniq_keys  # the same generator, rewound between the two runs
     poison_scratch()
     with mock.patch("time.time_ns", return_value=NOW * 1_000_000):
         encoded = batch.encode(shaped(items, shape, cut))
-        single.uniq_keys._counter = counter
+        single.uniq_keys.state = state
         records = [single.encode(message_of(r)) for r in items]
     assert bytes(encoded.data) == b"".join(bytes(rec.data) for rec in records)
     assert encoded.uniq_keys.to_pylist() == [rec.uniq_key for rec in records]
@@ -525,7 +526,7 @@ def test_encode_many_writes_what_encode_writes(msgs, prop_crc, counter, store_ho
     rest) against ``encode`` per message: same bytes, same record facts, the same error type for a bad message; a
     UNIQ_KEY counter about to wrap wraps the same way."""
     single, many = encoders(StoreConfig(enabled_append_prop_crc=prop_crc, store_host=store_host))
-    same_outcome(single, many, msgs, single.uniq_keys._counter if counter is None else counter)
+    same_outcome(single, many, msgs, single.uniq_keys.state[0] if counter is None else counter)
 
 
 def encoders(config: StoreConfig | None = None) -> tuple[MessageEncoder, MessageEncoder]:
@@ -540,10 +541,10 @@ def encoders(config: StoreConfig | None = None) -> tuple[MessageEncoder, Message
 
 def same_outcome(single: MessageEncoder, many: MessageEncoder, msgs: list[Message], counter: int) -> None:
     with mock.patch("time.time_ns", return_value=NOW * 1_000_000):
-        single.uniq_keys._counter = counter
+        single.uniq_keys.state = (counter, -1)
         poison_scratch()
         pending = outcome(lambda: many.encode_many(msgs))
-        single.uniq_keys._counter = counter
+        single.uniq_keys.state = (counter, -1)
         records = outcome(lambda: [single.encode(m) for m in msgs])
     if isinstance(records, type) or isinstance(pending, type):
         assert pending is records
@@ -585,7 +586,7 @@ def one_message(draw):
 @given(msg=one_message(), prop_crc=st.booleans(), counter=st.sampled_from([None, 0xFFFF]))
 def test_one_message_is_encoded_as_encode_does(msg, prop_crc, counter, store_host):
     single, many = encoders(StoreConfig(enabled_append_prop_crc=prop_crc, store_host=store_host))
-    same_outcome(single, many, [msg], single.uniq_keys._counter if counter is None else counter)
+    same_outcome(single, many, [msg], single.uniq_keys.state[0] if counter is None else counter)
 
 
 def test_a_plain_put_of_few_messages_takes_the_one_pass_form():
@@ -684,3 +685,36 @@ def test_a_topic_too_long_for_a_v1_record_is_refused_by_every_put(tmp_path):
         store.wait_for_dispatch()
     with MessageStore.open(tmp_path, config) as store:
         assert [m.body for m in store.iter_messages()] == [b"x", b"127 bytes fit"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(takes=st.lists(st.tuples(st.sampled_from(["next", "hex", "raw"]), st.integers(1, 70_000)), min_size=1,
+                      max_size=6),
+       start=st.sampled_from([0, 1, 0xFFF0, 0xFFFF, 12345]), clock=st.lists(st.integers(0, 2), min_size=6,
+                                                                               max_size=6))
+def test_uniq_keys_never_repeat_however_many_one_millisecond_takes(takes, start, clock):
+    """A block's ids share one time field, so a put of more than 65,536 rows (an ordinary put_batch) repeated its
+    first ids: a consumer deduplicating by msgId dropped messages (the review). Ids are unique whatever mix of
+    single ids, hex blocks and raw blocks a few milliseconds (or one) hand out, and their times never go back."""
+    from rocketstore.codec.msgid import UniqKeyGenerator
+
+    gen = UniqKeyGenerator("10.0.0.1")
+    gen.state = (start, -1)
+    now = NOW
+    seen: list[str] = []
+    for (kind, count), tick in zip(takes, clock, strict=False):
+        now += tick
+        if kind == "next":
+            seen += [gen.next(now) for _ in range(min(count, 300))]
+        elif kind == "hex":
+            block = gen.hex_block(count, now)
+            if block is None:  # it would wrap: the caller encodes one id at a time
+                assert gen.state[0] + count > 0x10000
+                continue
+            head, first = block
+            seen += [f"{head}{first + i:04X}" for i in range(count)]
+        else:
+            seen += [row.tobytes().hex().upper() for row in gen.raw_block(count, now)]
+    assert len(set(seen)) == len(seen)
+    times = [decode_uniq_key(u, NOW + 1000).timestamp for u in seen[:: max(1, len(seen) // 5000)]]
+    assert times == sorted(times) and (not times or times[0] >= NOW)

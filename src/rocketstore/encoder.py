@@ -565,7 +565,10 @@ class MessageEncoder:
             return None  # some record may be too large: ``encode`` names it
         k = len(codes)
         row_codes = [0] * n if k == 1 else list(map(dict(zip(codes, range(k), strict=True)).__getitem__, topics))
-        head, first = self.uniq_keys.hex_block(n, now)
+        block = self.uniq_keys.hex_block(n, now)
+        if block is None:  # the ids' counter wraps within this put: ``encode`` times each id (rare)
+            return None
+        head, first = block
         head_data = head.encode("ascii")
         if len(head_data) != head_len:
             raise AssertionError(f"a UNIQ_KEY head of {len(head_data)} characters, not {head_len}")

@@ -32,6 +32,7 @@ from .hosts import Host
 _OFFSET = struct.Struct(">q")
 _HEX_ID = re.compile(r"[0-9A-Fa-f]+")
 _UNIQ_TAIL = struct.Struct(">Hiih")  # pid, loader hash, time, counter (written as short)
+_ELAPSED = struct.Struct(">i")
 
 
 def _java_int(value: int) -> int:
@@ -113,25 +114,45 @@ class UniqKeyGenerator:
             class_loader_hash = random.getrandbits(32) - (1 << 31)
         self._loader = class_loader_hash
         self._counter = random.getrandbits(16)
+        self._last_ms = -1  # the time field's ms of the last id handed out; -1: none yet
         self._lock = threading.Lock()
         self._month = (0, 0)
 
-    def _take(self, count: int, now: int) -> tuple[int, int]:
-        """(elapsed ms field, first counter) for ``count`` consecutive ids."""
+    @property
+    def state(self) -> tuple[int, int]:
+        """(next counter, ms of the last id): what the next ids depend on besides the clock (tests rewind it)."""
+        return self._counter, self._last_ms
+
+    @state.setter
+    def state(self, value: tuple[int, int]) -> None:
+        self._counter, self._last_ms = value
+
+    def _take(self, count: int, now: int, whole: bool = False) -> tuple[int, int, int] | None:
+        """(elapsed ms field of the first id, first counter, ms of the first id) for ``count`` consecutive ids.
+
+        Ids are unique while their (time, counter) pairs are: RocketMQ reads the clock for each id, so it repeats
+        one only past 65,536 ids in a millisecond, but a block has one time. So ids never go back in time, and
+        the id after each counter wrap is a millisecond later than the one before it: id ``i`` of a block is
+        ``(first_ms + ((first + i) >> 16), (first + i) & 0xFFFF)``. ``whole``: None (nothing taken) rather
+        than a block that wraps (one time field for all of it)."""
         with self._lock:
-            start, nxt = self._month
-            if not start <= now < nxt:
-                self._month = start, nxt = _month_start_ms(now)
             first = self._counter
+            if whole and first + count > 0x10000:
+                return None
+            ms = max(now, self._last_ms + (first == 0))  # a wrap just before: a later millisecond
+            self._last_ms = ms + ((first + count - 1) >> 16)
             self._counter = (first + count) & 0xFFFF
-        elapsed = _java_int(now - start)  # Java casts to int: wraps after ~24.86 days of a month
+            start, nxt = self._month
+            if not start <= ms < nxt:
+                self._month = start, nxt = _month_start_ms(ms)
+        elapsed = _java_int(ms - start)  # Java casts to int: wraps after ~24.86 days of a month
         if -1_000_000 < elapsed < 0:
             elapsed = 0
-        return elapsed, first
+        return elapsed, first, ms
 
     def next(self, now_ms: int | None = None) -> str:
         now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-        elapsed, count = self._take(1, now)
+        elapsed, count, _ms = self._take(1, now)
         counter = count - 0x10000 if count & 0x8000 else count
         tail = _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, counter)
         return (self._prefix + tail).hex().upper()
@@ -141,21 +162,31 @@ class UniqKeyGenerator:
         """How many hex digits ``hex_block``'s head has (the id's, but the counter's 4)."""
         return 2 * (len(self._prefix) + _UNIQ_TAIL.size - 2)
 
-    def hex_block(self, count: int, now_ms: int | None = None) -> tuple[str, int]:
+    def hex_block(self, count: int, now_ms: int | None = None) -> tuple[str, int] | None:
         """``count`` consecutive ids as (hex of everything but the counter, first counter): id ``i`` is
-        ``f"{head}{(first + i) & 0xFFFF:04X}"``, what ``next`` would return ``count`` times."""
+        ``f"{head}{(first + i) & 0xFFFF:04X}"``, what ``next`` would return ``count`` times. None (nothing taken)
+        when the counter would wrap within them: their time field is not one (``_take``)."""
         now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-        elapsed, first = self._take(count, now)
+        taken = self._take(count, now, whole=True)
+        if taken is None:
+            return None
+        elapsed, first, _ms = taken
         return (self._prefix + _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, 0)[:-2]).hex().upper(), first
 
     def raw_block(self, count: int, now_ms: int | None = None) -> np.ndarray:
-        """``count`` consecutive ids as raw bytes, one row each (the batch encoder hex-encodes them at once)."""
+        """``count`` consecutive ids as raw bytes, one row each (the batch encoder hex-encodes them at once); a
+        block of more than 65,536 ids moves its time field on a millisecond at each counter wrap."""
         now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-        elapsed, first = self._take(count, now)
-        head = self._prefix + _UNIQ_TAIL.pack(self._pid, self._loader, elapsed, 0)[:-2]
-        raw = np.empty((count, len(head) + 2), dtype=np.uint8)
+        elapsed, first, _ms = self._take(count, now)
+        head = self._prefix + _UNIQ_TAIL.pack(self._pid, self._loader, 0, 0)[:-6]
+        raw = np.empty((count, len(head) + 6), dtype=np.uint8)
         raw[:, : len(head)] = np.frombuffer(head, dtype=np.uint8)
-        counters = (np.arange(count, dtype=np.int64) + first) & 0xFFFF
+        sequence = np.arange(count, dtype=np.int64) + first
+        laps = sequence >> 16
+        for lap in range(int(laps[-1]) + 1 if count else 0):  # the time field of each lap's ids
+            raw[laps == lap, len(head) : len(head) + 4] = np.frombuffer(
+                _ELAPSED.pack(_java_int(elapsed + lap)), dtype=np.uint8)
+        counters = sequence & 0xFFFF
         raw[:, -2] = counters >> 8
         raw[:, -1] = counters & 0xFF
         return raw
