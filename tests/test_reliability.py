@@ -676,3 +676,34 @@ def test_a_store_whose_log_directory_is_not_there_is_refused_not_wiped(tmp_path,
     with MessageStore.open(root, CONFIG) as store:
         assert {q: store.query_offset("G", "T0", q) for q in store.queue_ids("T0")} == committed
         assert sum(len(store.get_message("T0", q, 0).messages) for q in store.queue_ids("T0")) == 14
+
+
+@pytest.mark.parametrize("field", ["beginTimestamp", "endTimestamp"])
+def test_verify_finds_index_header_times_that_hide_keys_from_time_windows(tmp_path, field):
+    """An index file's begin/end times damaged (here to 1970): a key lookup with a time window skipped the file
+    or every entry and answered nothing, and verify said 0 problems (the review). The header's times are its
+    first and last entries' records' store times, and each entry's time diff is its record's time less the
+    begin: verify holds them to that."""
+    results = build(tmp_path / "s")
+    newest = files_of(tmp_path / "s", "index")[-1]
+    before = verify_store(tmp_path / "s", CONFIG)
+    assert before.clean, before.problems
+    data = bytearray(newest.read_bytes())
+    at = 0 if field == "beginTimestamp" else 8
+    data[at:at + 8] = (1000).to_bytes(8, "big")
+    newest.write_bytes(bytes(data))
+    report = verify_store(tmp_path / "s", CONFIG)
+    assert any(p.path == str(newest) and p.offset == at and field in p.detail for p in report.problems), \
+        report.problems
+    if field == "beginTimestamp":  # every entry's diff now counts from 1970
+        assert sum("time diff" in p.detail for p in report.problems) > 1
+    window = (results[0].store_timestamp - 1, results[-1].store_timestamp + 1)
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:  # corrected in memory
+        assert [m.commit_log_offset for m in store.query_message("T2", "k197", begin=window[0], end=window[1])] \
+            == [results[197].commit_log_offset]
+    assert newest.read_bytes() == bytes(data)  # a reader writes nothing
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:  # the writer rewrites the header
+        for i in (0, 100, 197, 199):
+            assert [m.commit_log_offset for m in store.query_message(f"T{i % 3}", f"k{i}", begin=window[0],
+                                                                     end=window[1])] == [results[i].commit_log_offset]
+    assert verify_store(tmp_path / "s", CONFIG).clean

@@ -227,23 +227,30 @@ def test_the_index_entry_check_equals_a_lookup_per_entry(offsets, data):
     key_pairs = np.array([(r << 32) | h for r, hs in enumerate(keys) for h in hs], dtype=np.int64)
     pair_start = np.zeros(len(rec_phy) + 1, dtype=np.int64)
     np.cumsum([len(hs) for hs in keys], out=pair_start[1:])
-    entries = data.draw(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 4100)), max_size=80))
+    entries = data.draw(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 4100), st.integers(0, 3)),
+                                 max_size=80))
     end, log_min = data.draw(st.integers(0, 4200)), int(rec_phy[0]) if len(rec_phy) else 0
+    begin_ts = data.draw(st.sampled_from([0, -1, 1_000_000, 1_700_000_000_000]))
+    store_ts = np.array([begin_ts + data.draw(st.integers(-1500, 3500)) for _ in rec_phy], dtype=np.int64)
     entries_at = 8
     buf = np.zeros(entries_at + (len(entries) + 1) * 20, dtype=np.uint8)
-    for i, (h, phy) in enumerate(entries):
-        buf[entries_at + (i + 1) * 20: entries_at + (i + 1) * 20 + 12] = np.frombuffer(struct.pack(">iq", h, phy),
-                                                                                       np.uint8)
+    for i, (h, phy, diff) in enumerate(entries):
+        buf[entries_at + (i + 1) * 20: entries_at + (i + 1) * 20 + 16] = np.frombuffer(struct.pack(">iqi", h, phy,
+                                                                                                   diff), np.uint8)
     covered = np.zeros(len(key_pairs), dtype=bool)
-    status = ik.check_entries(buf, entries_at, len(entries), end, log_min, rec_phy, pair_start, key_pairs, covered)
+    status = ik.check_entries(buf, entries_at, len(entries), end, log_min, rec_phy, pair_start, key_pairs, covered,
+                              begin_ts, store_ts)
     expected, want_covered = [], set()
     where = {int(p): r for r, p in enumerate(rec_phy)}
-    for h, phy in entries:
+    for h, phy, diff in entries:
         if phy >= end:
             expected.append(ik.ENTRY_AFTER_SNAPSHOT)
         elif phy in where:
             fine = h in keys[where[phy]]
-            expected.append(ik.ENTRY_FINE if fine else ik.ENTRY_WRONG_KEY)
+            # IndexFile.putKey: (storeTimestamp - beginTimestamp) / 1000, clamped to [0, MAX_INT]; 0 without a begin
+            made = 0 if begin_ts <= 0 else max(0, int((store_ts[where[phy]] - begin_ts) / 1000))
+            expected.append(ik.ENTRY_WRONG_KEY if not fine else ik.ENTRY_FINE if diff == made else
+                            ik.ENTRY_WRONG_TIME)
             if fine:
                 want_covered.add((where[phy] << 32) | h)
         else:

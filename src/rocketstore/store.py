@@ -233,6 +233,7 @@ class MessageStore:
             self._queue_restart = min((r for r in (holes, tails, lost) if r >= 0), default=-1)
         self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
         self.index.check_chains()  # a damaged newest file is set aside; _reput_start then re-indexes the log
+        self.index.check_times(self.commit_log.record_store_time)
         self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics,
                                      self.health)
         self.dispatcher.reput_from_offset = self._reput_start(abnormal, dispatch_from)

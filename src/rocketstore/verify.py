@@ -116,6 +116,7 @@ class _Records:
     tags_code: np.ndarray
     sys_flag: np.ndarray
     queue: np.ndarray  # number of the record's (topic, queue id) in ``queues``
+    store_ts: np.ndarray
     queues: list[tuple[str, int]]
     key_pairs: np.ndarray  # sorted, unique: record number << 32 | index key hash (hashes are < 2**31)
 
@@ -284,7 +285,7 @@ class _Collector:
                     for key in index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))]
             if keys:
                 self.pairs.append((np.int64(self.count + row) << 32) | index_key_hashes(keys))
-        self.columns.append((expected, batch.size, batch.queue_offset, tags, batch.sys_flag, queue))
+        self.columns.append((expected, batch.size, batch.queue_offset, tags, batch.sys_flag, queue, batch.store_ts))
         self.count += len(batch)
 
     def records(self, report: VerifyReport) -> _Records:
@@ -292,7 +293,7 @@ class _Collector:
         cols = [np.concatenate(c).astype(np.int64) if c else np.zeros(0, np.int64) for c in zip(*self.columns,
                                                                                                  strict=True)]
         if not cols:
-            cols = [np.zeros(0, np.int64) for _ in range(6)]
+            cols = [np.zeros(0, np.int64) for _ in range(7)]
         pairs = _sorted_unique(np.concatenate(self.pairs)) if self.pairs else np.zeros(0, np.int64)
         return _Records(*cols, list(self.queue_numbers), pairs)
 
@@ -492,6 +493,20 @@ def _entry(index, entries_at: int, number: int) -> tuple[int, int]:
     return struct.unpack_from(">iq", index.buffer, entries_at + number * INDEX_ENTRY_SIZE)
 
 
+def _check_header_times(index, path: str, first_phy: int, last_phy: int, last_status: int, records: _Records,
+                        report: VerifyReport) -> None:
+    """A file's beginTimestamp is its first entry's record's store time and its endTimestamp its last one's
+    (``putKey`` sets them so): lookups skip a file, and stop at entries, by these times, so a wrong one hides keys
+    from a time-bounded query."""
+    found, ok = records.find(np.array([first_phy, last_phy], dtype=np.int64))
+    if ok[0] and index.begin_timestamp != records.store_ts[found[0]]:
+        report.add(Problem("index", path, 0, f"beginTimestamp {index.begin_timestamp} but the first entry's record "
+                                             f"was stored at {int(records.store_ts[found[0]])}"))
+    if ok[1] and last_status != _ik.ENTRY_AFTER_SNAPSHOT and index.end_timestamp != records.store_ts[found[1]]:
+        report.add(Problem("index", path, 8, f"endTimestamp {index.end_timestamp} but the last entry's record was "
+                                             f"stored at {int(records.store_ts[found[1]])}"))
+
+
 def _check_index(root: Path, config: StoreConfig, records: _Records, report: VerifyReport,
                  progress: Progress | None, snapshot: _Snapshot | None) -> None:
     service = IndexService(root, config, StoreCheckpoint(root / "checkpoint", read_only=True), read_only=True)
@@ -519,26 +534,31 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
             count = max(0, min(index.index_count - 1, (len(buf) - entries_at) // INDEX_ENTRY_SIZE - 1))  # in bounds
             try:
                 status = _ik.check_entries(buf, entries_at, count, end, log_min, records.phy, pair_start,
-                                           records.key_pairs, covered)
+                                           records.key_pairs, covered, index.begin_timestamp, records.store_ts)
             finally:
                 del buf
+            path = str(index.path)
             if count:
                 first, last = _entry(index, entries_at, 1), _entry(index, entries_at, count)
                 index_min = first[1] if index_min is None else index_min
                 if snapshot:
                     index_frontier = last[1]  # the count was read when the file was opened, after the snapshot
+                _check_header_times(index, path, first[1], last[1], status[count - 1], records, report)
             report.index_entries += count - int(np.count_nonzero(status == _ik.ENTRY_AFTER_SNAPSHOT))
-            path = str(index.path)
 
             def make(i: int, path=path, entries_at=entries_at, status=status, index=index) -> Problem:
                 number = i + 1
                 key_hash, phy = _entry(index, entries_at, number)
                 detail = (f"entry hash {key_hash} matches no key of the record at {phy}"
                           if status[i] == _ik.ENTRY_WRONG_KEY else
+                          f"entry's time diff is not the store time of the record at {phy} less beginTimestamp "
+                          f"{index.begin_timestamp} (a lookup's time window would pass it by)"
+                          if status[i] == _ik.ENTRY_WRONG_TIME else
                           f"entry points at commit-log offset {phy}, where no record starts")
                 return Problem("index", path, entries_at + number * INDEX_ENTRY_SIZE, detail)
 
-            report.add_many(np.flatnonzero((status == _ik.ENTRY_WRONG_KEY) | (status == _ik.ENTRY_NO_RECORD)), make)
+            report.add_many(np.flatnonzero((status == _ik.ENTRY_WRONG_KEY) | (status == _ik.ENTRY_NO_RECORD)
+                                           | (status == _ik.ENTRY_WRONG_TIME)), make)
             # a key lookup would stop short, loop, or find nothing
             broken = chain_problem_at(index, live=snapshot is not None, thorough=True)
             if broken is not None:

@@ -257,15 +257,18 @@ def java_hashes(units, offsets):
     return out
 
 
-ENTRY_FINE, ENTRY_WRONG_KEY, ENTRY_NO_RECORD, ENTRY_EXPIRED, ENTRY_AFTER_SNAPSHOT = 0, 1, 2, 3, 4
+ENTRY_FINE, ENTRY_WRONG_KEY, ENTRY_NO_RECORD, ENTRY_EXPIRED, ENTRY_AFTER_SNAPSHOT, ENTRY_WRONG_TIME = 0, 1, 2, 3, 4, 5
 
 
 @njit(cache=True, nogil=True)
-def check_entries(buf, entries_at, count, end, log_min, rec_phy, pair_start, key_pairs, covered):
+def check_entries(buf, entries_at, count, end, log_min, rec_phy, pair_start, key_pairs, covered, begin_ts,
+                  rec_store_ts):
     """``verify``'s index pass over the ``count`` entries after the invalid entry 0: whether a record starts at
-    each entry's offset and has the entry's hash among its keys (marking that key pair covered), as a code per
-    entry (``ENTRY_*``). Entries come in log order, so a cursor walks the sorted record offsets and a binary
-    search is needed only where the order breaks or jumps."""
+    each entry's offset and has the entry's hash among its keys (marking that key pair covered), and whether the
+    entry's time diff is the one ``putKey`` makes of that record's store time and the file's ``begin_ts``
+    (seconds since it, clamped to [0, 2^31-1]; 0 when ``begin_ts`` <= 0), as a code per entry (``ENTRY_*``).
+    Entries come in log order, so a cursor walks the sorted record offsets and a binary search is needed only
+    where the order breaks or jumps."""
     status = np.empty(count, dtype=np.int8)
     m = rec_phy.size
     j = 0
@@ -288,6 +291,12 @@ def check_entries(buf, entries_at, count, end, log_min, rec_phy, pair_start, key
                     status[i] = ENTRY_FINE
                     covered[k] = True
                     break
+            if status[i] == ENTRY_FINE:
+                diff = 0
+                if begin_ts > 0 and rec_store_ts[j] > begin_ts:
+                    diff = min((rec_store_ts[j] - begin_ts) // 1000, 0x7FFFFFFF)
+                if _be32(buf, p + 12) != diff:
+                    status[i] = ENTRY_WRONG_TIME
         else:
             status[i] = ENTRY_EXPIRED if phy < log_min else ENTRY_NO_RECORD
     return status

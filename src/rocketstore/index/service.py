@@ -197,6 +197,35 @@ class IndexService:
                 index.close()
             return not self.damaged
 
+    def check_times(self, store_time: StoreTimeLookup, newest: int = 2) -> list[str]:
+        """Hold the newest files' header times to their entries' records: beginTimestamp is the first entry's
+        record's store time and endTimestamp the last one's (``putKey`` sets them so). A lookup skips a file, and
+        stops at entries, by these times, so a damaged one hid keys from every time-bounded query. A wrong time
+        is taken from the log: in memory for a read-only open, in the file for a writer (a live writer's reader
+        checks the begin only: its end moves with every put). Returns the names of the files corrected."""
+        corrected = []
+        with self.lock:
+            for index in self.files[-newest:]:
+                count = index.index_count
+                if count <= 1:
+                    continue
+                begin = store_time(index.entry(1)[1])
+                end = index.end_timestamp if self.read_only else store_time(index.entry(count - 1)[1])
+                if begin <= 0 or end <= 0 or (begin, end) == (index.begin_timestamp, index.end_timestamp):
+                    continue  # a record the log no longer holds (or not yet, for a reader): nothing to hold it to
+                log.warning("index file %s says its keys were stored in [%d, %d] ms, its entries' records in [%d, "
+                            "%d]: the header is damaged; %s", index.path.name, index.begin_timestamp,
+                            index.end_timestamp, begin, end,
+                            "this read-only open uses the records' times" if self.read_only else "rewritten")
+                if self.read_only:
+                    index.begin_timestamp = begin
+                else:
+                    index._set_i64(0, begin)
+                    index._set_i64(8, end)
+                    index.flush()
+                corrected.append(index.path.name)
+        return corrected
+
     # --- build -------------------------------------------------------------------------------
 
     def _last_file_for_write(self) -> IndexFile:
