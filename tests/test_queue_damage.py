@@ -7,6 +7,7 @@ the right record, and cuts a damaged tail on a writer open so that re-dispatch w
 
 from __future__ import annotations
 
+import shutil
 import struct
 import subprocess
 import sys
@@ -293,3 +294,23 @@ def test_a_queue_whose_every_unit_is_past_the_recovered_log_is_emptied_on_disk(t
                            "--mapped-file-size-consume-queue", str(CONFIG.mapped_file_size_consume_queue)],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "0 problem(s)" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("victim", ["consumequeue/B/0", "consumequeue/B"])
+def test_a_file_where_a_queue_directory_belongs_is_a_typed_error_then_re_dispatched(tmp_path, victim):
+    """A file in place of a queue's directory made a writer's open raise pathlib's bare FileExistsError /
+    NotADirectoryError (the review): a StoreIOError naming the directory now; with the file gone, the next open
+    dispatches that queue again."""
+    from rocketstore.errors import StoreIOError
+
+    root = tmp_path / "s"
+    build(root)
+    path = root / victim
+    shutil.rmtree(path)
+    path.write_bytes(b"not a directory")
+    with pytest.raises(StoreIOError, match=r"cannot create .*consumequeue/B/0: it or a directory above it is not"):
+        MessageStore.open(root, CONFIG)
+    path.unlink()
+    with MessageStore.open(root, CONFIG) as store:
+        store.wait_for_dispatch()
+        assert [m.body for m in store.get_message("B", 0, 0).messages] == [f"B-{i}".encode() for i in range(10)]

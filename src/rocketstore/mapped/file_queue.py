@@ -123,7 +123,12 @@ class MappedFileQueue:
                                    str(self.directory))
         if self.files and start_offset != self.files[-1].file_end_offset:
             raise CorruptDataError(f"segment start {start_offset} does not continue the log", str(self.directory))
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file where the directory (or one above it) should be
+            what = "it or a directory above it is not a directory" if isinstance(
+                exc, FileExistsError | NotADirectoryError) else exc.strerror
+            raise StoreIOError(exc.errno, f"cannot create {self.directory}: {what}") from exc
         mapped = MappedFile.create(self.directory / segment_name(start_offset), self.mapped_file_size,
                                    preallocate=self.preallocate, staging=self.staging, budget=self.budget)
         mapped.copy_limit = self.copy_limit
