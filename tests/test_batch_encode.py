@@ -718,3 +718,68 @@ def test_uniq_keys_never_repeat_however_many_one_millisecond_takes(takes, start,
     assert len(set(seen)) == len(seen)
     times = [decode_uniq_key(u, NOW + 1000).timestamp for u in seen[:: max(1, len(seen) // 5000)]]
     assert times == sorted(times) and (not times or times[0] >= NOW)
+
+
+def _bad_utf8_strings(count: int, bad_row: int) -> pa.Array:
+    """``count`` one-character strings, row ``bad_row`` a lone 0xFF byte: what ``from_buffers`` lets through."""
+    data = b"".join(b"\xff" if i == bad_row else b"k" for i in range(count))
+    return pa.Array.from_buffers(pa.string(), count, [None, pa.py_buffer(np.arange(count + 1, dtype=np.int32)
+                                                                          .tobytes()), pa.py_buffer(data)])
+
+
+@pytest.mark.parametrize(("column", "error"), [("topic", InvalidTopicError), ("tags", InvalidPropertyError),
+                                                ("keys", InvalidPropertyError), ("properties", InvalidPropertyError)])
+def test_text_columns_that_are_not_utf8_are_refused_naming_the_row(tmp_path, column, error):
+    """Arrow arrays built from buffers are not checked: tags and keys went into the log as their raw bytes (the
+    record codec never writes such a properties string) and a topic raised a bare UnicodeDecodeError."""
+    n = 4
+    columns = {"topic": pa.array(["T"] * n), "body": pa.array([b"x"] * n)}
+    bad = _bad_utf8_strings(n, 2)
+    offsets = pa.array(range(n + 1), pa.int32())
+    columns[column] = {"topic": bad, "tags": bad, "keys": pa.ListArray.from_arrays(offsets, bad),
+                       "properties": pa.MapArray.from_arrays(offsets, pa.array(["p"] * n), bad)}[column]
+    with MessageStore.open(tmp_path, SMALL) as store:
+        with pytest.raises(error, match=rf"row 2: {column} is not a valid Arrow array of UTF-8 strings"):
+            store.put_batch(pa.table(columns))
+        assert store.max_phy_offset == 0
+
+
+def test_a_null_properties_row_is_a_row_without_properties(tmp_path):
+    """A null map slot whose offsets still span entries raised TypeError (dict(None)): nulls mean none, as they
+    do for tags and keys."""
+    props = pa.MapArray.from_arrays(pa.array([0, 1, 2], pa.int32()), pa.array(["a", "b"]), pa.array(["1", "2"]),
+                                    mask=pa.array([False, True]))
+    with MessageStore.open(tmp_path, SMALL) as store:
+        result = store.put_batch(pa.table({"topic": ["T", "T"], "body": [b"x", b"y"], "properties": props}))
+        stored = [store.look_message_by_offset(int(p)) for p in result.commit_log_offsets.tolist()]
+    assert stored[0].properties["a"] == "1" and "b" not in stored[1].properties
+
+
+def test_dictionary_and_large_text_columns_encode_as_plain_ones():
+    """Parquet readers hand strings over dictionary-encoded, and large_string is pyarrow's other string type:
+    refused for tags, keys and every dictionary column before; the same bytes as plain columns now."""
+    plain = pa.table({"topic": ["TopicA", "T", "TopicA"], "body": [b"a", b"b", b"c"], "tags": ["x", None, "y"],
+                      "keys": pa.array([["k1"], ["k2", "k3"], []], pa.list_(pa.string()))})
+    other = pa.table({"topic": plain.column("topic").dictionary_encode(), "body": plain.column("body"),
+                      "tags": plain.column("tags").cast(pa.large_string()).dictionary_encode(),
+                      "keys": plain.column("keys").cast(pa.large_list(pa.large_string()))})
+    single = MessageEncoder(StoreConfig())
+    batch = BatchEncoder(single)
+    state = single.uniq_keys.state
+    with mock.patch("time.time_ns", return_value=NOW * 1_000_000):
+        first = bytes(batch.encode(plain).data)
+        single.uniq_keys.state = state
+        assert bytes(batch.encode(other).data) == first
+
+
+def test_a_refused_put_messages_names_the_message(tmp_path):
+    """put_batch names its bad row; put_messages named nothing (a CLI put of a thousand JSON lines said only
+    "property 'TAGS' contains a separator")."""
+    with MessageStore.open(tmp_path, SMALL) as store:
+        msgs = [Message("T", b"x", tags="fine") for _ in range(6)]
+        msgs[4] = Message("T", b"x", tags="a\x01b")
+        with pytest.raises(InvalidPropertyError, match=r"^message 4: property 'TAGS' contains a separator"):
+            store.put_messages(msgs)
+        with pytest.raises(InvalidPropertyError, match=r"^property 'TAGS' contains a separator"):
+            store.put_message(msgs[4])  # one message: nothing to name
+        assert store.max_phy_offset == 0

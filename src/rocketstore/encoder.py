@@ -386,7 +386,15 @@ class MessageEncoder:
             elif not system:
                 pending = self._encode_plain_few(msgs)
         if pending is None:
-            pending = PendingRecords.of(msgs, [self.encode(m, system) for m in msgs])
+            if len(msgs) == 1:
+                return PendingRecords.of(msgs, [self.encode(msgs[0], system)])
+            records = []
+            for i, msg in enumerate(msgs):
+                try:
+                    records.append(self.encode(msg, system))
+                except MessageIllegalError as exc:  # which message of the put: as put_batch names its row
+                    raise type(exc)(f"message {i}: {exc}") from None
+            pending = PendingRecords.of(msgs, records)
         return pending
 
     def _encode_plain_few(self, msgs: list[Message]) -> PendingRecords | None:

@@ -707,7 +707,7 @@ class MessageStore:
 
         Columns: ``topic`` and ``body`` (required), ``keys`` (list<string>), ``tags``, ``properties``
         (map<string, string>), ``queue_id``, ``flag``, ``born_timestamp``, ``born_host``. Validation is the
-        per-message encoder's and happens before anything is written: the first bad row is named in a typed
+        per-message encoder's and happens before anything is written: a bad row is named in a typed
         error. Rows keep their order in the log and in every queue; one store time, and under SYNC_FLUSH one
         wait for the disk. A table larger than the room left in the current segment is written as one
         crash-atomic append per segment, so a crash keeps a prefix of whole rows.

@@ -124,6 +124,55 @@ def as_array(column) -> pa.Array:
     return column
 
 
+_TEXT_COLUMNS = {"topic": InvalidTopicError, "tags": InvalidPropertyError, "keys": InvalidPropertyError,
+                 "properties": InvalidPropertyError, "born_host": InvalidFlagError}
+
+
+def _plain(name: str, column: pa.Array) -> pa.Array:
+    """A column in the types the encoder reads: dictionary-encoded columns (Parquet's strings often are)
+    decoded, large strings and lists of them as the 32-bit-offset kinds; text columns checked to be UTF-8
+    (an array built from buffers is not checked by Arrow, and its bytes would go into the log as they are)."""
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if name in ("tags", "born_host") and pa.types.is_large_string(column.type):
+        column = column.cast(pa.string())
+    elif name == "keys" and (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) and \
+            pa.types.is_large_string(column.type.value_type):
+        column = column.cast(pa.list_(pa.string()))
+    error = _TEXT_COLUMNS.get(name)
+    if error is not None:
+        try:
+            column.validate(full=True)
+        except pa.ArrowInvalid as exc:
+            raise error(f"row {_first_invalid_row(column)}: {name} is not a valid Arrow array of UTF-8 strings "
+                        f"({exc})") from None
+    return column
+
+
+def _first_invalid_row(column: pa.Array) -> int:
+    """The first row of ``column`` that full validation refuses (the error path only: one check per row)."""
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_map(column.type):
+        # a slice of a nested array validates all its children: find the bad child element, then its row
+        children = [column.keys, column.items] if pa.types.is_map(column.type) else [column.values]
+        bad = [_first_invalid_row(child) for child in children if not _valid(child)]
+        if not bad:
+            return 0
+        offsets = column.offsets.to_numpy(zero_copy_only=False)
+        return max(0, int(np.searchsorted(offsets, min(bad), side="right")) - 1)
+    for row in range(len(column)):
+        if not _valid(column.slice(row, 1)):
+            return row
+    return 0
+
+
+def _valid(column: pa.Array) -> bool:
+    try:
+        column.validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
 class BatchEncoder:
     """Validates and encodes tables of messages for one store (shares the per-message encoder's state:
     store host, UNIQ_KEY generator, topic cache, limits)."""
@@ -148,7 +197,7 @@ class BatchEncoder:
             raise MessageIllegalError(f"put_batch does not know the column(s) {sorted(unknown)}; "
                                       f"known: topic, body, {', '.join(OPTIONAL_COLUMNS)}")
         n = table.num_rows
-        col = {name: as_array(table.column(name)) for name in table.column_names
+        col = {name: _plain(name, as_array(table.column(name))) for name in table.column_names
                if not (pa.types.is_null(table.column(name).type) and name in OPTIONAL_COLUMNS)}
         topics_in, topic_codes = self._topics(col["topic"])
         bodies = self._bodies(col["body"])
@@ -346,6 +395,8 @@ class BatchEncoder:
             if not pa.types.is_map(column.type):
                 raise InvalidPropertyError(f"column 'properties' must be map<string, string>, not {column.type}")
             has_user = np.diff(column.offsets.to_numpy(zero_copy_only=False)) > 0
+            if column.null_count:  # a null row's offsets may still span entries: it has no properties
+                has_user &= column.is_valid().to_numpy(zero_copy_only=False)
         reserve = CRC32_RESERVED_LEN if self.config.enabled_append_prop_crc else 0
         offsets, data = _k().plain_properties(uniq_raw, tags.offsets, tags.data, tags.present, keys.list_offsets,
                                               keys.offsets, keys.data, keys.present, _plain_orders(), reserve)
