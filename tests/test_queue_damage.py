@@ -314,3 +314,27 @@ def test_a_file_where_a_queue_directory_belongs_is_a_typed_error_then_re_dispatc
     with MessageStore.open(root, CONFIG) as store:
         store.wait_for_dispatch()
         assert [m.body for m in store.get_message("B", 0, 0).messages] == [f"B-{i}".encode() for i in range(10)]
+
+
+def test_a_read_only_open_serves_a_queue_up_to_its_damaged_file(tmp_path, caplog):
+    """One file of a queue cut short (a partial copy): a read-only open dropped the whole queue ("holds offsets
+    [0, 0)") and blamed lost files and a writer that stopped early. It serves the units before that file now,
+    says why, and changes nothing; a writer's open sets the queue aside and dispatches it again."""
+    root = tmp_path / "s"
+    with MessageStore.open(root, CONFIG) as store:
+        store.put_messages([Message("A", f"a{i}".encode(), queue_id=0) for i in range(250)])
+        store.wait_for_dispatch()
+    cut = root / "consumequeue" / "A" / "0" / f"{200 * 20:020d}"
+    with open(cut, "r+b") as f:
+        f.truncate(30)
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock"}
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        assert store.get_max_offset_in_queue("A", 0) == 200
+        assert store.get_message("A", 0, 150, 1).messages[0].body == b"a150"
+    assert "consume queue A-0 is damaged: segment is 30 bytes" in caplog.text
+    assert "queue offsets below 200" in caplog.text and "files lost" not in caplog.text
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock"} == before
+    with MessageStore.open(root, CONFIG) as store:
+        store.wait_for_dispatch()
+        assert store.get_max_offset_in_queue("A", 0) == 250
+        assert [m.body for m in store.get_message("A", 0, 240).messages] == [f"a{i}".encode() for i in range(240, 250)]

@@ -79,8 +79,10 @@ class ConsumeQueue:
 
     # --- load and recovery -------------------------------------------------------------------
 
-    def load(self) -> None:
-        self.mapped_files.load()
+    def load(self, keep_prefix: bool = False) -> CorruptDataError | None:
+        """Map the queue's files; ``keep_prefix``: a damaged file ends the queue before it (returned), else
+        raises."""
+        return self.mapped_files.load(keep_prefix)
 
     @retry_evicted
     def recover(self) -> None:
@@ -478,6 +480,7 @@ class ConsumeQueueTable:
         self._lock = threading.Lock()
         self.budget = FileBudget(config.max_open_consume_queue_files)  # descriptors stay bounded
         self.set_aside: list[str] = []  # damaged queues moved to recovery/ (rebuilt by re-dispatch)
+        self.damaged: list[tuple[str, int]] = []  # read-only: queues served up to a damaged file
 
     def load(self) -> None:
         """Map every ``consumequeue/<topic>/<queueId>`` directory (names RocketMQ could have written)."""
@@ -493,13 +496,18 @@ class ConsumeQueueTable:
                 queue = ConsumeQueue(self.root, topic_entry.name, int(queue_entry.name), self.config,
                                      read_only=self.read_only, budget=self.budget)
                 try:
-                    queue.load()
+                    damage = queue.load(keep_prefix=self.read_only)
                 except CorruptDataError as exc:  # derived data: rebuilt from the commit log
                     queue.close()
                     log.error("consume queue %s-%s is damaged: %s", topic_entry.name, queue_entry.name, exc)
-                    if not self.read_only:
-                        self._set_aside(Path(queue_entry.path), topic_entry.name, queue_entry.name)
+                    self._set_aside(Path(queue_entry.path), topic_entry.name, queue_entry.name)
                     continue
+                if damage is not None:  # read-only: the files before the damaged one are served
+                    log.error("consume queue %s-%s is damaged: %s; this read-only open serves its units before "
+                              "that file (queue offsets below %d), a writer's open re-dispatches it",
+                              topic_entry.name, queue_entry.name, damage,
+                              queue.mapped_files.max_offset() // CQ_UNIT_SIZE)
+                    self.damaged.append((topic_entry.name, int(queue_entry.name)))
                 self.queues[(topic_entry.name, int(queue_entry.name))] = queue
 
     def _set_aside(self, directory: Path, topic: str, queue_id: str) -> None:

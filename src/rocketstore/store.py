@@ -214,6 +214,8 @@ class MessageStore:
             self.queues.truncate_dirty(end)
             for (topic, queue_id), recorded in self.queues.saved_ends().items():  # (not `end`: used below)
                 queue = self.queues.get(topic, queue_id)
+                if (topic, queue_id) in self.queues.damaged:
+                    continue  # said already, with the reason
                 if (queue.max_offset_in_queue if queue is not None else 0) < recorded:
                     log.warning("consume queue %s-%d ended at offset %d when the store was last closed and ends "
                                 "before it now (files lost): this read-only open serves what is left, a writer's "
@@ -239,7 +241,7 @@ class MessageStore:
         self.dispatcher.reput_from_offset = self._reput_start(abnormal, dispatch_from)
         if not self.read_only:
             self._catch_up()
-        elif 0 <= dispatch_from < self.recovery.end_offset and not is_locked(self.root):
+        elif 0 <= dispatch_from < self.recovery.end_offset and not is_locked(self.root) and not self.queues.damaged:
             # a dead writer's store whose dispatch lagged (up to MAX_DISPATCH_LAG): a reader cannot dispatch
             log.warning("%s: the consume queues and the index end at commit-log offset %d of %d (the writer stopped "
                         "before dispatching the rest): those messages are in the log (scan_arrow, iter_messages, "

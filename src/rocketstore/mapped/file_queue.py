@@ -37,11 +37,21 @@ class MappedFileQueue:
         for mapped in self.files:
             mapped.copy_limit = limit
 
-    def load(self) -> None:
+    def load(self, keep_prefix: bool = False) -> CorruptDataError | None:
         """Map every segment. A zero-length *last* file (a crash during creation) is removed.
 
-        Any other size mismatch, a gap between segments or a foreign file name is corruption.
-        """
+        Any other size mismatch or a gap between segments is corruption: raised, or with ``keep_prefix``
+        returned, the segments before it kept (a read-only queue serves what is intact)."""
+        try:
+            self._load()
+        except CorruptDataError as exc:
+            if not keep_prefix:
+                raise
+            self._starts = [f.file_from_offset for f in self.files]
+            return exc
+        return None
+
+    def _load(self) -> None:
         if not self.directory.is_dir():
             return
         names = []
