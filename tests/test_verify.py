@@ -390,3 +390,18 @@ def test_rocketmqs_own_index_files_have_the_chains_verify_expects(vectors, name)
         assert chain_problem_at(index) is None
     finally:
         index.close()
+
+
+@pytest.mark.parametrize("name", ["16384", "notes.txt", "00000000000000000000.bak"])
+def test_verify_names_what_in_the_log_directory_is_not_a_segment(tmp_path, name, caplog):
+    """A file whose name is not a segment's is not read, which was right, but said nowhere: RocketMQ loads a
+    numeric name as a segment ("16384": offset 16384) or refuses to start, so verify reports it and an open
+    warns."""
+    write(tmp_path, 20)
+    (tmp_path / "commitlog" / name).write_bytes(b"x" * 100)
+    report = verify_store(tmp_path, CONFIG)
+    assert [(p.path, p.detail[:16]) for p in report.problems] == [(str(tmp_path / "commitlog" / name),
+                                                                   "not a segment (a")]
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
+        assert len(list(store.iter_messages())) == 20
+    assert f"holds {name}, which is no segment name" in caplog.text

@@ -200,6 +200,10 @@ class MessageStore:
         # flushes past the log this reader loaded, and report them as lost
         self.checkpoint = StoreCheckpoint.load(self.root / CHECKPOINT_FILE, read_only=self.read_only)
         self.commit_log.load()
+        if self.commit_log.mapped_files.foreign:
+            log.warning("%s holds %s, which %s no segment name (20 digits): not read", self.root / "commitlog",
+                        ", ".join(sorted(self.commit_log.mapped_files.foreign)[:5]),
+                        "is" if len(self.commit_log.mapped_files.foreign) == 1 else "are")
         self.queues.load()
         self.index = IndexService(self.root, self.config, self.checkpoint, read_only=self.read_only,
                                   clock=self._index_clock)

@@ -167,6 +167,10 @@ def _check_log(commit_log: CommitLog, config: StoreConfig, report: VerifyReport,
     core (the kernels release the GIL) and are collected in log order."""
     collected = _Collector(config)
     files = commit_log.mapped_files.files
+    for name in sorted(commit_log.mapped_files.foreign):
+        report.add(Problem("commitlog", str(commit_log.mapped_files.directory / name), 0,
+                           "not a segment (a segment's name is its 20-digit start offset): rocketstore does not read "
+                           "it; RocketMQ would take a numeric name for a segment, or refuse to start"))
     stop_at = snapshot.end if snapshot else None
     total = sum(f.file_size for f in files)
     done = 0

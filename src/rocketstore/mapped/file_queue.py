@@ -27,6 +27,7 @@ class MappedFileQueue:
         self.read_only = read_only
         self.preallocate = preallocate
         self.files: list[MappedFile] = []
+        self.foreign: list[str] = []  # names in the directory that are not segments (not loaded)
         self._starts: list[int] = []
         self.flushed_where = 0
         self.copy_limit = COPY_LIMIT  # each file's (MappedFile.write): raised while a warmer works ahead
@@ -52,15 +53,18 @@ class MappedFileQueue:
         return None
 
     def _load(self) -> None:
+        self.foreign = []
         if not self.directory.is_dir():
             return
         names = []
         for entry in os.scandir(self.directory):
-            if entry.name.endswith(".tmp") and not self.read_only:
-                os.unlink(entry.path)  # an allocation interrupted by a crash (rocketstore before O_TMPFILE)
+            if entry.name.endswith(".tmp"):  # an allocation interrupted by a crash (rocketstore before O_TMPFILE)
+                if not self.read_only:
+                    os.unlink(entry.path)
                 continue
             if parse_segment_name(entry.name) is None or entry.is_dir():
-                continue  # RocketMQ would choke on it; we leave foreign files (and directories) alone
+                self.foreign.append(entry.name)  # left alone, but said: RocketMQ would load a number as a segment
+                continue
             names.append(entry.name)
         names.sort()
         for i, name in enumerate(names):
