@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -487,3 +488,36 @@ def test_a_read_only_open_of_a_dead_writer_whose_dispatch_lagged_says_what_it_ca
     with MessageStore.open(tmp_path, config) as store:
         store.wait_for_dispatch()
         assert store.get_max_offset_in_queue("T", 0) == 150 and store.query_message("T", "k149")
+
+
+def test_delivery_offsets_past_their_queues_go_back_at_a_writer_open(tmp_path, small_config):
+    """delayOffset.json and timerOffset.json are saved every few seconds, the log's tail under ASYNC_FLUSH later:
+    after a power loss they can be ahead of the SCHEDULE and timer queues, and the delayed and timer messages put
+    after the restart below them were never delivered (the review; RocketMQ's correctDelayOffset). A consumer
+    offset of a queue a known topic lost whole goes back to 0 too."""
+    config = small_config.replace(message_delay_level="1s 2s")
+    with MessageStore.open(tmp_path, config) as store:
+        store.put_message(Message("Late", b"before"))
+        store.create_topic("Fresh", 2)
+        store.wait_for_dispatch()
+        store.delay_offsets.set(1, 5)  # what the lost run had delivered
+        store.timer_offsets.set_progress(5, {6, 7})
+        store.commit_offset("G", "Fresh", 1, 4)
+    with MessageStore.open(tmp_path, config) as store:
+        assert store.delay_offsets.get(1) == 0 and store.timer_offsets.get(0) == 0
+        assert not store.timer_offsets.delivered_above() and store.query_offset("G", "Fresh", 1) == 0
+        for i in range(3):
+            store.put_message(Message("Late", b"d%d" % i, properties={"DELAY": "1"}))
+            store.put_message(Message("Late", b"t%d" % i, properties={"TIMER_DELAY_MS": "300"}))
+        store.put_message(Message("Fresh", b"f0", queue_id=1))
+        deadline = time.monotonic() + 10
+        want = sorted([b"before"] + [b"d%d" % i for i in range(3)] + [b"t%d" % i for i in range(3)])
+        while time.monotonic() < deadline:
+            store.wait_for_dispatch()
+            got = sorted(m.body for q in store.queue_ids("Late") for m in store.get_message("Late", q, 0).messages)
+            if got == want:
+                break
+            time.sleep(0.1)
+        assert got == want
+        with store.consumer("G", "Fresh") as consumer:
+            assert [m.body for m in consumer.poll(timeout=2)] == [b"f0"]

@@ -38,7 +38,15 @@ from .config import FlushDiskType, StoreConfig
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
 from .consumer import Consumer
 from .dispatch import Dispatcher, dispatch_request
-from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, MessageEncoder, PendingRecords, is_system_topic, validate_topic
+from .encoder import (
+    PARKED_TOPICS,
+    SCHEDULE_TOPIC,
+    TIMER_TOPIC,
+    MessageEncoder,
+    PendingRecords,
+    is_system_topic,
+    validate_topic,
+)
 from .errors import (
     ConfigError,
     CorruptDataError,
@@ -293,8 +301,9 @@ class MessageStore:
         for topic, group in self.consumer_offsets.groups():
             for queue_id, offset in self.consumer_offsets.offsets(group, topic).items():
                 queue = self.queues.get(topic, queue_id)
-                if queue is None and not lost:
-                    continue  # a queue this store never had (a broker's offsets file brought in): left alone
+                if queue is None and not lost and self.topic_config.get(topic) is None and \
+                        not any(t == topic for t, _q in self.queues.queues):
+                    continue  # a topic this store never had (a broker's offsets file brought in): left alone
                 end = 0 if queue is None else queue.max_offset_in_queue  # a queue lost whole restarts at 0
                 if offset > end:
                     log.warning("%s@%s queue %d: committed offset %d is past the queue's end %d; moved back to it",
@@ -303,6 +312,29 @@ class MessageStore:
                     corrected = True
         if corrected:
             self.consumer_offsets.persist()
+        self._correct_delivery_offsets()
+
+    def _correct_delivery_offsets(self) -> None:
+        """The delay levels' and the timer wheel's offsets, past their queue's end, back to it (RocketMQ's
+        ``correctDelayOffset``): their files are saved every few seconds, the log's tail under ASYNC_FLUSH up to
+        ~10 s later, so after a power loss they can be ahead of the queues; left there, the messages put after
+        the restart below them would never be delivered."""
+        for level, offset in sorted(self.delay_offsets.table.items()):
+            queue = self.queues.get(SCHEDULE_TOPIC, int(level) - 1)  # none: what it delivered is lost whole
+            end = 0 if queue is None else queue.max_offset_in_queue
+            if offset > end:
+                log.warning("delay level %s: delivered up to offset %d, past its queue's end %d; moved back to it",
+                            level, offset, end)
+                self.delay_offsets.set(level, end)
+                self.delay_offsets.persist()
+        queue = self.queues.get(TIMER_TOPIC, 0)
+        offset = self.timer_offsets.get(0)
+        end = 0 if queue is None else queue.max_offset_in_queue
+        if offset > end:
+            log.warning("timer wheel: delivered up to offset %d, past its queue's end %d; moved back to it", offset,
+                        end)
+            self.timer_offsets.set_progress(end, set())
+            self.timer_offsets.persist()
 
     def _catch_up(self) -> None:
         """Dispatch what the queues and index lack before the first put or read, under a durable marker of where
