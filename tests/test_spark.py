@@ -1132,3 +1132,33 @@ def test_job_entry_point_runs_a_rebuild_and_reports_errors_in_one_line(spark, tm
     bad_key = subprocess.run([*base, "find-keys", str(tmp_path / "s"), "--key", "nocolon"], capture_output=True,
                              text=True, timeout=120, check=False)
     assert bad_key.returncode == 2 and "TOPIC:KEY" in bad_key.stderr
+
+
+@pytest.mark.parametrize("how", ["here", "spark"])
+def test_rebuilds_write_delayed_messages_due_at_the_stores_own_delay_levels(spark, tmp_path, how):
+    """A parked message's tags code is its due time, from the broker's messageDelayLevel: both rebuilds used
+    RocketMQ's default levels whatever the store's, so a one-hour delay was delivered after a second (and verify,
+    given the same levels, called the rebuilt store damaged; the review)."""
+    from rocketstore.rebuild import rebuild as rebuild_here
+
+    config = CONFIG.replace(message_delay_level="1h 2h")
+    original = tmp_path / "original"
+    with MessageStore.open(original, config) as store:
+        for i in range(6):
+            store.put_message(Message("Late", b"later %d" % i, properties={"DELAY": str(1 + i % 2)}))
+            store.put_message(Message("Now", b"now %d" % i))
+        store.wait_for_dispatch()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copytree(original / "commitlog", copy / "commitlog")
+    shutil.copy(original / "checkpoint", copy / "checkpoint")
+    if how == "here":
+        rebuild_here(copy, config=config)
+    else:
+        rebuild(copy, spark=spark, config=config)
+    assert tree(copy, "consumequeue") == tree(original, "consumequeue")
+    with MessageStore.open(copy, config, read_only=True) as store:
+        due = [unit[2] - store.look_message_by_offset(unit[0]).store_timestamp
+               for level in (0, 1) for unit in (store.queues.get("SCHEDULE_TOPIC_XXXX", level).get_unit(n)
+                                                for n in range(3))]
+    assert due == [3_600_000] * 3 + [7_200_000] * 3

@@ -405,3 +405,18 @@ def test_verify_names_what_in_the_log_directory_is_not_a_segment(tmp_path, name,
     with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
         assert len(list(store.iter_messages())) == 20
     assert f"holds {name}, which is no segment name" in caplog.text
+
+
+def test_verify_with_other_delay_levels_names_each_parked_unit_once_and_says_why(tmp_path):
+    """A store whose broker has other delay levels, verified without them: each parked message was two problems
+    (its unit's tags code, and its record "missing from its queue" though the unit is there) and nothing said
+    that the levels were the cause (the review). One problem a unit now, naming the setting."""
+    config = CONFIG.replace(message_delay_level="1h 2h")
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(3):
+            store.put_message(Message("Late", b"later", properties={"DELAY": "1"}))
+        store.wait_for_dispatch()
+    assert verify_store(tmp_path, config).clean
+    report = verify_store(tmp_path, CONFIG)
+    assert len(report.problems) == 3
+    assert all("delay levels" in p.detail and "--broker-conf" in p.detail for p in report.problems)

@@ -233,7 +233,8 @@ def local_decoder(max_bytes_per_task: int = DEFAULT_MAX_BYTES_PER_PARTITION,
         options = ScanOptions(columns=tuple(DISPATCH_COLUMNS), include_body=False, check_crc=False,
                               starting_offset=low, ending_offset=end, validated_log_end=end,
                               max_bytes_per_partition=max_bytes_per_task,
-                              commit_log_file_size=config.mapped_file_size_commit_log)
+                              commit_log_file_size=config.mapped_file_size_commit_log,
+                              delay_levels_ms=config.delay_levels_ms)  # a parked message's tags code is its due time
         tasks = plan_ranges([root], options)
 
         def decoded(task) -> pa.Table:

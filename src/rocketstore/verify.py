@@ -46,7 +46,7 @@ from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import CONSUMEQUEUE_DIR, CQ_UNIT_SIZE, PRE_BLANK_SIZE, UNIT_DTYPE, ConsumeQueueTable
 from .dispatch import DISPATCH_ROWS, index_topic_of, tags_code_of
-from .encoder import PARKED_TOPICS
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC
 from .errors import ConfigError, CorruptDataError
 from .index import _kernels as _ik
 from .index.bulk import index_key_hashes
@@ -441,9 +441,10 @@ def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, 
     queue_offsets = (mapped.file_from_offset + positions * CQ_UNIT_SIZE) // CQ_UNIT_SIZE
     del units
     at, found = records.find(phys)
-    bad = (~found | (records.queue[at] != queue_number) | (records.size[at] != sizes)
-           | (records.queue_offset[at] != queue_offsets) | (records.tags_code[at] != tags))
-    seen[at[~bad]] = True
+    placed = found & (records.queue[at] == queue_number) & (records.size[at] == sizes) \
+        & (records.queue_offset[at] == queue_offsets)
+    bad = ~placed | (records.tags_code[at] != tags)
+    seen[at[placed]] = True  # a wrong tags code is that unit's problem, not also a record missing from its queue
 
     def make(i: int) -> Problem:
         return Problem("consumequeue", path, int(positions[i]) * CQ_UNIT_SIZE,
@@ -489,7 +490,11 @@ def _unit_problem(records: _Records, i: int, queue_number: int, phy: int, size: 
         return f"size {size} but the record is {records.size[i]} bytes"
     if records.queue_offset[i] != queue_offset:
         return f"is queue offset {queue_offset} but the record says {records.queue_offset[i]}"
-    return f"tags code {tags} but the record's is {records.tags_code[i]}"
+    detail = f"tags code {tags} but the record's is {records.tags_code[i]}"
+    if records.queues[records.queue[i]][0] == SCHEDULE_TOPIC:  # a due time: from the broker's messageDelayLevel
+        detail += " (a delayed message's due time by the delay levels assumed; a broker with other levels: give " \
+                  "its messageDelayLevel, --broker-conf)"
+    return detail
 
 
 def _entry(index, entries_at: int, number: int) -> tuple[int, int]:

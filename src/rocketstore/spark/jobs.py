@@ -212,7 +212,8 @@ def _dispatch_windows(spark, root: Path, low: int, end: int, config: StoreConfig
         df = read_store(spark, root, columns=DISPATCH_COLUMNS, packed=True, includeBody=False, checkCRC=False,
                         startingOffset=start, endingOffset=min(end, start + window), validatedLogEnd=end,
                         maxBytesPerPartition=max_bytes_per_partition,
-                        mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
+                        mappedFileSizeCommitLog=config.mapped_file_size_commit_log,
+                        messageDelayLevel=config.message_delay_level)  # parked messages' tags codes: due times
         yield unpacked(df.toArrow().column(0), DISPATCH_SCHEMA), df.rdd.getNumPartitions()
 
 

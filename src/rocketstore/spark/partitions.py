@@ -74,7 +74,7 @@ DEFAULT_MAX_BYTES_PER_PARTITION = 64 << 20
 SOURCE_OPTIONS = ("topics", "startingTimestamp", "endingTimestamp", "startingOffset", "endingOffset",
                   "validatedLogEnd", "maxBytesPerPartition", "minPartitions", "checkCRC", "onCorrupt", "corruptLog",
                   "includeBody", "brokerName", "mappedFileSizeCommitLog", "dispatchInfo", "columns", "packArrow",
-                  "path", "paths")
+                  "messageDelayLevel", "path", "paths")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +147,18 @@ class ScanOptions:
         min_partitions = 1 if min_partitions is None else min_partitions
         if min_partitions < 1:
             raise ConfigError(f"option minPartitions must be at least 1, not {min_partitions}")
+        delay_levels = options.get("messageDelayLevel")
+        if delay_levels is not None:
+            from ..config import parse_delay_levels
+
+            try:
+                levels = parse_delay_levels(delay_levels)
+            except ValueError as exc:
+                raise ConfigError(f"option messageDelayLevel: {exc}") from None
+        else:
+            levels = StoreConfig().delay_levels_ms
         return cls(
+            delay_levels_ms=levels,
             topics=frozenset(t.strip() for t in topics.split(",") if t.strip()) if topics else None,
             starting_timestamp=number("startingTimestamp"), ending_timestamp=number("endingTimestamp"),
             starting_offset=number("startingOffset"), ending_offset=number("endingOffset"),

@@ -37,6 +37,8 @@ Options (all optional; names ignore case; a name not listed here is refused, wit
 ``brokerName``              the brokerName column for a single store (default: directory name)
 ``mappedFileSizeCommitLog`` segment size (default: the size of the segment files found)
 ``dispatchInfo``            true adds tagsCode and indexKeyHashes (used by the rebuild job)
+``messageDelayLevel``       the broker's delay levels (``"1s 5s 10s ..."``): a delayed message's tagsCode is
+                            its due time (default: RocketMQ's 18 levels)
 ``columns``                 comma-separated columns to decode, as a schema naming them would
 ``packArrow``               true returns one row per ~8 MiB of decoded batches: column ``arrow``, an
                             Arrow IPC stream of the columns (for jobs collecting to the driver:
