@@ -394,3 +394,28 @@ def test_a_dataset_rewritten_with_other_rows_is_another_import(tmp_path):
     assert (report.already_imported, report.rows) == (False, 3)
     assert [m.body for m in stored(tmp_path / "s")] == [b"day1-%d" % i for i in range(3)] + \
         [b"day2-%d" % i for i in range(3)]
+
+
+@pytest.mark.parametrize("rows_done", [500, 2500, 99_999])
+def test_a_journal_damaged_into_other_numbers_is_refused_not_trusted(tmp_path, rows_done):
+    """A journal whose rows_done was changed (2,500 of a 3,000-row dataset of which 1,000 are stored) still
+    parsed: the import skipped the rows it named and said it was complete (1,500 rows lost), or stored rows
+    twice. The journal is sealed with a CRC, and a count past the source's rows is damage too (the review)."""
+    for n in range(3):
+        write(tmp_path / "d" / f"part-{n}.parquet", topic=["T"] * 1000, body=[b"%d-%d" % (n, i) for i in range(1000)])
+    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    path = tmp_path / "s" / "importProgress.json"
+    journal = json.loads(path.read_text())
+    journal.update(complete=False, rows_done=rows_done)
+    path.write_text(json.dumps(journal))
+    before = files_of(tmp_path / "s")
+    with pytest.raises(ConfigError, match=r"import journal .* is damaged"):
+        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    journal.pop("crc")  # an earlier version's journal (no seal): held to the source's row count still
+    path.write_text(json.dumps(journal))
+    if rows_done > 3000:
+        with pytest.raises(ConfigError, match="99999 rows stored and 0 pending of a source of 3000"):
+            import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert files_of(tmp_path / "s") == {**before, "importProgress.json": files_of(tmp_path / "s")[
+        "importProgress.json"]}
+    assert len(stored(tmp_path / "s")) == 3000

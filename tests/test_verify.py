@@ -413,7 +413,7 @@ def test_verify_with_other_delay_levels_names_each_parked_unit_once_and_says_why
     that the levels were the cause (the review). One problem a unit now, naming the setting."""
     config = CONFIG.replace(message_delay_level="1h 2h")
     with MessageStore.open(tmp_path, config) as store:
-        for i in range(3):
+        for _ in range(3):
             store.put_message(Message("Late", b"later", properties={"DELAY": "1"}))
         store.wait_for_dispatch()
     assert verify_store(tmp_path, config).clean

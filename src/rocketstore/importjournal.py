@@ -57,25 +57,38 @@ class ImportJournal:
             return None
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read the import journal {self.path}: {exc}") from None
+        damaged = (f"the import journal {self.path} is damaged ({{}}): import with --from-row set to the rows the "
+                   "store holds (the journal is then replaced)")
         try:
             raw = json.loads(text)
+            seal = raw.pop("crc", None) if isinstance(raw, dict) else None
             progress = ImportProgress(**raw)
         except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nesting past the limit
-            raise ConfigError(f"the import journal {self.path} is damaged ({exc}): import with --from-row set to "
-                              "the rows the store holds (the journal is then replaced)") from None
+            raise ConfigError(damaged.format(exc)) from None
+        if seal is not None and seal != _seal(raw):  # a journal of an earlier version has none
+            raise ConfigError(damaged.format("its content does not match its crc"))
         numbers = (progress.rows_done, progress.log_end, progress.batch_rows, progress.batch_body_crc)
         if not isinstance(progress.source, dict) or not isinstance(progress.batch_topic, str) \
                 or type(progress.complete) is not bool or any(type(n) is not int or n < 0 for n in numbers):
-            raise ConfigError(f"the import journal {self.path} is damaged (a field of the wrong type): import with "
-                              "--from-row set to the rows the store holds (the journal is then replaced)")
+            raise ConfigError(damaged.format("a field of the wrong type"))
+        rows = progress.source.get("rows")
+        if type(rows) is int and progress.rows_done + progress.batch_rows > rows:
+            raise ConfigError(damaged.format(f"{progress.rows_done} rows stored and {progress.batch_rows} pending "
+                                             f"of a source of {rows}"))
         return progress
 
     def record(self, progress: ImportProgress) -> None:
-        """Replace the journal durably (a crash leaves the old one or the new)."""
-        replace_file(self.path, json.dumps(asdict(progress), sort_keys=True).encode())
+        """Replace the journal durably (a crash leaves the old one or the new), sealed with a CRC of its fields:
+        a journal damaged into other numbers that still parse would skip rows, or store them twice."""
+        fields = asdict(progress)
+        replace_file(self.path, json.dumps({**fields, "crc": _seal(fields)}, sort_keys=True).encode())
 
     def clear(self) -> None:
         remove_file(self.path)
+
+
+def _seal(fields: dict) -> int:
+    return zlib.crc32(json.dumps(fields, sort_keys=True).encode())
 
 
 def describe_source(source: dict) -> str:
