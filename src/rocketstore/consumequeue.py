@@ -284,6 +284,20 @@ class ConsumeQueue:
 
     # --- reads -------------------------------------------------------------------------------
 
+    def forget_deleted(self) -> None:
+        """A read-only view found a file a live writer's retention deleted (mapped again after an eviction: gone):
+        it and every older file are forgotten, so the queue starts after them, as the writer's does (readers
+        then answer OFFSET_TOO_SMALL and read on, instead of failing on that file at every read)."""
+        files = self.mapped_files.files
+        gone = max((i for i, f in enumerate(files[:-1]) if f.deleted), default=-1)  # the last file always stays
+        if not self.mapped_files.read_only or gone < 0:
+            return
+        for mapped in files[: gone + 1]:
+            mapped.close()
+        self.mapped_files.files = files[gone + 1 :]
+        self.mapped_files._starts = [f.file_from_offset for f in self.mapped_files.files]
+        self.min_logic_offset = max(self.min_logic_offset, self.mapped_files.files[0].file_from_offset)
+
     @property
     def max_offset_in_queue(self) -> int:
         return self.mapped_files.max_offset() // CQ_UNIT_SIZE

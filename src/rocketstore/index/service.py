@@ -18,6 +18,7 @@ Where rocketstore departs from RocketMQ, on purpose:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -93,7 +94,10 @@ def check_geometry(directory: Path, hash_slot_num: int, index_num: int) -> None:
     except OSError as exc:
         raise StoreIOError(exc.errno, f"cannot list index directory {directory}: {exc.strerror}") from exc
     for entry in sorted(entries, key=lambda e: e.name):
-        size = entry.stat().st_size
+        try:
+            size = entry.stat().st_size
+        except FileNotFoundError:
+            continue  # a live writer's retention deleted it since the listing
         if size != configured and size > 40 and (size - 40) % 84 == 0:
             slots = (size - 40) // 84
             raise ConfigError(
@@ -134,6 +138,10 @@ class IndexService:
             try:
                 self.files += (IndexFile.open(self.directory / name, self.hash_slot_num, self.index_num,
                                               read_only=self.read_only),)
+            except StoreIOError as exc:
+                if not self.read_only or exc.errno != errno.ENOENT:
+                    raise
+                continue  # a live writer's retention deleted it since the listing
             except CorruptDataError as exc:
                 log.error("index file %s is damaged: %s", name, exc)
                 if not self.read_only:

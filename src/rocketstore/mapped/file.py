@@ -118,7 +118,13 @@ class MappedFile:
                 return mm
             if not self._evicted or self._deleted:
                 return self._gone()
-            return self._map()
+            try:
+                return self._map()
+            except StoreIOError as exc:
+                if not self.read_only or exc.errno != errno.ENOENT:
+                    raise
+                self._deleted = True  # a live writer's retention took it while it was evicted here
+                return self._gone()
 
     def _gone(self) -> mmap.mmap:
         if self._deleted:
@@ -363,16 +369,20 @@ def deleted_under(mapped: MappedFile, exc: ValueError) -> Exception:
 
 
 def retry_evicted(method):
-    """Run a consume-queue method again once if a mapping it used was evicted under it by another thread."""
+    """Run a consume-queue method again once if a mapping it used was evicted under it by another thread; when
+    retention deleted a file it used, let the queue forget that file before the error goes on."""
 
     @functools.wraps(method)
-    def wrapper(*args, **kwargs):
+    def wrapper(self, *args, **kwargs):
         try:
-            return method(*args, **kwargs)
+            return method(self, *args, **kwargs)
         except ValueError as exc:
             if "closed" not in str(exc):
                 raise
-            return method(*args, **kwargs)
+            return method(self, *args, **kwargs)
+        except SegmentDeletedError:  # a reader's view: the queue starts after the file now (callers read it again)
+            self.forget_deleted()
+            raise
 
     return wrapper
 

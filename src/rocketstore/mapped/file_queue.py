@@ -7,6 +7,7 @@ ends; offsets are global byte positions in the log.
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -69,15 +70,27 @@ class MappedFileQueue:
         names.sort()
         for i, name in enumerate(names):
             path = self.directory / name
-            size = path.stat().st_size
-            if size == 0 and i == len(names) - 1:
-                if not self.read_only:
-                    path.unlink()
+            try:
+                size = path.stat().st_size
+                if size == 0 and i == len(names) - 1:
+                    if not self.read_only:
+                        path.unlink()
+                    continue
+                if size != self.mapped_file_size:
+                    raise CorruptDataError(
+                        f"segment is {size} bytes but the configured size is {self.mapped_file_size}", str(path))
+                mapped = MappedFile(path, self.mapped_file_size, read_only=self.read_only, budget=self.budget)
+            except (FileNotFoundError, StoreIOError) as exc:
+                if not self.read_only or exc.errno != errno.ENOENT:
+                    if isinstance(exc, StoreIOError):
+                        raise
+                    raise StoreIOError(exc.errno, f"cannot read segment {path}: {exc.strerror}") from exc
+                # a live writer's retention deleted it since the listing, and every older one before it: what was
+                # mapped of those is dropped too (the log starts after them now)
+                for gone in self.files:
+                    gone.close()
+                self.files = []
                 continue
-            if size != self.mapped_file_size:
-                raise CorruptDataError(
-                    f"segment is {size} bytes but the configured size is {self.mapped_file_size}", str(path))
-            mapped = MappedFile(path, self.mapped_file_size, read_only=self.read_only, budget=self.budget)
             if self.files and mapped.file_from_offset != self.files[-1].file_end_offset:
                 mapped.close()
                 raise CorruptDataError(
