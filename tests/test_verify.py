@@ -242,15 +242,15 @@ def test_the_index_entry_check_equals_a_lookup_per_entry(offsets, data):
                               begin_ts, store_ts)
     expected, want_covered = [], set()
     where = {int(p): r for r, p in enumerate(rec_phy)}
-    for h, phy, diff in entries:
+    for n, (h, phy, diff) in enumerate(entries):
         if phy >= end:
             expected.append(ik.ENTRY_AFTER_SNAPSHOT)
         elif phy in where:
             fine = h in keys[where[phy]]
             # IndexFile.putKey: (storeTimestamp - beginTimestamp) / 1000, clamped to [0, MAX_INT]; 0 without a begin
             made = 0 if begin_ts <= 0 else max(0, int((store_ts[where[phy]] - begin_ts) / 1000))
-            expected.append(ik.ENTRY_WRONG_KEY if not fine else ik.ENTRY_FINE if diff == made else
-                            ik.ENTRY_WRONG_TIME)
+            expected.append(ik.ENTRY_WRONG_KEY if not fine else ik.ENTRY_FINE if diff == made or n == 0 else
+                            ik.ENTRY_WRONG_TIME)  # entry 1's diff counts from the file's creation
             if fine:
                 want_covered.add((where[phy] << 32) | h)
         else:
@@ -447,3 +447,24 @@ def test_a_live_verify_during_retention_reports_nothing_retention_removed(tmp_pa
         report = verify_store(tmp_path, config)
         assert report.live and deleted[0].commit_log_files and deleted[0].index_files
         assert report.problems == []
+
+
+def test_an_index_files_first_entry_counts_its_time_from_the_files_creation(tmp_path, monkeypatch):
+    """putKey computes an entry's time diff before it sets a new file's beginTimestamp, so entry 1 of every file
+    but the first counts from the previous file's end: with seconds between messages that is not 0, and verify
+    must not call it damage (RocketMQ's files are written the same way)."""
+    from rocketstore import commitlog
+
+    clock = iter(range(1_790_000_000_000, 1_790_000_000_000 + 10**9, 3_700))  # 3.7 s between messages
+    monkeypatch.setattr(commitlog, "now_ms", lambda: next(clock))
+    config = CONFIG.replace(max_hash_slot_num=17, max_index_num=68)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(200):
+            store.put_message(Message("T", b"m%d" % i, keys=[f"k{i}"]))
+        store.wait_for_dispatch()
+    files = sorted((tmp_path / "index").iterdir())
+    assert len(files) > 2
+    first_diffs = [struct.unpack_from(">i", f.read_bytes(), 40 + 17 * 4 + 20 + 12)[0] for f in files[1:]]
+    assert any(d > 0 for d in first_diffs), first_diffs  # counted from the previous file's end
+    report = verify_store(tmp_path, config)
+    assert report.problems == [], report.problems[:3]

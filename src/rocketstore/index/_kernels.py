@@ -265,8 +265,9 @@ def check_entries(buf, entries_at, count, end, log_min, rec_phy, pair_start, key
                   rec_store_ts):
     """``verify``'s index pass over the ``count`` entries after the invalid entry 0: whether a record starts at
     each entry's offset and has the entry's hash among its keys (marking that key pair covered), and whether the
-    entry's time diff is the one ``putKey`` makes of that record's store time and the file's ``begin_ts``
-    (seconds since it, clamped to [0, 2^31-1]; 0 when ``begin_ts`` <= 0), as a code per entry (``ENTRY_*``).
+    entry's time diff (after entry 1's) is the one ``putKey`` makes of that record's store time and the file's
+    ``begin_ts`` (seconds since it, clamped to [0, 2^31-1]; 0 when ``begin_ts`` <= 0), as a code per entry
+    (``ENTRY_*``).
     Entries come in log order, so a cursor walks the sorted record offsets and a binary search is needed only
     where the order breaks or jumps."""
     status = np.empty(count, dtype=np.int8)
@@ -291,8 +292,8 @@ def check_entries(buf, entries_at, count, end, log_min, rec_phy, pair_start, key
                     status[i] = ENTRY_FINE
                     covered[k] = True
                     break
-            if status[i] == ENTRY_FINE:
-                diff = 0
+            if status[i] == ENTRY_FINE and i > 0:  # entry 1's diff counts from the file's creation time (putKey
+                diff = 0  # sets beginTimestamp after it): only later entries count from beginTimestamp
                 if begin_ts > 0 and rec_store_ts[j] > begin_ts:
                     diff = min((rec_store_ts[j] - begin_ts) // 1000, 0x7FFFFFFF)
                 if _be32(buf, p + 12) != diff:

@@ -146,11 +146,11 @@ def put_hashes(index: IndexFile, key_hashes: np.ndarray, phy_offsets: np.ndarray
     if c0 <= 1:
         index._set_i64(16, int(phys[0]))  # beginPhyOffset
         index._set_i64(0, int(stamps[0]))  # beginTimestamp
+    index._set_i64(24, int(phys[put - 1]))  # endPhyOffset, before the count: a reader that sees an entry
+    index._set_i64(8, int(stamps[put - 1]))  # endTimestamp                 sees its time in the header
     index.hash_slot_count += int(new_slots)
     index.index_count = c0 + int(put)
     index.buffer[32:40] = np.array([index.hash_slot_count, index.index_count], dtype=">i4").tobytes()
-    index._set_i64(24, int(phys[put - 1]))  # endPhyOffset
-    index._set_i64(8, int(stamps[put - 1]))  # endTimestamp
     return int(put)
 
 

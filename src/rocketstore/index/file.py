@@ -203,10 +203,10 @@ class IndexFile:
         if slot_value == INVALID_INDEX:
             self.hash_slot_count += 1
             _I32.pack_into(buf, _SLOT_COUNT, self.hash_slot_count)
+        self._set_i64(_END_PHY, phy_offset)  # before the count: a reader that sees the entry sees its time
+        self._set_i64(_END_TS, store_timestamp)
         self.index_count = count + 1
         _I32.pack_into(buf, _INDEX_COUNT, self.index_count)
-        self._set_i64(_END_PHY, phy_offset)
-        self._set_i64(_END_TS, store_timestamp)
         return True
 
     def select_phy_offsets(self, key: str, max_num: int, begin: int, end: int,
