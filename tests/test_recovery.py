@@ -484,6 +484,7 @@ def test_a_read_only_open_of_a_dead_writer_whose_dispatch_lagged_says_what_it_ca
     with MessageStore.open(tmp_path, config, read_only=True) as store:
         assert store.get_max_offset_in_queue("T", 0) == 100
         assert sum(1 for _ in store.iter_messages()) == 150
+        assert [m.body for m in store.query_message("T", "k149")]  # the undispatched tail, indexed in memory
     assert "the consume queues and the index end at commit-log offset" in caplog.text
     with MessageStore.open(tmp_path, config) as store:
         store.wait_for_dispatch()

@@ -436,6 +436,11 @@ class StoreReader:
         with self.index.lock:
             files = list(self.index.files)
         found_q, found_phy = [], []
+        if self.index.tail:  # a read-only view's records past the files' last entry: the newest
+            tail = [(n, phy) for n, key_hash in enumerate(hashes.tolist())
+                    for phy in self.index.tail_candidates(key_hash, widened_begin)]
+            found_q.append(np.array([n for n, _ in tail], dtype=np.int64))
+            found_phy.append(np.array([phy for _, phy in tail], dtype=np.int64))
         for index in reversed(files):  # newest first, as candidates
             if index.index_count > 1 and index.is_time_matched(widened_begin, end + 1000):
                 try:

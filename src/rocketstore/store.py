@@ -58,6 +58,7 @@ from .errors import (
     OffsetOutOfRangeError,
     ReadOnlyStoreError,
     RocketStoreError,
+    SegmentDeletedError,
     StoreClosedError,
     StoreIOError,
     TopicNotExistError,
@@ -171,13 +172,20 @@ class MessageStore:
         if config is not None and not isinstance(config, StoreConfig):
             raise ConfigError(f"config must be a StoreConfig, not {type(config).__name__}")
         root = Path(root).expanduser()
-        store = cls(root, config or StoreConfig(), read_only, index_clock)
-        try:
-            store._start()
-        except BaseException:
-            store._release()
-            raise
-        return store
+        for attempt in range(3):
+            store = cls(root, config or StoreConfig(), read_only, index_clock)
+            try:
+                store._start()
+            except SegmentDeletedError:
+                store._release()
+                if not read_only or attempt == 2:
+                    raise
+                continue  # a live writer's retention deleted a file this view was reading: open it as it is now
+            except BaseException:
+                store._release()
+                raise
+            return store
+        raise AssertionError("unreachable")
 
     def _start(self) -> None:
         if self.read_only:
@@ -248,6 +256,8 @@ class MessageStore:
         self.index_entries_repaired = self.index.repair(end, self.commit_log.store_time)
         self.index.check_chains()  # a damaged newest file is set aside; _reput_start then re-indexes the log
         self.index.check_times(self.commit_log.record_store_time)
+        if self.read_only and self.config.message_index_enable:
+            self._index_tail()
         self.dispatcher = Dispatcher(self.commit_log, self.queues, self.index, self.config, self._note_logics,
                                      self.health)
         self.dispatcher.reput_from_offset = self._reput_start(abnormal, dispatch_from)
@@ -257,7 +267,8 @@ class MessageStore:
             # a dead writer's store whose dispatch lagged (up to MAX_DISPATCH_LAG): a reader cannot dispatch
             log.warning("%s: the consume queues and the index end at commit-log offset %d of %d (the writer stopped "
                         "before dispatching the rest): those messages are in the log (scan_arrow, iter_messages, "
-                        "dump-log) but not found by queue or key until a writer opens the store", self.root,
+                        "dump-log) and found by key (this view indexes them in memory), not by queue offset until "
+                        "a writer opens the store", self.root,
                         dispatch_from, self.recovery.end_offset)
         for (topic, queue_id), queue in self.queues.queues.items():
             queue.correct_min_offset(self.commit_log.min_offset)
@@ -280,6 +291,49 @@ class MessageStore:
             self._maintenance = threading.Thread(target=self._maintain, name="rocketstore-maintenance",
                                                  daemon=True)
             self._maintenance.start()
+
+    TAIL_INDEX_MAX = 64 << 20  # bytes of log a read-only open indexes in memory at most
+
+    def _index_tail(self) -> None:
+        """Read-only: the keys of the records after the index files' last entry, up to this view's log end, in
+        memory (``IndexService.add_tail``): a writer puts a batch's queue units before its index entries, so a
+        view opened between the two answered key queries with nothing for messages its queues served."""
+        assert self.index is not None and self.recovery is not None
+        import numpy as np
+
+        from .codec.batch import scan_dispatch
+        from .codec.properties import PropertyName
+        from .dispatch import index_topic_of
+        from .index.bulk import index_key_hashes
+        from .index.service import build_key, index_keys
+
+        newest = self.index.files[-1] if self.index.files else None
+        # the last counted entry's record, not the header's endPhyOffset: a writer sets that before the count
+        start = newest.entry(newest.index_count - 1)[1] if newest is not None and newest.index_count > 1 \
+            else self.commit_log.min_offset
+        start = max(start, self.commit_log.min_offset)
+        end = self.recovery.end_offset
+        if not start < end <= start + self.TAIL_INDEX_MAX:
+            return  # nothing past the files, or more than a live writer's lag (a dead writer's: warned of)
+        try:
+            for batch in scan_dispatch(self.commit_log, start, end):
+                phy, stamps = batch.phy, batch.store_ts
+                owners = batch.entry_owner
+                kept = (batch.sys_flag[owners] & SysFlag.TRANSACTION_MASK) != SysFlag.TRANSACTION_ROLLBACK_TYPE
+                self.index.add_tail(batch.entry_hash[kept], phy[owners][kept], stamps[owners][kept])
+                for row in np.flatnonzero(batch.slow).tolist():  # delayed messages, text that is not UTF-8
+                    msg = self.commit_log.get_message(int(phy[row]))
+                    if SysFlag.transaction_type(msg.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE:
+                        continue
+                    props = msg.properties
+                    keys = [build_key(index_topic_of(msg.topic, props), key)
+                            for key in index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))]
+                    if keys:
+                        self.index.add_tail(index_key_hashes(keys), np.full(len(keys), phy[row]),
+                                            np.full(len(keys), stamps[row]))
+        except RocketStoreError as exc:  # damage or retention under this read: what was indexed stays
+            log.warning("%s: the keys of the messages after the index's last entry could not all be read (%s)",
+                        self.root, exc)
 
     def _check_flushed_present(self) -> None:
         """The checkpoint names the store time of the last flushed message: a log that ends before it lost

@@ -124,6 +124,8 @@ class IndexService:
         self.set_aside: str | None = None  # where a damaged index was moved
         self.damaged: list[str] = []  # files a read-only open found damaged and skips
         self.load_errors: dict[str, CorruptDataError] = {}  # of those, the ones ``load`` could not map, by name
+        # read-only: keys of the records past the files' last entry, held in memory (``add_tail``)
+        self.tail: dict[int, list[tuple[int, int]]] = {}
 
     # --- load and repair ---------------------------------------------------------------------
 
@@ -335,6 +337,21 @@ class IndexService:
             self.dirty = self.dirty or total > 0
         return total
 
+    # --- a reader's tail ------------------------------------------------------------------------
+
+    def add_tail(self, key_hashes: np.ndarray, phy_offsets: np.ndarray, timestamps: np.ndarray) -> None:
+        """Read-only: index records in memory, in log order. A live writer puts a batch's queue units before its
+        index entries, so a view opened between the two holds the batch in its queues and not in its files (5%
+        of opens beside a busy writer answered its keys with nothing); a dead writer's dispatch can lag the
+        same way. The store gives the records past the files' last entry here, once, at open."""
+        for key_hash, phy, stamp in zip(key_hashes.tolist(), phy_offsets.tolist(), timestamps.tolist(), strict=True):
+            self.tail.setdefault(key_hash, []).append((phy, stamp))
+
+    def tail_candidates(self, key_hash: int, low: int) -> list[int]:
+        """The in-memory tail's offsets for a key hash, newest first, stored at or after ``low``."""
+        entries = self.tail.get(key_hash)
+        return [phy for phy, stamp in reversed(entries) if stamp >= low] if entries else []
+
     # --- query -------------------------------------------------------------------------------
 
     def query_offset(self, topic: str, key: str, max_num: int, begin: int, end: int) -> tuple[list[int], int, int]:
@@ -343,6 +360,9 @@ class IndexService:
         offsets: list[int] = []
         last_ts = last_phy = 0
         full_key = build_key(topic, key)
+        if self.tail:  # newest first, as the files' entries follow
+            offsets += [phy for phy, stamp in reversed(self.tail.get(index_key_hash(full_key), ()))
+                        if begin <= stamp <= end][:max_num]
         with self.lock:
             files = list(self.files)
         for i in range(len(files) - 1, -1, -1):
@@ -369,7 +389,7 @@ class IndexService:
         key_utf8 = f"{topic}#{key}".encode("utf-8", "surrogatepass")  # build_key, inline
         low = begin - 1000 if begin > 1000 else 0
         high = end + 1000
-        found: list[int] = []
+        found: list[int] = self.tail_candidates(index_key_hash(build_key(topic, key)), low) if self.tail else []
         for index in reversed(self.files):  # a tuple replaced, never changed: this is a snapshot
             try:
                 b, e = index.begin_timestamp, index.end_timestamp  # is_time_matched(low, high), inline
