@@ -338,3 +338,21 @@ def test_a_read_only_open_serves_a_queue_up_to_its_damaged_file(tmp_path, caplog
         store.wait_for_dispatch()
         assert store.get_max_offset_in_queue("A", 0) == 250
         assert [m.body for m in store.get_message("A", 0, 240).messages] == [f"a{i}".encode() for i in range(240, 250)]
+
+
+def test_a_live_writers_unit_without_its_size_yet_is_not_called_damage(tmp_path, caplog):
+    """A writer puts a run of units with sizes last: a read-only view opened meanwhile saw an invalid unit with
+    units after it and warned of damage (the live-reader review). Beside a live writer it serves the queue up to
+    there and says nothing; on a store nobody writes the same bytes are still damage."""
+    with MessageStore.open(tmp_path, CONFIG) as writer:
+        for i in range(10):
+            writer.put_message(Message("B", f"B-{i}".encode(), queue_id=0))
+        writer.wait_for_dispatch()
+        path = tmp_path / "consumequeue" / "B" / "0" / f"{0:020d}"
+        with open(path, "r+b") as f:  # unit 7's size not written yet, 8 and 9 in the same state
+            for unit in (7, 8, 9):
+                f.seek(unit * 20 + 8)
+                f.write(bytes(4))
+        with MessageStore.open(tmp_path, CONFIG, read_only=True) as reader:
+            assert every_body(reader, "B") == [f"B-{i}".encode() for i in range(7)]
+        assert "has units after it" not in caplog.text

@@ -240,8 +240,9 @@ class MessageStore:
                     log.warning("consume queue %s-%d ended at offset %d when the store was last closed and ends "
                                 "before it now (files lost): this read-only open serves what is left, a writer's "
                                 "open re-dispatches the rest", topic, queue_id, recorded)
+            live = is_locked(self.root)  # a live writer's run of units is written sizes last: not damage
             for (topic, queue_id), queue in self.queues.queues.items():
-                if queue.hole_at >= 0:
+                if queue.hole_at >= 0 and not live:
                     log.warning("consume queue %s-%d: an invalid unit at offset %d has units after it (damage); this "
                                 "read-only open serves the queue up to it, a writer's open re-dispatches the rest",
                                 topic, queue_id, queue.hole_at)
