@@ -233,7 +233,8 @@ def test_an_index_chain_that_cycles_is_set_aside_and_rebuilt(tmp_path):
     index.close()
     digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file()}
     with MessageStore.open(tmp_path, config, read_only=True) as store:  # bounded walk: no hang, no write
-        assert len(store.query_message("T", "shared")) < 50
+        assert store.index.damaged == [path.name]  # skipped: the records past the files left are indexed in memory
+        assert len(store.query_message("T", "shared")) == 50
     assert digest == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file()}
     with MessageStore.open(tmp_path, config) as store:
         assert store.index.set_aside is not None
