@@ -423,3 +423,31 @@ def test_a_reader_opened_before_the_writer_indexed_a_batch_finds_its_keys(tmp_pa
             many = reader.query_messages_arrow([("T", "late3"), ("T", "k5"), ("T", "late7")])
             assert many.column("body").to_pylist() == [b"late3", b"m5", b"late7"]
             assert [m.body for m in reader.query_message("T", "k39")] == [b"m39"]  # the files still answer
+
+
+@pytest.mark.parametrize("header", ["inherited", "never written"])
+def test_a_readers_tail_index_starts_at_the_last_entry_when_the_newest_index_file_is_empty(tmp_path, header):
+    """An index roll creates the new file before its first entries, and a killed broker's newest file reads as
+    empty (its header is written when flushed): the in-memory tail started at the log's beginning, so on a log
+    over 64 MiB it indexed nothing (the batch's keys not found again) and under it held every key of the log
+    (the review of this stop's changes). It starts at the last entry of the newest file that has one."""
+    from rocketstore.index import IndexFile
+
+    config = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 50,
+                         max_hash_slot_num=17, max_index_num=68)
+    with MessageStore.open(tmp_path, config) as writer:
+        results = [writer.put_message(Message("T", b"m%d" % i, keys=[f"k{i}"])) for i in range(100)]
+        writer.wait_for_dispatch()
+    files = sorted((tmp_path / "index").iterdir())
+    last = IndexFile.open(files[-1], 17, 68, read_only=True)
+    end_phy, end_ts = last.end_phy_offset, last.end_timestamp
+    last.close()
+    empty = IndexFile.create(tmp_path / "index" / "99999999999999999",  17, 68,
+                             *((end_phy, end_ts) if header == "inherited" else (0, 0)))
+    empty.flush()
+    empty.close()
+    with MessageStore.open(tmp_path, config, read_only=True) as reader:
+        assert len(reader.index.tail) <= 2  # the last record's keys, not the log's
+        for i in (0, 50, 99):
+            assert [m.commit_log_offset for m in reader.query_message("T", f"k{i}")] == \
+                [results[i].commit_log_offset]

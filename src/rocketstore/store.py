@@ -308,10 +308,11 @@ class MessageStore:
         from .index.bulk import index_key_hashes
         from .index.service import build_key, index_keys
 
-        newest = self.index.files[-1] if self.index.files else None
-        # the last counted entry's record, not the header's endPhyOffset: a writer sets that before the count
-        start = newest.entry(newest.index_count - 1)[1] if newest is not None and newest.index_count > 1 \
-            else self.commit_log.min_offset
+        # the last counted entry's record (not the header's endPhyOffset: a writer sets that before the count), in
+        # the newest file that has entries (a new file has none until its first batch; a killed broker's newest
+        # file may read as empty: its header is written when flushed)
+        start = next((index.entry(index.index_count - 1)[1] for index in reversed(self.index.files)
+                      if index.index_count > 1), self.commit_log.min_offset)
         start = max(start, self.commit_log.min_offset)
         end = self.recovery.end_offset
         if not start < end <= start + self.TAIL_INDEX_MAX:

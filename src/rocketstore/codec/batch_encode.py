@@ -134,10 +134,13 @@ def _plain(name: str, column: pa.Array) -> pa.Array:
     (an array built from buffers is not checked by Arrow, and its bytes would go into the log as they are)."""
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
-    if name in ("tags", "born_host") and pa.types.is_large_string(column.type):
+    if _is_string_view(column.type) or (name in ("tags", "born_host") and pa.types.is_large_string(column.type)):
         column = column.cast(pa.string())
-    elif name == "keys" and (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) and \
-            pa.types.is_large_string(column.type.value_type):
+    elif name == "body" and _is_binary_view(column.type):
+        column = column.cast(pa.binary())
+    elif name == "keys" and (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) and (
+            pa.types.is_large_string(column.type.value_type) or pa.types.is_dictionary(column.type.value_type)
+            or _is_string_view(column.type.value_type)):
         column = column.cast(pa.list_(pa.string()))
     error = _TEXT_COLUMNS.get(name)
     if error is not None:
@@ -147,6 +150,14 @@ def _plain(name: str, column: pa.Array) -> pa.Array:
             raise error(f"row {_first_invalid_row(column)}: {name} is not a valid Arrow array of UTF-8 strings "
                         f"({exc})") from None
     return column
+
+
+def _is_string_view(kind: pa.DataType) -> bool:
+    return getattr(pa.types, "is_string_view", lambda _t: False)(kind)
+
+
+def _is_binary_view(kind: pa.DataType) -> bool:
+    return getattr(pa.types, "is_binary_view", lambda _t: False)(kind)
 
 
 def _first_invalid_row(column: pa.Array) -> int:

@@ -378,7 +378,7 @@ class IndexService:
                     continue  # retention deleted it under this query: its messages are gone with their segments
             if index.begin_timestamp < begin or len(offsets) >= max_num:
                 break
-        return offsets, last_ts, last_phy
+        return list(dict.fromkeys(offsets)), last_ts, last_phy  # the tail starts at the files' last record
 
     def candidates(self, topic: str, key: str, begin: int, end: int) -> list[int]:
         """Every offset whose entry hash matches ``topic#key``, newest first, without a count limit.
