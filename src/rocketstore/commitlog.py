@@ -352,26 +352,9 @@ class CommitLog:
     def record_store_time(self, phy_offset: int) -> int:
         """``store_time`` of a record known to start at ``phy_offset`` (its magic code and PHYSICALOFFSET field
         say so), or -1: what a damaged header is corrected from must not be bytes from the middle of a record."""
-        if phy_offset < self.min_offset or phy_offset >= self.max_offset:
-            return -1
-        mapped = self.mapped_files.find(phy_offset)
-        if mapped is None:
-            return -1
-        pos = phy_offset - mapped.file_from_offset
-        if pos + 64 > mapped.file_size:
-            return -1
-        try:
-            with reading(mapped):
-                buf = mapped.buffer
-                magic = int.from_bytes(buf[pos + 4 : pos + 8], "big", signed=True)
-                phy = int.from_bytes(buf[pos + PHY_OFFSET_POS : pos + PHY_OFFSET_POS + 8], "big", signed=True)
-        except SegmentDeletedError:
-            return -1
-        if magic not in (MAGIC_V1, MAGIC_V2) or phy != phy_offset:
-            return -1
-        return self.store_time(phy_offset)
+        return self.store_time(phy_offset, checked=True)
 
-    def store_time(self, phy_offset: int, size: int = 0) -> int:
+    def store_time(self, phy_offset: int, size: int = 0, *, checked: bool = False) -> int:
         """Store timestamp of the record at ``phy_offset``, or -1 if it is outside the log (``getStoreTime``)."""
         if phy_offset < self.min_offset or phy_offset + max(size, 0) > self.max_offset:
             return -1
@@ -384,6 +367,10 @@ class CommitLog:
         try:
             with reading(mapped):
                 buf = mapped.buffer
+                if checked and (int.from_bytes(buf[pos + 4 : pos + 8], "big", signed=True) not in (MAGIC_V1, MAGIC_V2)
+                                or int.from_bytes(buf[pos + PHY_OFFSET_POS : pos + PHY_OFFSET_POS + 8], "big",
+                                                  signed=True) != phy_offset):
+                    return -1
                 sys_flag = int.from_bytes(buf[pos + 36 : pos + 40], "big", signed=True)
                 ts_pos = pos + 48 + (20 if sys_flag & 0x10 else 8)
                 return int.from_bytes(buf[ts_pos : ts_pos + 8], "big", signed=True)
