@@ -447,7 +447,7 @@ def test_a_readers_tail_index_starts_at_the_last_entry_when_the_newest_index_fil
     empty.flush()
     empty.close()
     with MessageStore.open(tmp_path, config, read_only=True) as reader:
-        assert len(reader.index.tail) <= 2  # the last record's keys, not the log's
+        assert not reader.index.tail  # the last record is in the files: nothing for a query to pay for
         for i in (0, 50, 99):
             assert [m.commit_log_offset for m in reader.query_message("T", f"k{i}")] == \
                 [results[i].commit_log_offset]

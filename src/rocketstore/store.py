@@ -107,6 +107,20 @@ def _check_log_directory(root: Path, writer: bool = False) -> None:
                                      "empty commitlog directory")
 
 
+def _entries_of_last_record(files: list, phy: int) -> int:
+    """How many entries the record at ``phy``, the last one indexed, has at the end of the index files (its keys
+    may span a file roll)."""
+    count = 0
+    for index in reversed(files[-2:]):
+        n = index.index_count - 1
+        while n >= 1 and index.entry(n)[1] == phy:
+            count += 1
+            n -= 1
+        if n >= 1:
+            break
+    return count
+
+
 def _holds_files(path: Path) -> bool:
     try:
         return any(files for _dir, _subdirs, files in os.walk(path))
@@ -311,31 +325,42 @@ class MessageStore:
         # the last counted entry's record (not the header's endPhyOffset: a writer sets that before the count), in
         # the newest file that has entries (a new file has none until its first batch; a killed broker's newest
         # file may read as empty: its header is written when flushed)
-        start = next((index.entry(index.index_count - 1)[1] for index in reversed(self.index.files)
-                      if index.index_count > 1), self.commit_log.min_offset)
+        with_entries = [index for index in self.index.files if index.index_count > 1]
+        start = with_entries[-1].entry(with_entries[-1].index_count - 1)[1] if with_entries \
+            else self.commit_log.min_offset
         start = max(start, self.commit_log.min_offset)
         end = self.recovery.end_offset
         if not start < end <= start + self.TAIL_INDEX_MAX:
             return  # nothing past the files, or more than a live writer's lag (a dead writer's: warned of)
+        hashes, phys, stamps = [], [], []
         try:
             for batch in scan_dispatch(self.commit_log, start, end):
-                phy, stamps = batch.phy, batch.store_ts
                 owners = batch.entry_owner
                 kept = (batch.sys_flag[owners] & SysFlag.TRANSACTION_MASK) != SysFlag.TRANSACTION_ROLLBACK_TYPE
-                self.index.add_tail(batch.entry_hash[kept], phy[owners][kept], stamps[owners][kept])
+                hashes.append(batch.entry_hash[kept])
+                phys.append(batch.phy[owners][kept])
+                stamps.append(batch.store_ts[owners][kept])
                 for row in np.flatnonzero(batch.slow).tolist():  # delayed messages, text that is not UTF-8
-                    msg = self.commit_log.get_message(int(phy[row]))
+                    msg = self.commit_log.get_message(int(batch.phy[row]))
                     if SysFlag.transaction_type(msg.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE:
                         continue
                     props = msg.properties
                     keys = [build_key(index_topic_of(msg.topic, props), key)
                             for key in index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))]
-                    if keys:
-                        self.index.add_tail(index_key_hashes(keys), np.full(len(keys), phy[row]),
-                                            np.full(len(keys), stamps[row]))
-        except RocketStoreError as exc:  # damage or retention under this read: what was indexed stays
+                    hashes.append(index_key_hashes(keys))
+                    phys.append(np.full(len(keys), batch.phy[row], dtype=np.int64))
+                    stamps.append(np.full(len(keys), batch.store_ts[row], dtype=np.int64))
+        except RocketStoreError as exc:  # damage or retention under this read: what was read is kept
             log.warning("%s: the keys of the messages after the index's last entry could not all be read (%s)",
                         self.root, exc)
+        if not hashes:
+            return
+        hash_all, phy_all, stamp_all = np.concatenate(hashes), np.concatenate(phys), np.concatenate(stamps)
+        first = phy_all == start
+        if with_entries and int(first.sum()) <= _entries_of_last_record(with_entries, start):
+            hash_all, phy_all, stamp_all = hash_all[~first], phy_all[~first], stamp_all[~first]  # all in the files
+        if len(hash_all):  # usually none: a query then pays nothing for the tail
+            self.index.add_tail(hash_all, phy_all, stamp_all)
 
     def _check_flushed_present(self) -> None:
         """The checkpoint names the store time of the last flushed message: a log that ends before it lost
