@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .brokerlayout import is_lmq, rocksdb_queues, unmanaged_reason
 from .codec._kernels import put_queue_units
 from .config import StoreConfig
-from .errors import CorruptDataError
+from .errors import CorruptDataError, UnsupportedLayoutError
 from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, replace_file, retry_evicted, unused_path
 from .mapped.file_queue import MappedFileQueue
 
@@ -495,14 +496,23 @@ class ConsumeQueueTable:
         self.budget = FileBudget(config.max_open_consume_queue_files)  # descriptors stay bounded
         self.set_aside: list[str] = []  # damaged queues moved to recovery/ (rebuilt by re-dispatch)
         self.damaged: list[tuple[str, int]] = []  # read-only: queues served up to a damaged file
+        # a broker's queues this store leaves alone (``brokerlayout``): LMQ directories, BatchCQ topics, RocksDB
+        self.lmq_dirs: list[str] = []
+        self.batch_topics: frozenset[str] = frozenset()
+        self.rocksdb = False
 
     def load(self) -> None:
-        """Map every ``consumequeue/<topic>/<queueId>`` directory (names RocketMQ could have written)."""
+        """Map every ``consumequeue/<topic>/<queueId>`` directory (names RocketMQ could have written) but a broker's
+        LMQ queues, whose units point at other topics' records by design: never loaded, so never checked or cut."""
         base = self.root / CONSUMEQUEUE_DIR
         if not base.is_dir():
             return
+        self.rocksdb = rocksdb_queues(self.root)
         for topic_entry in sorted(os.scandir(base), key=lambda e: e.name):
             if not topic_entry.is_dir():
+                continue
+            if is_lmq(topic_entry.name):
+                self.lmq_dirs.append(topic_entry.name)
                 continue
             for queue_entry in sorted(os.scandir(topic_entry.path), key=lambda e: e.name):
                 if not queue_entry.is_dir() or not queue_entry.name.isdigit():
@@ -531,6 +541,16 @@ class ConsumeQueueTable:
 
     def get(self, topic: str, queue_id: int) -> ConsumeQueue | None:
         return self.queues.get((topic, queue_id))
+
+    def unmanaged(self, topic: str) -> str | None:
+        """Why ``topic``'s queues are not this store's to answer for (``brokerlayout``), or None."""
+        return unmanaged_reason(topic, self.batch_topics, self.rocksdb)
+
+    def check_managed(self, topic: str) -> None:
+        """A read of a queue this store does not manage raises instead of answering "empty"."""
+        reason = unmanaged_reason(topic, self.batch_topics, self.rocksdb)
+        if reason is not None:
+            raise UnsupportedLayoutError(reason)
 
     def find_or_create(self, topic: str, queue_id: int) -> ConsumeQueue:
         queue = self.queues.get((topic, queue_id))

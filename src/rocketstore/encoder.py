@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .brokerlayout import is_lmq
 from .codec.hashing import body_crc
 from .codec.hosts import Host
 from .codec.msgid import UniqKeyGenerator, UniqKeyRun
@@ -153,6 +154,7 @@ def validate_topic(topic: object) -> str:
     return topic
 
 
+_MULTI_DISPATCH = frozenset({PropertyName.INNER_MULTI_DISPATCH, PropertyName.INNER_MULTI_QUEUE_OFFSET})
 _JAVA_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
@@ -181,9 +183,13 @@ def is_system_topic(topic: str) -> bool:
 
 
 def check_sendable(topic: str) -> None:
-    """Refuse a message sent straight to a system topic (``TopicValidator.isNotAllowedSendTopic``)."""
+    """Refuse a message sent straight to a system topic (``TopicValidator.isNotAllowedSendTopic``) or to an LMQ
+    queue (a broker's multi-dispatch writes those; ``brokerlayout``)."""
     if topic in NOT_SENDABLE_TOPICS:
         raise InvalidTopicError(f"{topic} is a system topic: messages cannot be sent to it")
+    if is_lmq(topic):
+        raise InvalidTopicError(f"{topic} is an LMQ queue, written by a broker's multi-dispatch: messages cannot be "
+                                "sent to it")
 
 
 def _as_body(body: object) -> bytes:
@@ -341,7 +347,7 @@ class MessageEncoder:
 
         user = msg.properties
         if user:
-            properties = self.properties_for(user, msg.tags, key_list(msg.keys))
+            properties = self.properties_for(user, msg.tags, key_list(msg.keys), system=system)
             topic, queue_id = self.schedule(topic, queue_id, properties)
             wait_store = properties.get(PropertyName.WAIT, "true").lower() != "false"
         else:
@@ -705,11 +711,15 @@ class MessageEncoder:
         return parked, parked_queue
 
     def properties_for(self, user: dict[str, str], tags: str | None, keys: list[str],
-                       uniq_key: str | None = None) -> dict[str, str]:
+                       uniq_key: str | None = None, *, system: bool = False) -> dict[str, str]:
         """User properties plus TAGS, KEYS and a UNIQ_KEY (``uniq_key``, or generated, when the message has
         none). Shared by the per-message and the batch encoder, so their properties strings agree."""
         if not isinstance(user, dict):
             raise InvalidPropertyError("properties must be a dict of str to str")
+        if not system and not _MULTI_DISPATCH.isdisjoint(user):  # a broker's own delivery may carry them
+            raise InvalidPropertyError("INNER_MULTI_DISPATCH/INNER_MULTI_QUEUE_OFFSET ask for LMQ multi-dispatch, "
+                                       "which rocketstore does not do: the message would reach none of its LMQ "
+                                       "queues")
         properties: dict[str, str] = {}
         for name, value in user.items():
             check_property(name, value)

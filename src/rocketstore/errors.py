@@ -41,6 +41,11 @@ class ReadOnlyStoreError(RocketStoreError):
     """A write was attempted on a store opened with ``read_only=True``."""
 
 
+class UnsupportedLayoutError(RocketStoreError):
+    """The store holds what a RocketMQ broker feature keeps and rocketstore does not manage (LMQ queues, BatchCQ
+    topics, consume queues in RocksDB; see ``brokerlayout``): refused before anything is changed."""
+
+
 class StoreIOError(RocketStoreError, OSError):
     """The operating system refused an operation (disk full, permissions, read-only file system).
 

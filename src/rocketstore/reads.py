@@ -107,6 +107,7 @@ class StoreReader:
             topic, queue_id, offset, max_msgs = _get_message_args(topic, queue_id, offset, max_msgs)
         wanted = parse_tags(tags)
         selector = subscription_filter(wanted, sql)
+        self.queues.check_managed(topic)
         queue = self.queues.get(topic, queue_id)
         if queue is None or queue.max_offset_in_queue == 0:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
@@ -181,6 +182,7 @@ class StoreReader:
 
         from .codec.batch import decode_at, message_row, rows_batch
 
+        self.queues.check_managed(topic)
         queue = self.queues.get(topic, queue_id)
         if queue is None:
             return
@@ -297,6 +299,7 @@ class StoreReader:
         check_str("topic", topic)
         queue_id = check_int("queue_id", queue_id)
         timestamp = check_int("timestamp", timestamp)
+        self.queues.check_managed(topic)
         queue = self.queues.get(topic, queue_id)
         if queue is None:
             return 0
@@ -313,6 +316,7 @@ class StoreReader:
     def earliest_message_time(self, topic: str | None = None, queue_id: int | None = None) -> int:
         if topic is None:
             return self.commit_log.store_time(self.commit_log.min_offset) if self.commit_log.max_offset else -1
+        self.queues.check_managed(topic)
         queue = self.queues.get(topic, queue_id or 0)
         if queue is None:
             return -1

@@ -24,6 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .brokerconfig import TopicConfigManager
+from .brokerlayout import check_writer_layout, is_lmq
 from .checkpoint import StoreCheckpoint
 from .commitlog import COMMITLOG_DIR, CommitLog
 from .config import StoreConfig, detect_config
@@ -153,6 +155,18 @@ def _epoch_ms(column: pa.ChunkedArray) -> np.ndarray:
     return column.cast(pa.int64()).to_numpy() // 1000
 
 
+def _carry_lmq_queues(old: Path, new: Path) -> None:
+    """Copy a broker's LMQ queues into the rebuilt ``consumequeue/``: no record names them (their units come from
+    the broker's multi-dispatch), so a rebuild cannot write them again (``brokerlayout``). Copied, not moved: the
+    old set stays whole until the swap, which a kill before it must find untouched."""
+    try:
+        entries = [entry for entry in os.scandir(old) if entry.is_dir() and is_lmq(entry.name)]
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        shutil.copytree(entry.path, new / entry.name)
+
+
 def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decoder, *, consume_queues: bool = True,
                      index: bool = True, clock: Callable[[], int] | None = None,
                      explicit: Iterable[str] | None = None) -> RebuildReport:
@@ -175,6 +189,9 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
     lock.acquire()
     try:
         finish_staged(root / STAGING_DIR, root)  # an earlier rebuild killed mid-swap is finished first
+        topics = TopicConfigManager(root, read_only=True)
+        topics.load(empty_if_bad=True)  # a rebuild needs no topic, only to know a broker's BatchCQ ones
+        check_writer_layout(root, topics)
         commit_log = CommitLog(root, config)
         commit_log.load()
         checkpoint = StoreCheckpoint.load(root / "checkpoint")
@@ -201,6 +218,8 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
                 writer.finish(report)
             finally:
                 writer.close()
+            if consume_queues:
+                _carry_lmq_queues(root / CONSUMEQUEUE_DIR, build / CONSUMEQUEUE_DIR)
             # one directory per rebuild, never one an earlier rebuild this second used
             aside = unused_path(root / RECOVERY_DIR, f"{REBUILD_PREFIX}{stamp}")
             mark_complete(build, root, names, aside)

@@ -29,6 +29,7 @@ from .brokerconfig import (
     checked,
     group_name,
 )
+from .brokerlayout import batch_cq_topics, check_writer_layout
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
 from .codec.msgid import create_offset_msg_id
@@ -226,6 +227,9 @@ class MessageStore:
         for config_file in (self.topic_config, self.consumer_offsets, self.delay_offsets, self.timer_offsets,
                             self.subscription_groups):
             config_file.load(empty_if_bad=self.read_only)  # a reader still serves the messages
+        self.queues.batch_topics = frozenset(batch_cq_topics(self.root, self.topic_config))
+        if not self.read_only:
+            check_writer_layout(self.root, self.topic_config)  # before the first change to the directory
         # the checkpoint before the log: beside a live writer, a checkpoint read after the log could vouch for
         # flushes past the log this reader loaded, and report them as lost
         self.checkpoint = StoreCheckpoint.load(self.root / CHECKPOINT_FILE, read_only=self.read_only)
@@ -235,6 +239,10 @@ class MessageStore:
                         ", ".join(sorted(self.commit_log.mapped_files.foreign)[:5]),
                         "is" if len(self.commit_log.mapped_files.foreign) == 1 else "are")
         self.queues.load()
+        if self.queues.rocksdb:
+            log.warning("%s keeps its consume queues in RocksDB (storeType=defaultRocksDB), which rocketstore does "
+                        "not read: queue reads and consumer lag are refused; the log and the index are served",
+                        self.root)
         self.index = IndexService(self.root, self.config, self.checkpoint, read_only=self.read_only,
                                   clock=self._index_clock)
         self.index.load()
@@ -380,6 +388,8 @@ class MessageStore:
             return
         corrected = False
         for topic, group in self.consumer_offsets.groups():
+            if self.queues.unmanaged(topic) is not None:
+                continue  # a broker's LMQ queue: its offsets are the broker's to keep
             for queue_id, offset in self.consumer_offsets.offsets(group, topic).items():
                 queue = self.queues.get(topic, queue_id)
                 if queue is None and not lost and self.topic_config.get(topic) is None and \
@@ -1040,6 +1050,7 @@ class MessageStore:
         if type(queue_id) is not int or type(topic) is not str:
             check_str("topic", topic)
             queue_id = check_int("queue_id", queue_id)
+        self.queues.check_managed(topic)
         queue = self.queues.get(topic, queue_id)
         return queue.min_offset_in_queue if queue else 0
 
@@ -1049,6 +1060,7 @@ class MessageStore:
         if type(queue_id) is not int or type(topic) is not str:
             check_str("topic", topic)
             queue_id = check_int("queue_id", queue_id)
+        self.queues.check_managed(topic)
         queue = self.queues.get(topic, queue_id)
         return queue.max_offset_in_queue if queue else 0
 

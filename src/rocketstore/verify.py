@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .brokerconfig import TopicConfigManager
+from .brokerlayout import batch_cq_topics
 from .checkpoint import StoreCheckpoint
 from .codec.batch import DispatchBatch, StopKind, as_array, decode_dispatch
 from .codec.properties import PropertyName
@@ -84,6 +86,7 @@ class VerifyReport:
     log_end: int = 0  # the recovered end of the log; on a live store, the end of the snapshot checked
     live: bool = False  # a writer held the store's lock: a snapshot was checked
     problem_count: int = 0  # every problem found, also those past ``max_problems``
+    not_checked: list[str] = field(default_factory=list)  # a broker's data this store leaves alone (brokerlayout)
     max_problems: int = field(default=10_000, repr=False)
 
     @property
@@ -335,11 +338,26 @@ def _log_start_now(root: Path) -> int:
 
 def _check_queues(root: Path, config: StoreConfig, records: _Records, report: VerifyReport,
                   progress: Progress | None, snapshot: _Snapshot | None, log_min: int = 0) -> None:
-    _check_queue_file_sizes(root, config.mapped_file_size_consume_queue, report)
     table = ConsumeQueueTable(root, config, read_only=True)
     table.load()
+    if table.rocksdb:
+        table.close()
+        report.not_checked.append("consume queues: kept in RocksDB (storeType=defaultRocksDB), which rocketstore "
+                                  "does not read")
+        return
+    _check_queue_file_sizes(root, config.mapped_file_size_consume_queue, report)
+    if table.lmq_dirs:
+        report.not_checked.append(f"{len(table.lmq_dirs)} LMQ queue{'s' * (len(table.lmq_dirs) > 1)} (a broker's "
+                                  "multi-dispatch; left as they are)")
+    topics = TopicConfigManager(root, read_only=True)
+    topics.load(empty_if_bad=True)
+    batch = set(batch_cq_topics(root, topics))
+    if batch:
+        report.not_checked.append(f"the queues of BatchCQ topics ({', '.join(sorted(batch)[:5])}), kept in "
+                                  "batchconsumequeue/")
     seen = np.zeros(len(records.phy), dtype=bool)
     numbers = {key: n for n, key in enumerate(records.queues)}
+    seen[np.isin(records.queue, [n for n, (topic, _q) in enumerate(records.queues) if topic in batch])] = True
     try:
         for n, ((topic, queue_id), queue) in enumerate(sorted(table.queues.items())):
             below = log_min  # units below the log's start, before the queue's first unit at or past it

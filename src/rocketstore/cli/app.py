@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from .. import Message, MessageStore, StoreConfig
+from ..brokerlayout import ROCKSDB_QUEUES
 from ..config import GEOMETRY, broker_conf_store_root, broker_conf_values, broker_sizes, detect_config
 from ..errors import MessageNotFoundError, RocketStoreError, StoredButNotClosedError
 from ..reads import GetMessageStatus
@@ -747,6 +748,8 @@ def verify(as_json, **kwargs) -> None:
         if report.live:
             click.echo(f"store is live (locked by a writer): checked the snapshot up to commit-log offset "
                        f"{report.snapshot_end}", err=as_json)
+        for note in report.not_checked:
+            click.echo(f"not checked: {note}", err=as_json)
         shown = "" if len(report.problems) == report.problem_count else f" (the first {len(report.problems)} listed)"
         summary = (f"checked {report.records} records, {report.queue_units} queue units, {report.index_entries} "
                    f"index entries: {report.problem_count} problem(s){shown}")
@@ -836,8 +839,14 @@ def consumer_progress(group, as_json, **kwargs) -> None:
         pairs = [(t, g) for t, g in store.consumer_offsets.groups() if group is None or g == group]
         if group is not None and not pairs:
             raise Failure(f"consumer group {group} has no committed offsets in this store")
+        if store.queues.rocksdb:  # no queue is read: no lag to show, and no empty table for it
+            raise Failure(ROCKSDB_QUEUES)
         rows = []
         for topic_name, group_name in pairs:
+            reason = store.queues.unmanaged(topic_name)
+            if reason is not None:  # a broker's LMQ or BatchCQ queue: said, not shown as a lag of 0
+                click.echo(f"{group_name}: not shown: {reason}", err=True)
+                continue
             committed = store.consumer_offsets.offsets(group_name, topic_name)
             for queue_id in sorted(set(committed) | set(store.queue_ids(topic_name))):
                 offset = committed.get(queue_id, 0)  # a queue the group never committed counts from 0

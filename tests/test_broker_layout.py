@@ -1,0 +1,137 @@
+"""A broker's store holding what rocketstore does not manage (``brokerlayout``): LMQ queues, BatchCQ topics,
+consume queues in RocksDB, config files a broker left. Each must come through a writer's open, a rebuild and the
+read-only tools untouched, and never be answered for as if it were empty."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from rocketstore import Message, MessageStore
+from rocketstore.brokerconfig import ConsumerOffsetManager
+from rocketstore.errors import InvalidPropertyError, InvalidTopicError, UnsupportedLayoutError
+from rocketstore.rebuild import rebuild
+from rocketstore.verify import verify_store
+from test_cli import CONFIG, cli, tree
+
+UNIT = struct.Struct(">qiq")
+
+
+def _store(root: Path) -> list:
+    with MessageStore.open(root, CONFIG) as store:
+        results = [store.put_message(Message("TopicA", f"m{i}".encode(), keys=[f"k{i}"], queue_id=i % 2))
+                   for i in range(6)]
+        store.commit_offset("g1", "TopicA", 0, 2)
+        store.wait_for_dispatch()
+    return results
+
+
+def _add_lmq(root: Path, results: list) -> Path:
+    """What a broker with enableLmq writes for messages sent with INNER_MULTI_DISPATCH=%LMQ%q1: units of
+    queue 0 pointing at the records of another topic, and its consumers' offsets."""
+    queue = root / "consumequeue" / "%LMQ%q1" / "0"
+    queue.mkdir(parents=True)
+    data = bytearray(CONFIG.mapped_file_size_consume_queue)
+    for n, result in enumerate(results[:3]):
+        UNIT.pack_into(data, n * UNIT.size, result.commit_log_offset, result.store_size, 0)
+    (queue / "00000000000000000000").write_bytes(bytes(data))
+    # fastjson's form, bare integer keys
+    (root / "config" / "consumerOffset.json").write_text('{"offsetTable":{"TopicA@g1":{0:2},"%LMQ%q1@gl":{0:3}}}')
+    return queue
+
+
+def _offsets(root: Path, group: str, topic: str) -> dict[int, int]:
+    offsets = ConsumerOffsetManager(root, read_only=True)
+    offsets.load()
+    return offsets.offsets(group, topic)
+
+
+def _without(files: dict[str, str], *prefixes: str) -> dict[str, str]:
+    return {name: digest for name, digest in files.items() if not name.startswith(prefixes)}
+
+
+def test_a_writer_leaves_lmq_queues_and_their_offsets_as_the_broker_wrote_them(tmp_path):
+    root = tmp_path / "s"
+    results = _store(root)
+    queue = _add_lmq(root, results)
+    lmq_before = tree(queue)
+    (root / "abort").touch()  # the broker was killed: the writer's open checks every queue
+    with MessageStore.open(root, CONFIG) as store:
+        assert store.query_offset("gl", "%LMQ%q1", 0) == 3  # not "past the queue's end" of a queue it never read
+        with pytest.raises(InvalidTopicError, match="LMQ"):
+            store.put_message(Message("%LMQ%q1", b"x"))
+        with pytest.raises(InvalidPropertyError, match="multi-dispatch"):
+            store.put_message(Message("TopicA", b"x", properties={"INNER_MULTI_DISPATCH": "%LMQ%q1"}))
+        with pytest.raises(UnsupportedLayoutError, match="LMQ"):
+            store.get_message("%LMQ%q1", 0, 0)
+        with pytest.raises(UnsupportedLayoutError, match="LMQ"):
+            store.get_max_offset_in_queue("%LMQ%q1", 0)
+        assert store.get_message("TopicA", 0, 0).status.value == "FOUND"
+    assert tree(queue) == lmq_before
+    assert _offsets(root, "gl", "%LMQ%q1") == {0: 3}
+    report = verify_store(root, CONFIG)
+    assert report.clean, report.problems
+    assert any("LMQ" in note for note in report.not_checked)
+    rebuild(root, config=CONFIG)
+    assert tree(queue) == lmq_before  # carried into the rebuilt consumequeue/, not left behind in recovery/
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        assert [m.body for m in store.get_message("TopicA", 0, 0).messages] == [b"m0", b"m2", b"m4"]
+    progress = cli("consumer-progress", "--store", str(root))
+    assert "gl: not shown: %LMQ%q1 is a broker's LMQ queue" in progress.stderr
+    assert "TopicA" in progress.stdout and "%LMQ%q1" not in progress.stdout
+    refused = cli("query-by-offset", "--store", str(root), "-t", "%LMQ%q1", "-q", "0", "-o", "0", check=False)
+    assert refused.returncode == 1 and "LMQ queue" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def _batch_topic(root: Path) -> None:
+    topics = json.loads((root / "config" / "topics.json").read_text())
+    topics["topicConfigTable"]["BatchTopic"] = {"topicName": "BatchTopic", "readQueueNums": 1, "writeQueueNums": 1,
+                                                "perm": 6, "attributes": {"queue.type": "BatchCQ"}}
+    (root / "config" / "topics.json").write_text(json.dumps(topics))
+
+
+@pytest.mark.parametrize("how", ["attribute", "directory"])
+def test_a_batch_cq_store_is_refused_to_writers_and_rebuilds_and_changes_nothing(tmp_path, how):
+    root = tmp_path / "s"
+    _store(root)
+    if how == "attribute":
+        _batch_topic(root)
+    else:
+        (root / "batchconsumequeue" / "BatchTopic" / "0").mkdir(parents=True)
+    before = tree(root)
+    with pytest.raises(UnsupportedLayoutError, match="BatchCQ queues \\(topics BatchTopic\\)"):
+        MessageStore.open(root, CONFIG)
+    with pytest.raises(UnsupportedLayoutError, match="BatchCQ"):
+        rebuild(root, config=CONFIG)
+    refused = cli("topic", "create", "--store", str(root), "-t", "NewTopic", check=False)
+    assert refused.returncode == 1 and "BatchCQ" in refused.stderr and "Traceback" not in refused.stderr
+    assert tree(root) == before
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        assert len(store.get_message("TopicA", 0, 0).messages) == 3
+        with pytest.raises(UnsupportedLayoutError, match="BatchCQ topic"):
+            store.get_message("BatchTopic", 0, 0)
+    assert any("BatchCQ" in note for note in verify_store(root, CONFIG).not_checked)
+
+
+def test_consume_queues_in_rocksdb_are_refused_to_writers_and_never_read_as_empty(tmp_path):
+    root = tmp_path / "s"
+    _store(root)
+    for name in ("CURRENT", "MANIFEST-000005", "000004.log"):
+        (root / "consumequeue" / name).write_bytes(b"rocksdb " + name.encode())
+    before = tree(root)
+    with pytest.raises(UnsupportedLayoutError, match="RocksDB"):
+        MessageStore.open(root, CONFIG)
+    with pytest.raises(UnsupportedLayoutError, match="RocksDB"):
+        rebuild(root, config=CONFIG)
+    assert tree(root) == before
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        with pytest.raises(UnsupportedLayoutError, match="RocksDB"):
+            store.get_message("TopicA", 0, 0)
+        assert [m.body for m in store.query_message("TopicA", "k1")] == [b"m1"]  # the log and the index still serve
+    progress = cli("consumer-progress", "--store", str(root), check=False)
+    assert progress.returncode == 1 and "RocksDB" in progress.stderr
+    report = verify_store(root, CONFIG)
+    assert report.clean and any("RocksDB" in note for note in report.not_checked)
