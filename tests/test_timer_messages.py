@@ -6,6 +6,7 @@ store's own thread (on the real clock) never delivers them first.
 
 from __future__ import annotations
 
+import struct
 import time
 
 import pyarrow as pa
@@ -13,6 +14,7 @@ import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.brokerconfig import parse_fastjson
+from rocketstore.codec.hashing import java_string_hash
 from rocketstore.encoder import TIMER_TOPIC
 from rocketstore.errors import ConfigFileError, IllegalDeliveryTimeError, StoreIOError
 from rocketstore.verify import verify_store
@@ -191,3 +193,50 @@ def test_delay_and_timer_properties_parse_as_javas_parse_int_and_parse_long(tmp_
         assert store.max_phy_offset == 0
         assert store.put_message(Message("T", b"x", properties={"DELAY": "+1"})).ok
         assert store.put_message(Message("T", b"y", properties={"TIMER_DELAY_MS": "-5"})).ok  # past: stored as is
+
+
+def test_timer_units_carry_the_tags_hash_a_broker_gives_them_and_the_wheel_reads_the_due_time(tmp_path):
+    """RocketMQ's dispatch gives only the delay levels' units a due time: a broker's timer units carry their TAGS
+    hash, which a wheel taking it for the due time delivered at once (hash 0: every untagged timer message)."""
+    base = now_ms()
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.put_message(Message("Pay", b"tagged", tags="TagT", properties={"TIMER_DELIVER_MS": str(base + 100_000)}))
+        store.put_message(Message("Pay", b"plain", properties={"TIMER_DELIVER_MS": str(base + 200_000)}))
+        store.wait_for_dispatch()
+        queue = store.queues.get(TIMER_TOPIC, 0)
+        assert [queue.get_unit(n)[2] for n in (0, 1)] == [java_string_hash("TagT"), 0]
+        assert store.schedule.deliver_due(now_ms=base + 50_000) == 0
+        assert store.schedule.deliver_due(now_ms=base + 150_000) == 1
+        assert store.schedule.deliver_due(now_ms=base + 250_000) == 1
+    assert verify_store(tmp_path, CONFIG).clean
+    unit = tmp_path / "consumequeue" / TIMER_TOPIC / "0" / "00000000000000000000"
+    data = bytearray(unit.read_bytes())
+    struct.pack_into(">q", data, 12, base + 100_000)  # as earlier versions wrote it: the due time, still sound
+    unit.write_bytes(bytes(data))
+    assert verify_store(tmp_path, CONFIG).clean
+    struct.pack_into(">q", data, 12, 12345)
+    unit.write_bytes(bytes(data))
+    assert [p.detail for p in verify_store(tmp_path, CONFIG).problems] == [
+        f"tags code 12345 but the record's is {java_string_hash('TagT')}"]
+
+
+def test_a_brokers_store_delivers_what_its_timer_had_not_and_nothing_twice(tmp_path):
+    """A broker keeps its timer's progress in config/timercheck, not timerOffset.json: the units below its
+    lastTimerQueueOffset were taken into its timerlog, delivered or still waiting there."""
+    base = now_ms()
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        for body, ahead in ((b"delivered", 100_000), (b"waiting", 400_000), (b"new", 300_000)):
+            store.put_message(Message("Pay", body, properties={"TIMER_DELIVER_MS": str(base + ahead)}))
+        store.wait_for_dispatch()
+        assert store.schedule.deliver_due(now_ms=base + 150_000) == 1  # as the broker's timer delivered it
+        store.wait_for_dispatch()
+    for name in ("timerOffset.json", "timerOffset.json.bak"):
+        (tmp_path / "config" / name).unlink(missing_ok=True)
+    # TimerCheckpoint: lastReadTimeMs, lastTimerLogFlushPos, lastTimerQueueOffset (units 0 and 1 taken), master's
+    (tmp_path / "config" / "timercheck").write_bytes(struct.pack(">qqqq", base, 0, 2, 0).ljust(4096, b"\0"))
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.schedule.deliver_due(now_ms=base + 1_000_000) == 2
+        store.wait_for_dispatch()
+        assert bodies(store, "Pay") == [b"delivered", b"new", b"waiting"]
+    with MessageStore.open(tmp_path, CONFIG) as store:  # its own file from now on
+        assert store.schedule.deliver_due(now_ms=base + 2_000_000) == 0

@@ -31,7 +31,7 @@ from .codec.record import RecordLayout, read_layout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
-from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, TIMER_TOPIC
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC
 from .errors import CorruptDataError, DispatchFailedError, StoreIOError
 from .health import StoreHealth
 from .index.service import IndexRequest, IndexService
@@ -113,12 +113,9 @@ def index_topic_of(topic: str, props: dict[str, str]) -> str:
 
 
 def tags_code_of(topic: str, props: dict[str, str], store_timestamp: int, levels: tuple[int, ...]) -> int:
-    """Tags code of a record: hash of TAGS, or the delivery time of a delayed message (``levels`` in ms)."""
-    if topic == TIMER_TOPIC:
-        try:
-            return int(props.get(PropertyName.TIMER_DELIVER_MS, "0"))
-        except ValueError:
-            return 0
+    """Tags code of a record: hash of TAGS, or the delivery time of a delayed message (``levels`` in ms). A timer
+    message's is its TAGS hash too, as RocketMQ's ``checkMessageAndReturnSize`` makes it (the wheel reads the due
+    time from the record)."""
     if topic == SCHEDULE_TOPIC and PropertyName.DELAY in props:
         try:
             level = int(props[PropertyName.DELAY])

@@ -6,11 +6,17 @@ unit that is due is copied to its real topic and queue (DELAY, REAL_TOPIC and RE
 UNIQ_KEY and keys kept) and the offset moves on. A crash between the copy and the offset write
 delivers it again: at least once, as in RocketMQ.
 
-A timer message (any delivery time, TIMER_DELIVER_MS) waits in ``rmq_sys_wheel_timer`` queue 0, its
-unit's tags code being its delivery time. Times in one queue are not in order, so the same thread keeps
-the waiting units in a heap (read from the queue as they arrive) and delivers each when due; the offset
-in ``timerOffset.json`` is the one below which everything has been delivered, and a restart reads the
-queue again from there (again at least once). The delivered copy carries its due time as TIMER_OUT_MS.
+A timer message (any delivery time, TIMER_DELIVER_MS) waits in ``rmq_sys_wheel_timer`` queue 0; its unit's
+tags code is its TAGS hash, as RocketMQ's dispatch writes it (only the delay levels' units carry a due time), so
+the due time is read from the record. Times in one queue are not in order, so the same thread keeps the waiting
+units in a heap (read from the queue as they arrive) and delivers each when due; the offset in
+``timerOffset.json`` is the one below which everything has been delivered, and a restart reads the queue again
+from there (again at least once). The delivered copy carries its due time as TIMER_OUT_MS.
+
+A broker's store keeps its timer progress elsewhere (``config/timercheck``: the queue offset below which its timer
+took the units into ``timerlog/``, delivered or still waiting there). Handed such a store, the wheel reads the
+queue from its start and passes over each unit below that offset whose message is already in its topic (the
+broker's delivered copy, found by UNIQ_KEY): the rest are delivered, none twice.
 
 A due message the store refuses for good (its topic deleted with auto-create off, its queue gone after the
 topic shrank) is logged, listed in ``undeliverable`` and passed over: it stays readable where it was parked
@@ -22,18 +28,21 @@ from __future__ import annotations
 
 import heapq
 import logging
+import struct
 import threading
 import time
+from pathlib import Path
 
 from .brokerconfig import DelayOffsetManager, TimerOffsetManager
 from .codec.properties import PropertyName
-from .encoder import SCHEDULE_TOPIC, TIMER_TOPIC
+from .encoder import SCHEDULE_TOPIC, TIMER_TOPIC, java_integer
 from .errors import MessageIllegalError, RocketStoreError
 from .message import Message, MessageExt, SysFlag
 
 log = logging.getLogger(__name__)
 _DROPPED = (PropertyName.DELAY, PropertyName.REAL_TOPIC, PropertyName.REAL_QUEUE_ID, PropertyName.TIMER_DELIVER_MS,
             PropertyName.TIMER_DELAY_SEC, PropertyName.TIMER_DELAY_MS)
+TIMER_CHECK_FILE = "timercheck"  # BrokerPathConfigHelper.getTimerCheckPath
 _KEPT_SYS_FLAGS = SysFlag.COMPRESSED | SysFlag.MULTI_TAGS | SysFlag.COMPRESSION_TYPE_MASK
 
 
@@ -84,6 +93,33 @@ class Deliveries:
         self._logged = None
 
 
+def broker_timer_offset(config_dir: Path) -> int:
+    """``lastTimerQueueOffset`` of a broker's ``config/timercheck`` (``TimerCheckpoint``: big-endian longs,
+    the third), or 0 when there is none."""
+    try:
+        with open(config_dir / TIMER_CHECK_FILE, "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return 0
+    return max(0, struct.unpack_from(">q", head, 16)[0]) if len(head) == 24 else 0
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.with_name(path.name + ".bak").exists()
+
+
+def _delivered_by_broker(store, properties: dict[str, str]) -> bool:
+    """Whether the timer message with these properties is in its real topic already (the broker's timer keeps
+    the UNIQ_KEY in the copy it delivers)."""
+    topic, uniq_key = properties.get(PropertyName.REAL_TOPIC), properties.get(PropertyName.UNIQ_KEY)
+    if not topic or not uniq_key:
+        return False
+    try:
+        return any(found.topic == topic for found in store.query_message_by_uniq_key(topic, uniq_key))
+    except RocketStoreError:
+        return False
+
+
 def readable_copy(store, phy_offset: int) -> Message | None:
     """The delivered copy of the parked record at ``phy_offset``; None (logged) if it cannot be read."""
     try:
@@ -104,6 +140,11 @@ class TimerWheel:
         self._read_to: int | None = None  # next queue offset to read into the heap
         self._committed = 0
         self._done: set[int] = set()  # delivered above _committed
+        # a broker's store handed over (no timerOffset.json yet): below this offset its timer took the units
+        self._broker_below = 0 if _exists(offsets.path) else broker_timer_offset(offsets.path.parent)
+        if self._broker_below:
+            log.info("timer wheel: the broker's timercheck says its timer took the units below offset %d; those it "
+                     "delivered (found in their topic by UNIQ_KEY) are not delivered again", self._broker_below)
 
     def pending(self) -> int:
         return len(self._waiting)
@@ -124,8 +165,13 @@ class TimerWheel:
             if unit is None:
                 break
             if self._read_to not in self._done:  # delivered before a restart, out of queue order
-                heapq.heappush(self._waiting, (unit[2], self._read_to, unit[0]))
+                due = self._due(unit[0], self._read_to < self._broker_below)
+                if due is None:
+                    self._done.add(self._read_to)
+                else:
+                    heapq.heappush(self._waiting, (due, self._read_to, unit[0]))
             self._read_to += 1
+        self._advance()
         count = self.deliveries.delivered
         while self._waiting and self._waiting[0][0] <= now:
             entry = heapq.heappop(self._waiting)
@@ -139,6 +185,18 @@ class TimerWheel:
             self._done.add(entry[1])
             self._advance()
         return self.deliveries.delivered - count
+
+    def _due(self, phy_offset: int, broker_took: bool) -> int | None:
+        """When the parked record at ``phy_offset`` is due (0, now, when it cannot be read: its delivery says
+        why), or None when the broker that ``broker_took`` it already delivered it."""
+        try:
+            msg = self.store.commit_log.get_message(phy_offset, read_body=False)
+        except RocketStoreError:
+            return 0
+        properties = msg.properties
+        if broker_took and _delivered_by_broker(self.store, properties):
+            return None
+        return java_integer(properties.get(PropertyName.TIMER_DELIVER_MS, ""), 64) or 0
 
     def _advance(self) -> None:
         """Commit up to the first offset not delivered; the ones delivered above it are kept in the file too."""

@@ -48,7 +48,7 @@ from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import CONSUMEQUEUE_DIR, CQ_UNIT_SIZE, PRE_BLANK_SIZE, UNIT_DTYPE, ConsumeQueueTable
 from .dispatch import DISPATCH_ROWS, index_topic_of, tags_code_of
-from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC
+from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, TIMER_TOPIC, java_integer
 from .errors import ConfigError, CorruptDataError
 from .index import _kernels as _ik
 from .index.bulk import index_key_hashes
@@ -122,6 +122,9 @@ class _Records:
     store_ts: np.ndarray
     queues: list[tuple[str, int]]
     key_pairs: np.ndarray  # sorted, unique: record number << 32 | index key hash (hashes are < 2**31)
+    # timer records (ascending) and their due times: the tags code earlier rocketstore versions gave their units
+    legacy_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    legacy_tags: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def find(self, phys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(record number, found) for each offset: whether a record starts exactly there."""
@@ -266,6 +269,7 @@ class _Collector:
         self.count = 0
         self.columns: list[tuple[np.ndarray, ...]] = []
         self.pairs: list[np.ndarray] = []
+        self.legacy: list[tuple[int, int]] = []  # (record number, due time) of timer records
         self.queue_numbers: dict[tuple[str, int], int] = {}
 
     def add(self, batch: DispatchBatch, mapped: MappedFile, report: VerifyReport) -> None:
@@ -288,6 +292,9 @@ class _Collector:
             msg = message_from_layout(mapped.buffer, pos, layout, read_body=False)
             props = msg.properties
             tags[row] = tags_code_of(msg.topic, props, msg.store_timestamp, self.config.delay_levels_ms)
+            if msg.topic == TIMER_TOPIC:
+                self.legacy.append((self.count + row, java_integer(props.get(PropertyName.TIMER_DELIVER_MS, ""),
+                                                                   64) or 0))
             keys = [build_key(index_topic_of(msg.topic, props), key)
                     for key in index_keys(props.get(PropertyName.UNIQ_KEY), props.get(PropertyName.KEYS))]
             if keys:
@@ -302,7 +309,8 @@ class _Collector:
         if not cols:
             cols = [np.zeros(0, np.int64) for _ in range(7)]
         pairs = _sorted_unique(np.concatenate(self.pairs)) if self.pairs else np.zeros(0, np.int64)
-        return _Records(*cols, list(self.queue_numbers), pairs)
+        legacy = np.array(self.legacy, dtype=np.int64).reshape(-1, 2)
+        return _Records(*cols, list(self.queue_numbers), pairs, legacy[:, 0].copy(), legacy[:, 1].copy())
 
 
 def _queue_frontier(root: Path, config: StoreConfig) -> int:
@@ -473,7 +481,12 @@ def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, 
     at, found = records.find(phys)
     placed = found & (records.queue[at] == queue_number) & (records.size[at] == sizes) \
         & (records.queue_offset[at] == queue_offsets)
-    bad = ~placed | (records.tags_code[at] != tags)
+    mismatch = placed & (records.tags_code[at] != tags)
+    if len(records.legacy_rows) and mismatch.any():  # a timer unit an earlier version wrote with its due time: sound
+        rows = np.flatnonzero(mismatch)
+        j = np.minimum(np.searchsorted(records.legacy_rows, at[rows]), len(records.legacy_rows) - 1)
+        mismatch[rows[(records.legacy_rows[j] == at[rows]) & (records.legacy_tags[j] == tags[rows])]] = False
+    bad = ~placed | mismatch
     seen[at[placed]] = True  # a wrong tags code is that unit's problem, not also a record missing from its queue
 
     def make(i: int) -> Problem:
