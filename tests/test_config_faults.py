@@ -27,7 +27,7 @@ from rocketstore.brokerconfig import (
     parse_fastjson,
     to_fastjson,
 )
-from rocketstore.errors import ConfigError, ConfigFileError, RocketStoreError
+from rocketstore.errors import ConfigError, ConfigFileError, InvalidQueueError, RocketStoreError
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
                      max_hash_slot_num=97, max_index_num=388, flush_consumer_offset_interval=10)
@@ -158,7 +158,7 @@ HOSTILE = [
     ("topics.json", b'{"a":' * 100_000, "nests too deeply"),
     ("topics.json", b'{"topicConfigTable": []}', "topicConfigTable must be an object, not a list"),
     ("topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": "x"}}}',
-     "topicConfigTable.T.writeQueueNums must be an integer 1..1024, not 'x'"),
+     "topicConfigTable.T.writeQueueNums must be an integer 0..2147483647, not 'x'"),
     ("topics.json", b'{"topicConfigTable": {"T": {"readQueueNums": -1}}}', "topicConfigTable.T.readQueueNums"),
     ("topics.json", b'{"topicConfigTable": {"T": {"readQueueNums": 100000000000}}}', "T.readQueueNums"),
     ("topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": true}}}', "not true"),
@@ -183,7 +183,7 @@ HOSTILE = [
     ("consumerOffset.json", b'{"offsetTable": {"T@g": {"0": "abc"}}}', "offsetTable.T@g.0 must be an integer"),
     ("consumerOffset.json", b'{"offsetTable": {"T@g": {"x": 1}}}', "offsetTable.T@g.x key must be an integer"),
     ("consumerOffset.json", b'{"offsetTable": {"T@g": {0: 1, "0": 2}}}', "offsetTable.T@g.0 appears twice"),
-    ("consumerOffset.json", b'{"offsetTable": {"T@g": {0: -5}}}', "offsetTable.T@g.0 must be"),
+    ("consumerOffset.json", b'{"offsetTable": {"T@g": {0: "5"}}}', "offsetTable.T@g.0 must be"),
     ("consumerOffset.json", b'{"offsetTable": {"T@g": [1, 2]}}', "offsetTable.T@g must be an object"),
     ("consumerOffset.json", b'{"offsetTable": {"T@g": {0: 99999999999999999999}}}', "offsetTable.T@g.0"),
     ("consumerOffset.json", b'{"offsetTable": 5}', "offsetTable must be an object, not 5"),
@@ -610,3 +610,18 @@ def test_a_short_write_of_the_checkpoint_is_an_error_not_success(tmp_path):
     assert (tmp_path / "abort").exists()  # the next open recovers
     with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=4096)) as store:
         assert [m.body for m in store.iter_messages()] == [b"first", b"x"]
+
+
+def test_values_a_broker_stores_unchecked_load_and_keep_their_meaning(tmp_path):
+    """A broker's admin creates topics with any queue count and commits any offset: one such value refused the
+    whole file (a writer would not open; read-only tools answered with no topics and no consumer lag)."""
+    _write(tmp_path, "topics.json", b'{"topicConfigTable":{"Closed":{"readQueueNums":2048,"writeQueueNums":0,'
+                                    b'"perm":6},"T":{"readQueueNums":4,"writeQueueNums":4,"perm":6}}}')
+    _write(tmp_path, "consumerOffset.json", b'{"offsetTable":{"T@g":{0:-1,1:8}}}')
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.topic_config.get("Closed").write_queue_nums == 0
+        assert store.topic_config.get("Closed").read_queue_nums == 2048
+        with pytest.raises(InvalidQueueError):
+            store.put_message(Message("Closed", b"x"))
+        assert store.query_offset("g", "T", 0) == -1  # none: a consumer starts where its policy says
+        assert store.query_offset("g", "T", 1) == 0  # past the empty queue's end: moved back, as before

@@ -256,13 +256,16 @@ _DATA_VERSION = record({"counter": integer(0, _I64_MAX), "stateVersion": integer
                         "timestamp": integer(-_I64_MAX - 1, _I64_MAX)})
 _OFFSET = integer(0, _I64_MAX)
 _QUEUE_ID = integer(0, _I32_MAX)
-_QUEUE_NUMS = integer(1, MAX_QUEUE_NUMS)
+_QUEUE_NUMS = integer(1, MAX_QUEUE_NUMS)  # what a topic is created or updated with here
+# what a broker's file may hold: its admin stores any value (updateAndCreateTopic checks no range), and a
+# store must not lose every topic over one (0 write queues: a topic closed to producers)
+_STORED_QUEUE_NUMS = integer(0, _I32_MAX)
 _PERM = integer(0, 15)
 _I32 = integer(-_I32_MAX - 1, _I32_MAX)
 TOPICS_SCHEMA = record({
     "dataVersion": _DATA_VERSION,
     "topicConfigTable": mapping(name_key, record({
-        "topicName": string(nonempty=True), "readQueueNums": _QUEUE_NUMS, "writeQueueNums": _QUEUE_NUMS,
+        "topicName": string(nonempty=True), "readQueueNums": _STORED_QUEUE_NUMS, "writeQueueNums": _STORED_QUEUE_NUMS,
         "perm": _PERM,
         "topicFilterType": string("SINGLE_TAG", "MULTI_TAG"), "topicSysFlag": _I32, "order": boolean,
         "attributes": mapping(name_key, string())})),
@@ -276,7 +279,9 @@ SUBSCRIPTION_GROUPS_SCHEMA = record({
         "brokerId": integer(0, _I64_MAX), "whichBrokerWhenConsumeSlowly": integer(0, _I64_MAX),
         "groupSysFlag": _I32, "consumeTimeoutMinute": _I32})),
 })
-CONSUMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(name_key, mapping(int_key(0, _I32_MAX), _OFFSET))})
+# a broker stores any committed offset unchecked (commitOffset); a negative one reads as none here, as -1 does
+CONSUMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(name_key, mapping(int_key(0, _I32_MAX),
+                                                                           integer(-_I64_MAX - 1, _I64_MAX)))})
 DELAY_OFFSETS_SCHEMA = record({"offsetTable": mapping(int_key(1, _I32_MAX), _OFFSET)})
 def offset_runs(value: object, where: str) -> list[list[int]]:
     """A list of ``[first, count]`` runs of queue offsets, ascending and apart."""
