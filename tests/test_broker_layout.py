@@ -135,3 +135,18 @@ def test_consume_queues_in_rocksdb_are_refused_to_writers_and_never_read_as_empt
     assert progress.returncode == 1 and "RocksDB" in progress.stderr
     report = verify_store(root, CONFIG)
     assert report.clean and any("RocksDB" in note for note in report.not_checked)
+
+
+def test_a_dledger_store_is_refused_to_every_open_with_what_it_is(tmp_path):
+    """Its log is dledger-<id>/data (DLedger's framing): the advice for a store without commitlog/ ("create an empty
+    commitlog directory") would have started its log over and dropped its queues."""
+    root = tmp_path / "s"
+    _store(root)
+    (root / "commitlog").rename(root / "dledger-n0")
+    before = tree(root)
+    for read_only in (False, True):
+        with pytest.raises(UnsupportedLayoutError, match="DLedger commit log \\(dledger-n0/\\)"):
+            MessageStore.open(root, CONFIG, read_only=read_only)
+    refused = cli("print-msg", "--store", str(root), "-t", "TopicA", check=False)
+    assert refused.returncode == 1 and "DLedger" in refused.stderr and "Traceback" not in refused.stderr
+    assert tree(root) == before

@@ -10,6 +10,7 @@ wrongly:
 - **BatchCQ topics** (topic attribute ``queue.type=BatchCQ``, queues in ``batchconsumequeue/``): a writer would
   dispatch their records into ``consumequeue/<topic>``, and a broker refuses to start with such a directory
   (``ConsumeQueueStore.queueTypeShouldBe``). A writer's open is refused; read-only opens serve the rest.
+- **A DLedger commit log** (``dledger-<id>/`` instead of ``commitlog/``): refused to every open.
 - **Consume queues in RocksDB** (``storeType=defaultRocksDB``: the database sits in ``consumequeue/`` itself): a
   writer would build file queues inside it. Refused; read-only opens say that no queue is read.
 
@@ -51,6 +52,19 @@ def batch_cq_topics(root: Path, topic_config) -> list[str]:
 def rocksdb_queues(root: Path) -> bool:
     """The consume queues live in a RocksDB database in ``consumequeue/`` (its ``CURRENT`` file names the manifest)."""
     return (root / "consumequeue" / "CURRENT").is_file()
+
+
+def check_not_dledger(root: Path) -> None:
+    """A store without ``commitlog/`` but with ``dledger-<id>/`` is a DLedger broker's (``enableDLegerCommitLog``):
+    its log is DLedger's entries, each message inside DLedger's own framing, which rocketstore does not read."""
+    try:
+        with os.scandir(root) as entries:
+            dledger = sorted(entry.name for entry in entries if entry.name.startswith("dledger-") and entry.is_dir())
+    except OSError:
+        return
+    if dledger:
+        raise UnsupportedLayoutError(f"{root} holds a DLedger commit log ({', '.join(dledger)}/), not commitlog/: "
+                                     "rocketstore does not read DLedger's entries. Nothing was changed")
 
 
 def check_writer_layout(root: Path, topic_config) -> None:

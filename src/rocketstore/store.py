@@ -29,7 +29,7 @@ from .brokerconfig import (
     checked,
     group_name,
 )
-from .brokerlayout import batch_cq_topics, check_writer_layout
+from .brokerlayout import batch_cq_topics, check_not_dledger, check_writer_layout
 from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
 from .codec.msgid import create_offset_msg_id
@@ -99,6 +99,8 @@ def _check_log_directory(root: Path, writer: bool = False) -> None:
                                  "exist (a disk not mounted?): refusing to open the store")
     if log_dir.exists() and not log_dir.is_dir():
         raise StoreNotFoundError(errno.ENOTDIR, f"{log_dir} is not a directory: refusing to open the store")
+    if not log_dir.exists():
+        check_not_dledger(root)  # its log is elsewhere: "create an empty commitlog" would be the wrong advice
     if writer and not log_dir.exists():
         derived = [name for name in ("consumequeue", "index") if _holds_files(root / name)]
         if derived:

@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from .. import Message, MessageStore, StoreConfig
-from ..brokerlayout import ROCKSDB_QUEUES
+from ..brokerlayout import ROCKSDB_QUEUES, check_not_dledger
 from ..config import GEOMETRY, broker_conf_store_root, broker_conf_values, broker_sizes, detect_config
 from ..errors import MessageNotFoundError, RocketStoreError, StoredButNotClosedError
 from ..reads import GetMessageStatus
@@ -123,6 +123,7 @@ def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int |
         store_dir = broker_conf_store_root(broker_conf) or store_dir
     root = Path(store_dir).expanduser()
     if must_exist and not (root / "commitlog").is_dir():
+        check_not_dledger(root)
         raise Failure(f"{root} holds no store (no commitlog directory); pass --store DIR")
     values = broker_conf_values(broker_conf) if broker_conf else {}
     values.update((k, v) for k, v in (("max_hash_slot_num", max_hash_slot_num), ("max_index_num", max_index_num),
