@@ -150,3 +150,23 @@ def test_a_dledger_store_is_refused_to_every_open_with_what_it_is(tmp_path):
     refused = cli("print-msg", "--store", str(root), "-t", "TopicA", check=False)
     assert refused.returncode == 1 and "DLedger" in refused.stderr and "Traceback" not in refused.stderr
     assert tree(root) == before
+
+
+def test_units_whose_tags_code_is_a_consume_queue_ext_address_are_filtered_by_their_records_tags(tmp_path):
+    """A broker with enableConsumeQueueExt keeps the real tags code in consumequeue_ext/ and an address (at most
+    Integer.MIN_VALUE - 1) in the unit: a tag subscription dropped every such message."""
+    root = tmp_path / "s"
+    with MessageStore.open(root, CONFIG) as store:
+        for i in range(4):
+            store.put_message(Message("TopicA", f"m{i}".encode(), tags="TagA" if i % 2 else "TagB"))
+        store.wait_for_dispatch()
+    unit_file = root / "consumequeue" / "TopicA" / "0" / "00000000000000000000"
+    data = bytearray(unit_file.read_bytes())
+    for n in range(4):
+        struct.pack_into(">q", data, n * UNIT.size + 12, -(1 << 31) - 1 - 40 * n)
+    unit_file.write_bytes(bytes(data))
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        assert [m.body for m in store.get_message("TopicA", 0, 0, tags="TagA").messages] == [b"m1", b"m3"]
+        rows = [b for batch in store.queue_arrow("TopicA", 0, tags="TagB") for b in batch.column("body").to_pylist()]
+        assert rows == [b"m0", b"m2"]
+    assert verify_store(root, CONFIG).clean

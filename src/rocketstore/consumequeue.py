@@ -31,6 +31,10 @@ from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, replace_f
 from .mapped.file_queue import MappedFileQueue
 
 CQ_UNIT_SIZE = 20
+# tags codes at or below this are addresses in consumequeue_ext/ (``ConsumeQueueExt.isExtAddr``, a broker with
+# enableConsumeQueueExt): the real tags code is there, so a unit with one passes any tags-code test and its
+# record's TAGS decide
+EXT_ADDR_MAX = -(1 << 31) - 1
 CONSUMEQUEUE_DIR = "consumequeue"
 QUEUE_ENDS_FILE = "queueEnds.json"  # rocketstore's: every queue's end at the last clean close (RocketMQ ignores it)
 UNIT_FMT = ">qiq"

@@ -20,7 +20,7 @@ from .codec.msgid import decode_offset_msg_id
 from .codec.record import decode_v4_at
 from .commitlog import CommitLog
 from .config import StoreConfig
-from .consumequeue import ConsumeQueueTable
+from .consumequeue import EXT_ADDR_MAX, ConsumeQueueTable
 from .encoder import PARKED_TOPICS
 from .errors import (
     CorruptDataError,
@@ -134,7 +134,7 @@ class StoreReader:
             if result.messages and (len(result.messages) + 1 > max_msgs or total + size > max_total_bytes):
                 break
             result.next_begin_offset = offset + i + 1
-            if codes is not None and _int32(tags_code) not in codes:
+            if codes is not None and _int32(tags_code) not in codes and tags_code > EXT_ADDR_MAX:
                 continue
             if phy < log_min:
                 result.status = GetMessageStatus.MESSAGE_WAS_REMOVING
@@ -209,7 +209,8 @@ class StoreReader:
             phy = units["phy"].astype(np.int64)
             keep = phy >= self.commit_log.min_offset
             if codes is not None:
-                keep &= np.isin(units["tags"].astype(np.int32).astype(np.int64), codes)
+                tags_codes = units["tags"].astype(np.int64)
+                keep &= np.isin(tags_codes.astype(np.int32).astype(np.int64), codes) | (tags_codes <= EXT_ADDR_MAX)
             phy, queue_offsets = phy[keep], queue_offsets[keep]
             records = decode_at(self.commit_log, phy, check_crc=check,
                                 verify_prop_crc=check and self.config.force_verify_prop_crc,

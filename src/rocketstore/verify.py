@@ -46,7 +46,14 @@ from .codec.properties import PropertyName
 from .codec.record import message_from_layout, read_layout
 from .commitlog import CommitLog
 from .config import StoreConfig
-from .consumequeue import CONSUMEQUEUE_DIR, CQ_UNIT_SIZE, PRE_BLANK_SIZE, UNIT_DTYPE, ConsumeQueueTable
+from .consumequeue import (
+    CONSUMEQUEUE_DIR,
+    CQ_UNIT_SIZE,
+    EXT_ADDR_MAX,
+    PRE_BLANK_SIZE,
+    UNIT_DTYPE,
+    ConsumeQueueTable,
+)
 from .dispatch import DISPATCH_ROWS, index_topic_of, tags_code_of
 from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC, TIMER_TOPIC, java_integer
 from .errors import ConfigError, CorruptDataError
@@ -481,7 +488,7 @@ def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, 
     at, found = records.find(phys)
     placed = found & (records.queue[at] == queue_number) & (records.size[at] == sizes) \
         & (records.queue_offset[at] == queue_offsets)
-    mismatch = placed & (records.tags_code[at] != tags)
+    mismatch = placed & (records.tags_code[at] != tags) & (tags > EXT_ADDR_MAX)  # an ext address: not checkable
     if len(records.legacy_rows) and mismatch.any():  # a timer unit an earlier version wrote with its due time: sound
         rows = np.flatnonzero(mismatch)
         j = np.minimum(np.searchsorted(records.legacy_rows, at[rows]), len(records.legacy_rows) - 1)
