@@ -34,6 +34,7 @@ CASES = [
     ("q = 'it''s'", True),
     ("f > 2", False),  # Integer.valueOf("2.5") fails: the message is not selected
     ("f > 2.0", True), ("f > a", False), ("a > f", True),  # two properties compare as doubles
+    ("a > 0", True), ("a = 10L", True),
     ("big > 1", False), ("big > 1L", False), ("big > 2147483648", True),  # 1 and 1L are Integers: "3e9" does not fit
     ("t = TRUE", True), ("b = TRUE", False), ("1 = TRUE", False),
     ("TRUE", True), ("FALSE", False), ("NULL", False), ("a", False),  # a property alone is never TRUE
@@ -63,6 +64,9 @@ REFUSED = [
     ("a CONTAINS b", "quoted string"), ("a IS 5", "expected 'NOT'"), ("(a = 1", "expected ')'"),
     ("é = 1", "unexpected character"), ("", "empty"), ("   ", "empty"),
     ("a > 5 -- no line end", "after the expression"),
+    # RocketMQ's lexer has no L after a lone 0: "0L" is 0 then a name, so what follows it is not read (here: refused)
+    ("a = 0L", "after the expression"), ("a = 0l OR b = 1", "after the expression"),
+    ("a BETWEEN 0L AND 10", "expected 'AND'"),
 ]
 
 

@@ -9,7 +9,8 @@ filter module (an ActiveMQ selector grammar), written here from its rules:
   is TRUE. A missing property is NULL: ``a = 1`` and ``a <> 1`` are both unknown, ``a IS NULL`` is TRUE.
 - ``=``, ``<>``, ``>``, ``>=``, ``<``, ``<=``, ``[NOT] BETWEEN x AND y``, ``[NOT] IN ('a', 'b')``,
   ``IS [NOT] NULL``, ``[NOT] CONTAINS | STARTSWITH | ENDSWITH 'text'``; literals ``'text'`` (``''`` is a
-  quote), integers (``L`` suffix allowed), decimals, ``TRUE``, ``FALSE``, ``NULL``; keywords in any case.
+  quote), integers (``L`` suffix allowed, but not on ``0``: RocketMQ reads ``0L`` as ``0`` then a name ``L``),
+  decimals, ``TRUE``, ``FALSE``, ``NULL``; keywords in any case.
 - A property compared with a number is read as that number's Java type (``Integer.valueOf``,
   ``Long.valueOf``, ``Double.valueOf``); ``>`` and friends between two properties compare them as doubles.
   A property that is not such a number makes the expression fail for that message, which is then not
@@ -381,7 +382,7 @@ _TOKEN = re.compile(r"""
     (?P<space>[ \t\n\r\f]+)
   | (?P<comment>--[^\n\r]*(\r\n|\n|\r)|/\*[^*]*\*+([^*/][^*]*\*+)*/)  # "--" needs a line end, as RocketMQ's
   | (?P<float>(\d+\.\d*|\.\d+)([eE][+-]?\d+)?|\d+[eE][+-]?\d+)
-  | (?P<decimal>(0|[1-9]\d*)[lL]?)
+  | (?P<decimal>0|[1-9]\d*[lL]?)  # no L after a lone 0, as RocketMQ's DECIMAL_LITERAL: 0L is 0, then L
   | (?P<string>'([^']|'')*')
   | (?P<id>[A-Za-z_$][A-Za-z0-9_$]*)
   | (?P<op><>|>=|<=|[=><(),+-])
