@@ -100,6 +100,16 @@ def test_java_number_texts():
     assert compile_sql92("v > 1.5").matches({"v": "Infinity"}) and compile_sql92("v > 1.5").matches({"v": "NaN"})
 
 
+def test_hex_doubles_too_large_are_infinite_not_errors():
+    """Double.valueOf reads a hex value past Double.MAX_VALUE as infinity (float.fromhex raised OverflowError out of
+    matches, and serve's queue stuck on the message)."""
+    above, below = compile_sql92("v > 1.5"), compile_sql92("v < 1.5")
+    for text in ("0x1p99999", "0x" + "f" * 400 + "p0", "0x1p" + "9" * 50, "0x1p99999d"):
+        assert above.matches({"v": text}) and not below.matches({"v": text}), text
+        assert below.matches({"v": "-" + text}) and not above.matches({"v": "-" + text}), text
+    assert compile_sql92("v = 0.5").matches({"v": "0x" + "f" * 400 + "p-1601"})  # large digits, finite value
+
+
 # --- three-valued logic against an independent reference ------------------------------------------------------
 
 def _reference(tree, props):

@@ -92,7 +92,10 @@ def _java_double(text: str) -> float:
             return -math.inf if trimmed.startswith("-") else math.inf
         return float(trimmed.rstrip("fFdD"))
     if _HEX_TEXT.fullmatch(trimmed):
-        return float.fromhex(trimmed.rstrip("fFdD"))
+        try:
+            return float.fromhex(trimmed.rstrip("fFdD"))
+        except OverflowError:  # Java rounds a hex value past Double.MAX_VALUE to infinity, as it does a decimal
+            return -math.inf if trimmed.startswith("-") else math.inf
     raise _EvalError(f"{text!r} is not a number")
 
 
