@@ -100,6 +100,24 @@ def test_java_number_texts():
     assert compile_sql92("v > 1.5").matches({"v": "Infinity"}) and compile_sql92("v > 1.5").matches({"v": "NaN"})
 
 
+def test_integer_properties_of_any_length_are_read_as_java_reads_them():
+    """Integer.valueOf / Long.valueOf take any number of leading zeros and refuse what is out of range (the
+    message is then not selected); int() raised ValueError past 4,300 digits, out of matches."""
+    zeros = "0" * 5000
+    for expression in ("v = 1", "v = 1L", "v = 2147483648"):
+        number = expression.split("= ")[1].rstrip("L")
+        assert compile_sql92(expression).matches({"v": zeros + number}), expression
+        assert compile_sql92(expression).matches({"v": "+" + zeros + number}), expression
+        assert not compile_sql92(expression.replace("= ", "= -")).matches({"v": zeros + number}), expression
+        assert compile_sql92(expression.replace("= ", "= -")).matches({"v": "-" + zeros + number}), expression
+    assert compile_sql92("v = 7").matches({"v": "\u0660" * 5000 + "0" * 10 + "\u0667"})  # Arabic-Indic zeros
+    for text in ("1" + zeros, "-1" + zeros, "9" * 20, zeros + "2147483648"):
+        assert not compile_sql92("v = 1").matches({"v": text}), text[:30]
+        assert not compile_sql92("v <> 1").matches({"v": text}), text[:30]  # an evaluation failure, not FALSE
+    assert compile_sql92("v = 0").matches({"v": zeros}) and compile_sql92("v = 0").matches({"v": "-" + zeros})
+    assert not compile_sql92("v = 1L").matches({"v": "9" * 20})
+
+
 def test_hex_doubles_too_large_are_infinite_not_errors():
     """Double.valueOf reads a hex value past Double.MAX_VALUE as infinity (float.fromhex raised OverflowError out of
     matches, and serve's queue stuck on the message)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -68,11 +69,21 @@ def _kind(value: object) -> type:
 
 
 def _java_int(text: str, low: int, high: int) -> int:
-    """Integer.valueOf / Long.valueOf: an optional sign and decimal digits, nothing else, in range."""
+    """Integer.valueOf / Long.valueOf: an optional sign and decimal digits (any script's, as Character.digit reads
+    them), nothing else, in range. Leading zeros are dropped before converting: Java takes any number of them,
+    and int() refuses more than 4,300 digits."""
     body = text[1:] if text[:1] in "+-" else text
     if not body or not body.isdecimal():
         raise _EvalError(f"{text!r} is not an integer")
-    value = int(text)
+    digits = body.lstrip("0")
+    if not digits.isascii():  # another script's zeros: a loop, but only over the zeros
+        start = 0
+        while start < len(digits) and unicodedata.digit(digits[start]) == 0:
+            start += 1
+        digits = digits[start:]
+    if len(digits) > 19:  # past 64 bits whatever the digits
+        raise _EvalError(f"{text[:40]!r}... is out of range")
+    value = -int(digits or "0") if text[:1] == "-" else int(digits or "0")
     if not low <= value <= high:
         raise _EvalError(f"{text!r} is out of range")
     return value
