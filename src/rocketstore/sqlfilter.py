@@ -89,8 +89,10 @@ def _java_int(text: str, low: int, high: int) -> int:
     return value
 
 
-_DECIMAL_TEXT = re.compile(r"[+-]?(NaN|Infinity|((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?)[fFdD]?)", re.ASCII)
-_HEX_TEXT = re.compile(r"[+-]?0[xX]([0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)[pP][+-]?\d+[fFdD]?", re.ASCII)
+# Java's FloatingDecimal text. Each run of digits has one way to match (``\d+(\.\d*)?``, not ``\d+\.?\d*``, whose
+# two digit runs can split a long number n ways and made a failing match quadratic: 13 s for 16,000 digits)
+_DECIMAL_TEXT = re.compile(r"[+-]?(NaN|Infinity|(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?[fFdD]?)", re.ASCII)
+_HEX_TEXT = re.compile(r"[+-]?0[xX]([0-9a-fA-F]+(\.[0-9a-fA-F]*)?|\.[0-9a-fA-F]+)[pP][+-]?\d+[fFdD]?", re.ASCII)
 
 
 def _java_double(text: str) -> float:
