@@ -88,6 +88,74 @@ def test_not_a_string_and_nesting_beyond_the_limit_are_refused_not_crashes():
     assert not compile_sql92(" AND ".join(f"a > {i}" for i in range(20_000))).matches(PROPS)
 
 
+# the tokenizer as it was first written (quadratic on long runs of digits or "-", but right): the reference
+_OLD_TOKEN = re.compile(r"""
+    (?P<space>[ \t\n\r\f]+)
+  | (?P<comment>--[^\n\r]*(\r\n|\n|\r)|/\*[^*]*\*+([^*/][^*]*\*+)*/)
+  | (?P<float>(\d+\.\d*|\.\d+)([eE][+-]?\d+)?|\d+[eE][+-]?\d+)
+  | (?P<decimal>0|[1-9]\d*[lL]?)
+  | (?P<string>'([^']|'')*')
+  | (?P<id>[A-Za-z_$][A-Za-z0-9_$]*)
+  | (?P<op><>|>=|<=|[=><(),+-])
+""", re.VERBOSE | re.ASCII)
+
+
+def _old_tokens(expression: str) -> list[tuple[str, str, int]] | str:
+    out, pos = [], 0
+    while pos < len(expression):
+        match = _OLD_TOKEN.match(expression, pos)
+        if match is None:
+            return f"unexpected character at {pos}"
+        if match.lastgroup not in ("space", "comment"):
+            out.append((match.lastgroup, match.group(), pos))
+        pos = match.end()
+    return out
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet="0019.eE+-lLaN' */\n()=<>", max_size=24))
+def test_tokens_are_the_longest_matches_they_were(expression):
+    """The one-pass tokenizer splits every text as the first one did (JavaCC's longest match)."""
+    from rocketstore.sqlfilter import _tokens
+
+    try:
+        got = [(t.kind, t.text, t.pos) for t in _tokens(expression)[:-1]]
+    except InvalidFilterError as exc:
+        got = f"unexpected character at {int(str(exc).rsplit(' ', 1)[1]) - 1}"
+    expected = _old_tokens(expression)
+    if isinstance(got, list):  # keywords are ids to the reference
+        got = [("id" if kind == "keyword" else kind, expression[pos:pos + len(text)] if kind == "keyword" else text,
+                pos) for kind, text, pos in got]
+    assert got == expected
+
+
+def test_long_expressions_are_tokenized_in_linear_time():
+    """At each "0" of "a = 000...0" the float pattern rescanned the digits, and at each "-" of "---...a = 1" the
+    comment pattern looked to the end for a line end: 32 KB took 12 s, in serve's event loop. Now 0.1 s (64 KB:
+    0.2 s); the bound is far from both. Refusals are cached too: the same bad filter again is not parsed again."""
+    import time
+
+    for expression in ("a = " + "0" * 32_000, "-" * 32_000 + "a = 1", "a = 1 " + "-- x" * 8_000):
+        start = time.perf_counter()
+        with pytest.raises(InvalidFilterError):
+            compile_sql92(expression)
+        assert time.perf_counter() - start < 3.0, expression[:10]
+    with pytest.raises(InvalidFilterError, match=re.escape("found '1111111111111111111111111111111111111111...'")):
+        compile_sql92("a = 1 " + "1" * 100)  # a long token is quoted clipped
+
+
+def test_refusals_are_cached(monkeypatch):
+    from rocketstore import sqlfilter
+
+    parsed = []
+    real = sqlfilter._Parser
+    monkeypatch.setattr(sqlfilter, "_Parser", lambda expression: parsed.append(expression) or real(expression))
+    for _ in range(3):
+        with pytest.raises(InvalidFilterError, match="position 9"):
+            compile_sql92("a = 1 OR")
+    assert parsed == ["a = 1 OR"]
+
+
 def test_java_number_texts():
     """A property read as a number follows Java's parsers, not Python's."""
     cases = {"1_000": False, " 10 ": False, "+10": True, "0x10": False, "١٠": True}  # Integer.valueOf

@@ -394,15 +394,24 @@ def _negate(node: _Node) -> _Node:
 
 _KEYWORDS = {"NOT", "AND", "OR", "BETWEEN", "IN", "TRUE", "FALSE", "NULL", "IS", "CONTAINS", "STARTSWITH",
              "ENDSWITH"}
+# One alternative per first character, and none rescans what another gave up on, so tokenizing is linear: a
+# "float" tried before "decimal" at each "0" of "000...0" rescanned the digits, and "--" looked to the end for a
+# line end at each "-" of "---...-": 16 KB took 3 s.
 _TOKEN = re.compile(r"""
     (?P<space>[ \t\n\r\f]+)
-  | (?P<comment>--[^\n\r]*(\r\n|\n|\r)|/\*[^*]*\*+([^*/][^*]*\*+)*/)  # "--" needs a line end, as RocketMQ's
-  | (?P<float>(\d+\.\d*|\.\d+)([eE][+-]?\d+)?|\d+[eE][+-]?\d+)
-  | (?P<decimal>0|[1-9]\d*[lL]?)  # no L after a lone 0, as RocketMQ's DECIMAL_LITERAL: 0L is 0, then L
-  | (?P<string>'([^']|'')*')
+  | (?P<comment>/\*[^*]*\*+(?:[^*/][^*]*\*+)*/)
+  | (?P<dashes>--)  # a comment when a line end follows, else two minus signs: decided in _tokens
+  | (?P<number>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)  # a decimal or float: told apart in _tokens
+  | (?P<string>'[^']*(?:''[^']*)*')
   | (?P<id>[A-Za-z_$][A-Za-z0-9_$]*)
   | (?P<op><>|>=|<=|[=><(),+-])
 """, re.VERBOSE | re.ASCII)
+_LINE_END = re.compile(r"[^\n\r]*(?:\r\n|\n|\r)")
+
+
+def _clip(text: str) -> str:
+    """A token as an error message quotes it: a 16 KB number need not be repeated to its sender whole."""
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,18 +422,37 @@ class _Token:
 
 
 def _tokens(expression: str) -> list[_Token]:
+    """RocketMQ's tokens (JavaCC's longest match), in one pass."""
     out, pos = [], 0
+    last_line_end = max(expression.rfind("\n"), expression.rfind("\r"))
     while pos < len(expression):
         match = _TOKEN.match(expression, pos)
         if match is None:
             raise InvalidFilterError(f"unexpected character {expression[pos]!r} at position {pos + 1}")
         kind = match.lastgroup
         text = match.group()
-        if kind not in ("space", "comment"):
+        end = match.end()
+        if kind == "dashes":
+            if last_line_end > pos + 1:  # LINE_COMMENT needs a line end: skip to the first one
+                end = _LINE_END.match(expression, end).end()  # type: ignore[union-attr]
+            else:
+                out.append(_Token("op", "-", pos))
+                end = pos + 1
+        elif kind == "number":
+            if not text.isdigit():
+                out.append(_Token("float", text, pos))
+            else:  # DECIMAL_LITERAL is "0", or 1-9, digits and an optional L: "007L" is 0, 0 and 7L
+                first = pos + len(text) - len(text.lstrip("0"))
+                out.extend(_Token("decimal", "0", at) for at in range(pos, first))
+                if first < end:
+                    if expression[end:end + 1] in ("l", "L"):
+                        end += 1
+                    out.append(_Token("decimal", expression[first:end], first))
+        elif kind not in ("space", "comment"):
             if kind == "id" and text.upper() in _KEYWORDS:
                 kind, text = "keyword", text.upper()
             out.append(_Token(kind, text, pos))  # type: ignore[arg-type]
-        pos = match.end()
+        pos = end
     out.append(_Token("end", "", len(expression)))
     return out
 
@@ -454,7 +482,7 @@ class _Parser:
 
     def fail(self, what: str) -> None:
         token = self.peek()
-        found = "the end" if token.kind == "end" else repr(token.text)
+        found = "the end" if token.kind == "end" else repr(_clip(token.text))
         raise InvalidFilterError(f"{what} at position {token.pos + 1}, found {found}")
 
     def selector(self) -> _Node:
@@ -568,7 +596,7 @@ class _Parser:
             self.take()
             value = float(token.text)
             if math.isinf(value) or value < _DOUBLE_MIN:
-                raise InvalidFilterError(f"{token.text}: RocketMQ accepts decimals from {_DOUBLE_MIN} to "
+                raise InvalidFilterError(f"{_clip(token.text)}: RocketMQ accepts decimals from {_DOUBLE_MIN} to "
                                          "1.7976931348623157e308 (write 0 for zero)")
             return _constant(value, token.text)
         if token.kind == "keyword" and token.text in ("TRUE", "FALSE", "NULL"):
@@ -629,15 +657,23 @@ def subscription_filter(tags: object, sql: str | SqlFilter | None) -> SqlFilter 
 
 
 def compile_sql92(expression: str) -> SqlFilter:
-    """Parse ``expression`` (compiled filters are cached, as RocketMQ caches them). Raises
-    ``InvalidFilterError`` naming what is wrong and where."""
+    """Parse ``expression`` (compiled filters are cached, as RocketMQ caches them, and so are refusals: a client
+    sending the same bad filter again is answered without parsing it again). Raises ``InvalidFilterError``
+    naming what is wrong and where."""
     if not isinstance(expression, str):
         raise InvalidFilterError(f"an SQL92 filter is a string, not {type(expression).__name__}")
-    return _compiled(expression)
+    compiled = _compiled(expression)
+    if isinstance(compiled, str):
+        raise InvalidFilterError(compiled)
+    return compiled
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(expression: str) -> SqlFilter:
+def _compiled(expression: str) -> SqlFilter | str:
+    """The filter, or why it is refused (an exception is not cached by lru_cache, its message is)."""
     if not expression.strip():
-        raise InvalidFilterError("the SQL92 filter expression is empty")
-    return SqlFilter(expression, _Parser(expression).selector().evaluate)
+        return "the SQL92 filter expression is empty"
+    try:
+        return SqlFilter(expression, _Parser(expression).selector().evaluate)
+    except InvalidFilterError as exc:
+        return str(exc)
