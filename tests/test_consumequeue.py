@@ -65,6 +65,43 @@ def test_get_message_statuses_at_every_boundary(tmp_path, small_config):
         assert [m.queue_offset for m in store.get_message("T", 0, 0, tags="*").messages] == list(range(10))
 
 
+def test_tag_subscriptions_read_as_rocketmqs_filter_api_reads_them(tmp_path, small_config):
+    """FilterAPI.buildSubscriptionData: only None, "" or exactly "*" is every tag; otherwise the trimmed pieces
+    between "||" are tags taken literally, and nothing but "||" is refused. "A || *", " * " and " || " were all
+    read as every message."""
+    from rocketstore.reads import parse_tags
+    from rocketstore.sqlfilter import InvalidFilterError
+
+    readings = {None: None, "": None, "*": None, "A || *": {"A", "*"}, " * ": {"*"}, " || ": set(), "A||": {"A"},
+                "|| A ||": {"A"}, "|||": {"|"}, "A | B": {"A | B"}, "\x01A\x1f||\u3000": {"A", "\u3000"},
+                ("*",): {"*"}, (): set(), (" A ", "", "B"): {"A", "B"}}  # String.trim: up to U+0020 only
+    for tags, expected in readings.items():
+        assert parse_tags(tags) == expected, tags
+    for refused in ("||", "||||"):
+        with pytest.raises(InvalidFilterError, match="split error"):
+            parse_tags(refused)
+    with pytest.raises(InvalidQueryError, match="iterable of tags"):
+        parse_tags(["A", 5])
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        for i, tag in enumerate(["A", "B", "*", None, "A"]):
+            store.put_message(Message("T", b"m%d" % i, tags=tag, queue_id=0))
+        store.wait_for_dispatch()
+
+        def offsets(tags) -> list[int]:
+            return [m.queue_offset for m in store.get_message("T", 0, 0, 32, tags).messages]
+
+        assert offsets("A || *") == [0, 2, 4] and offsets(" * ") == [2]
+        assert offsets("*") == offsets("") == offsets(None) == [0, 1, 2, 3, 4]
+        r = store.get_message("T", 0, 0, 32, " || ")
+        assert (r.status, r.messages, r.next_begin_offset) == (GetMessageStatus.NO_MATCHED_MESSAGE, [], 5)
+        with pytest.raises(InvalidFilterError):
+            store.get_message("T", 0, 0, 32, "||")
+        for tags, expected in (("A || *", [b"m0", b"m2", b"m4"]), (" || ", [])):
+            with store.consumer("G" + str(len(expected)), "T", tags=tags) as consumer:
+                assert [m.body for m in consumer.poll(timeout=0.2)] == expected, tags
+
+
 def test_offset_too_small_and_message_was_removing_after_retention(tmp_path, small_config):
     config = small_config.replace(file_reserved_time=0)
     with MessageStore.open(tmp_path, config) as store:

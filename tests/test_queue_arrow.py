@@ -15,8 +15,8 @@ from rocketstore.codec.batch import message_row, rows_batch
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 16,
                      max_hash_slot_num=97, max_index_num=500)
-TAGS = ["Aa", "BB", "C", None]  # "Aa" and "BB" share a tags code
-SUBSCRIPTIONS = [None, "*", "Aa", "BB || C", "Aa || X", "C"]
+TAGS = ["Aa", "BB", "C", "*", None]  # "Aa" and "BB" share a tags code
+SUBSCRIPTIONS = [None, "*", "Aa", "BB || C", "Aa || X", "C", "C || *", " * ", " || "]  # * is a tag unless alone
 
 
 def paged(store: MessageStore, topic: str, queue_id: int, begin: int, end: int, tags) -> list[dict]:

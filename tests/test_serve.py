@@ -608,6 +608,17 @@ def test_sql92_subscriptions_select_by_properties_and_bad_ones_are_refused(serve
         replies = server.call("ReceiveMessage", receive, pb.ReceiveMessageResponse, stream=True)
         assert replies[0].status.code == pb.Code.ILLEGAL_FILTER_EXPRESSION and not any(
             r.HasField("message") for r in replies), bad
+    # tags as RocketMQ's FilterAPI reads them: "*" alone is every tag, else a literal one; only "||" is refused
+    for tags, bodies in (("Paid || *", [b"sale 1", b"sale 3", b"sale 5", b"sale 7"]), (" * ", []), (" || ", [])):
+        pull.filter_expression.CopyFrom(pb.FilterExpression(type=pb.FilterType.TAG, expression=tags))
+        pulled = server.call("PullMessage", pull, pb.PullMessageResponse, stream=True)
+        assert [r.message.body for r in pulled if r.HasField("message")] == bodies, tags
+    pull.filter_expression.expression = receive.filter_expression.expression = "||"
+    receive.filter_expression.type = pb.FilterType.TAG
+    assert server.call("PullMessage", pull, pb.PullMessageResponse, stream=True)[0].status.code == \
+        pb.Code.ILLEGAL_FILTER_EXPRESSION
+    assert server.call("ReceiveMessage", receive, pb.ReceiveMessageResponse, stream=True)[0].status.code == \
+        pb.Code.ILLEGAL_FILTER_EXPRESSION
     assert server.stop() == 0
 
 

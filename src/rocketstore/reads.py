@@ -33,7 +33,7 @@ from .errors import (
 )
 from .index.service import IndexService, build_key
 from .message import MessageExt
-from .sqlfilter import SqlFilter, subscription_filter
+from .sqlfilter import InvalidFilterError, SqlFilter, subscription_filter
 
 LONG_MAX = (1 << 63) - 1
 MAX_TOTAL_MSG_SIZE = 128 << 20  # maxTransferBytesOnMessageInDisk-style cap on one getMessage batch
@@ -68,18 +68,34 @@ class GetMessageResult:
     unreadable: list[int] = field(default_factory=list)
 
 
+_JAVA_TRIM = "".join(map(chr, range(33)))  # String.trim: every character up to the space
+
+
 def parse_tags(tags: str | Iterable[str] | None) -> set[str] | None:
-    """A subscription: ``"TagA || TagB"``, an iterable of tags, or None / ``"*"`` for everything."""
+    """A tag subscription, as RocketMQ's ``FilterAPI.buildSubscriptionData`` reads it: None, ``""`` or exactly
+    ``"*"`` is every message (None); otherwise the pieces between ``||``, trimmed, empty ones dropped, are the tags,
+    matched literally: ``"A || *"`` is the tags ``A`` and ``*``, ``" * "`` the tag ``*``, ``" || "`` none at all
+    (the empty set: nothing matches). An iterable is the tags themselves, each one literal.
+
+    Raises ``InvalidFilterError`` for a string of nothing but ``||`` (Java's split leaves no piece: RocketMQ refuses
+    it, "subString split error"), ``InvalidQueryError`` for what is neither a string nor an iterable of them."""
     if tags is None:
         return None
-    try:
-        items = [t.strip() for t in (tags.split("||") if isinstance(tags, str) else tags)]
-    except (TypeError, AttributeError):
-        raise InvalidQueryError(f"tags are a subscription string or an iterable of tags, not {tags!r}") from None
-    items = [t for t in items if t]
-    if not items or "*" in items:
-        return None
-    return set(items)
+    if isinstance(tags, str):
+        if tags in ("", "*"):
+            return None
+        pieces = tags.split("||")
+        if not any(pieces):
+            raise InvalidFilterError(f"tag subscription {tags!r} has only '||' separators, no tags (RocketMQ: "
+                                     "subString split error)")
+    else:
+        try:
+            pieces = list(tags)
+        except TypeError:
+            pieces = [None]
+        if not all(isinstance(piece, str) for piece in pieces):
+            raise InvalidQueryError(f"tags are a subscription string or an iterable of tags, not {tags!r}")
+    return {tag for tag in (piece.strip(_JAVA_TRIM) for piece in pieces) if tag}
 
 
 class StoreReader:
@@ -118,7 +134,7 @@ class StoreReader:
             return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_ONE, offset, low, high)
         if offset > high:
             return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_BADLY, high, low, high)
-        codes = {java_string_hash(t) for t in wanted} if wanted else None
+        codes = {java_string_hash(t) for t in wanted} if wanted is not None else None
         max_units = max(16000, max_msgs * 20) // 20
         try:
             units, next_file = queue.units_from(offset, max_units)
@@ -187,7 +203,8 @@ class StoreReader:
         if queue is None:
             return
         wanted = parse_tags(tags)
-        codes = np.array(sorted({java_string_hash(t) for t in wanted}), dtype=np.int64) if wanted else None
+        codes = np.array(sorted({java_string_hash(t) for t in wanted}), dtype=np.int64) if wanted is not None \
+            else None
         offset = queue.min_offset_in_queue if begin is None else max(begin, queue.min_offset_in_queue)
         high = queue.max_offset_in_queue if end is None else min(end, queue.max_offset_in_queue)
         check = self.config.check_crc_on_read

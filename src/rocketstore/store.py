@@ -1034,7 +1034,8 @@ class MessageStore:
                     ) -> GetMessageResult:
         """Messages of one queue from a queue offset (``getMessage``), with RocketMQ's statuses.
 
-        ``tags`` is a subscription such as ``"TagA || TagB"`` (None or ``"*"``: all); ``sql`` instead an SQL92
+        ``tags`` is a subscription such as ``"TagA || TagB"`` (None, ``""`` or exactly ``"*"``: all; see
+        ``reads.parse_tags``); ``sql`` instead an SQL92
         expression over the messages' properties, as RocketMQ's ``MessageSelector.bySql`` (see ``sqlfilter``).
         """
         self._check_open()

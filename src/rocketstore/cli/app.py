@@ -601,7 +601,7 @@ def print_msg(topic, begin, end, sub_expression, sql, body, as_json, **kwargs) -
     """Every message of a topic, queue by queue, optionally in a time window (like mqadmin printMsg)."""
     from ..sqlfilter import select_rows
 
-    if sql is not None and sub_expression.strip() != "*":
+    if sql is not None and sub_expression not in ("", "*"):  # " * " is the tag "*", as RocketMQ reads it
         raise click.UsageError("filter by tags (-s) or by --sql, not both")
     start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
     with read_only_store(_store_args(kwargs)) as store:

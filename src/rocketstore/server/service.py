@@ -49,6 +49,7 @@ from ..errors import (
     TopicNotExistError,
 )
 from ..message import Message, MessageExt, PutMessageStatus
+from ..reads import parse_tags
 from ..sqlfilter import InvalidFilterError, SqlFilter, compile_sql92
 from ..store import MessageStore
 from ..transaction import TransactionLog, UnknownTransactionError
@@ -172,8 +173,9 @@ def check_invisible(invisible_ms: int) -> None:
 
 
 def subscription(expression) -> tuple[str | None, SqlFilter | None]:
-    """(tags, SQL92 filter) of a request's ``FilterExpression``: a TAG expression (empty or ``*``: every
-    message) or a compiled SQL92 one; an expression that does not compile is ILLEGAL_FILTER_EXPRESSION."""
+    """(tags, SQL92 filter) of a request's ``FilterExpression``: a TAG expression (empty or exactly ``*``: every
+    message; else tags between ``||``, as ``parse_tags`` reads them) or a compiled SQL92 one; an expression that
+    does not compile, or tags RocketMQ's ``FilterAPI`` refuses (only ``||``), is ILLEGAL_FILTER_EXPRESSION."""
     if expression.type == pb.FilterType.SQL:
         if len(expression.expression) > MAX_SQL92_LENGTH:
             raise Status(pb.Code.ILLEGAL_FILTER_EXPRESSION, f"the SQL92 filter is {len(expression.expression):,} "
@@ -182,6 +184,10 @@ def subscription(expression) -> tuple[str | None, SqlFilter | None]:
             return None, compile_sql92(expression.expression)
         except InvalidFilterError as exc:
             raise Status(pb.Code.ILLEGAL_FILTER_EXPRESSION, f"SQL92 filter {expression.expression!r}: {exc}") from None
+    try:
+        parse_tags(expression.expression)
+    except InvalidFilterError as exc:
+        raise Status(pb.Code.ILLEGAL_FILTER_EXPRESSION, str(exc)) from None
     return expression.expression or None, None
 
 
