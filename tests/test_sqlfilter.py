@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,43 @@ def test_refusals_are_cached(monkeypatch):
         with pytest.raises(InvalidFilterError, match="position 9"):
             compile_sql92("a = 1 OR")
     assert parsed == ["a = 1 OR"]
+
+
+def test_nesting_up_to_the_limit_is_accepted_and_fits_the_recursion_limit():
+    """MAX_DEPTH parentheses, NOTs or operators over operators are accepted and one more is refused (64 refused
+    what RocketMQ accepts at 63); the deepest accepted parse and match fit in 5 * MAX_DEPTH + 20 frames, with room
+    for any caller's own."""
+    import sys
+
+    deepest = {
+        "(" * MAX_DEPTH + "a = 10" + ")" * MAX_DEPTH: True,
+        "NOT " * (MAX_DEPTH - 1) + "(a = 10)": MAX_DEPTH % 2 == 1,
+        "NOT " * (MAX_DEPTH - 1) + "t": MAX_DEPTH % 2 == 0,
+        "- " * (MAX_DEPTH - 1) + "a > 1": MAX_DEPTH % 2 == 1,
+        "a = (" * MAX_DEPTH + "a" + ")" * MAX_DEPTH: False,
+        "NOT (" * (MAX_DEPTH // 2) + "a = 10" + ")" * (MAX_DEPTH // 2): MAX_DEPTH % 4 == 0,
+    }
+    over = MAX_DEPTH + 1
+    beyond = ["(" * over + "a = 10" + ")" * over, "NOT " * MAX_DEPTH + "(a = 10)", "NOT " * MAX_DEPTH + "t",
+              "- " * MAX_DEPTH + "a > 1", "a = (" * over + "a" + ")" * over, " = ".join("a" * (over + 1))]
+    frames = 5 * MAX_DEPTH + 20
+    assert frames + 300 <= sys.getrecursionlimit()
+
+    def depth() -> int:
+        frame, count = sys._getframe(), 0
+        while frame is not None:
+            frame, count = frame.f_back, count + 1
+        return count
+
+    def with_frames_left(left: int, run: Callable[[], object]) -> object:
+        return run() if depth() + left >= sys.getrecursionlimit() else with_frames_left(left, run)
+
+    for expression, selected in deepest.items():
+        filter_ = with_frames_left(frames, lambda e=expression: compile_sql92(e))
+        assert with_frames_left(frames, lambda f=filter_: f.matches(PROPS)) is selected, expression[:20]
+    for expression in beyond:
+        with pytest.raises(InvalidFilterError, match=f"nested more than {MAX_DEPTH} deep"):
+            with_frames_left(frames, lambda e=expression: compile_sql92(e))
 
 
 def test_java_number_texts():

@@ -19,6 +19,12 @@ filter module (an ActiveMQ selector grammar), written here from its rules:
   ``BETWEEN 5 AND 1``, ``5 IN ('5')``, a bare number, an integer beyond 64 bits, and ``0.0`` (RocketMQ rejects a
   decimal below ``Double.MIN_VALUE``, so zero too: kept, so what works here works on a broker).
 
+Limits: an expression nested more than ``MAX_DEPTH`` (128) deep is refused: parentheses and the NOT or signs
+before them, and operators whose operand is another's result (``a = (b = (c = 1))``); a chain of AND or OR counts
+once however long. Parsing and matching then take at most ``5 * MAX_DEPTH + 20`` of Python's 1,000 frames, leaving
+a caller 300 (RocketMQ, on Java's stack, accepts hundreds of levels; no hand-written filter comes near either).
+Property texts and expressions are read in linear time, and a refused expression is remembered like a compiled one.
+
 One deliberate difference: RocketMQ stops parsing after the first complete expression and ignores what
 follows (``a = 1 b = 2`` selects on ``a = 1``); here anything after it is an error, since it always is
 one in the subscriber's code.
@@ -204,7 +210,7 @@ class _Node:
     value: object = None  # the constant's value
     prop: str | None = None  # a property reference
     text: str = ""
-    depth: int = 1  # how deep evaluating it recurses
+    depth: int = 0  # how deep evaluating it recurses below a value (a property or a literal: 0)
     op: str = ""  # "AND" / "OR" for a chain of them
     operands: tuple[_Node, ...] = ()
 
@@ -212,7 +218,12 @@ class _Node:
         return self.text
 
 
-MAX_DEPTH = 64  # nested expressions; a chain of AND or OR counts once, however long
+# Nesting: parentheses and the prefix operators before them while parsing, operators over operators once
+# parsed (a chain of AND or OR counts once, however long). A parenthesis costs the parser five Python frames and a
+# level costs evaluation one, so MAX_DEPTH levels take at most 5 * MAX_DEPTH + 20 of the interpreter's 1,000
+# (sys.getrecursionlimit()), leaving the caller over 300. RocketMQ's JavaCC parser accepts more, into the
+# hundreds; no one writes that by hand.
+MAX_DEPTH = 128
 
 
 def _node(evaluate: Evaluate, *children: _Node, **fields: object) -> _Node:
@@ -461,7 +472,7 @@ class _Parser:
     def __init__(self, expression: str) -> None:
         self.tokens = _tokens(expression)
         self.i = 0
-        self.nesting = 0  # parentheses and prefix operators open now: the parser's own recursion
+        self.nesting = 0  # parentheses open now, and the prefix operators before them
 
     def peek(self, ahead: int = 0) -> _Token:
         return self.tokens[min(self.i + ahead, len(self.tokens) - 1)]
@@ -491,22 +502,29 @@ class _Parser:
             self.fail("unexpected text after the expression")
         return node
 
+    # orExpression and andExpression: ``x OR y OR z`` is one node for the whole run (built once, not once per
+    # operand). Written out twice, not through a shared helper: each call on the way down to a parenthesis is a
+    # Python frame per nesting level (see MAX_DEPTH).
+
     def or_expression(self) -> _Node:
-        return self._chain("OR", self.and_expression)
-
-    def and_expression(self) -> _Node:
-        return self._chain("AND", self.equality)
-
-    def _chain(self, op: str, operand: Callable[[], _Node]) -> _Node:
-        """``x op y op z``: one node for the whole run (built once, not once per operand)."""
-        first = operand()
-        if not self.at(op):
+        first = self.and_expression()
+        if not self.at("OR"):
             return first
         operands = [_as_boolean(first)]
-        while self.at(op):
+        while self.at("OR"):
             self.take()
-            operands.append(_as_boolean(operand()))
-        return _logic(op, *operands)
+            operands.append(_as_boolean(self.and_expression()))
+        return _logic("OR", *operands)
+
+    def and_expression(self) -> _Node:
+        first = self.equality()
+        if not self.at("AND"):
+            return first
+        operands = [_as_boolean(first)]
+        while self.at("AND"):
+            self.take()
+            operands.append(_as_boolean(self.equality()))
+        return _logic("AND", *operands)
 
     def equality(self) -> _Node:
         left = self.comparison()
@@ -559,25 +577,28 @@ class _Parser:
                 return left
 
     def unary(self) -> _Node:
-        self.nesting += 1
-        try:
-            if self.nesting > MAX_DEPTH:
-                raise InvalidFilterError(f"the SQL92 filter is nested more than {MAX_DEPTH} deep")
-            return self._unary()
-        finally:
-            self.nesting -= 1
-
-    def _unary(self) -> _Node:
-        if self.at("+"):
+        """unaryExpr and a parenthesis: signs and NOT are read in a loop, so only a parenthesis recurses (five
+        frames: unary, or_expression, and_expression, equality, comparison)."""
+        prefixes = []
+        while self.at("+", "-", "NOT"):
+            prefixes.append(self.take().text)
+        opened = len(prefixes) + self.at("(")
+        if self.nesting + opened > MAX_DEPTH:
+            raise InvalidFilterError(f"the SQL92 filter is nested more than {MAX_DEPTH} deep")
+        if self.at("("):
+            self.nesting += opened
             self.take()
-            return self.unary()
-        if self.at("-"):
-            self.take()
-            return _negate(self.unary())
-        if self.at("NOT"):
-            self.take()
-            return _logic_not(_as_boolean(self.unary()))
-        return self.primary()
+            node = self.or_expression()
+            self.expect(")")
+            self.nesting -= opened
+        else:
+            node = self.primary()
+        for op in reversed(prefixes):
+            if op == "-":
+                node = _negate(node)
+            elif op == "NOT":
+                node = _logic_not(_as_boolean(node))
+        return node
 
     def primary(self) -> _Node:
         token = self.peek()
@@ -605,11 +626,6 @@ class _Parser:
         if token.kind == "id":
             self.take()
             return _property(token.text)
-        if self.at("("):
-            self.take()
-            node = self.or_expression()
-            self.expect(")")
-            return node
         self.fail("expected a value, a property or '('")
         raise AssertionError  # fail raised
 
