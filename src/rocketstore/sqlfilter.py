@@ -14,7 +14,8 @@ filter module (an ActiveMQ selector grammar), written here from its rules:
 - A property compared with a number is read as that number's Java type (``Integer.valueOf``,
   ``Long.valueOf``, ``Double.valueOf``); ``>`` and friends between two properties compare them as doubles.
   A property that is not such a number makes the expression fail for that message, which is then not
-  selected (RocketMQ logs it and skips the message).
+  selected (RocketMQ logs it and skips the message). As in Java, an integer may have any number of leading
+  zeros (and is out of range past 64 bits however long), and a double too large is infinity, hex ones too.
 - What RocketMQ refuses when it parses, this refuses with ``InvalidFilterError``: ``a = NULL``, ``'x' > a``,
   ``BETWEEN 5 AND 1``, ``5 IN ('5')``, a bare number, an integer beyond 64 bits, and ``0.0`` (RocketMQ rejects a
   decimal below ``Double.MIN_VALUE``, so zero too: kept, so what works here works on a broker).
