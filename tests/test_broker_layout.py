@@ -114,6 +114,11 @@ def test_a_batch_cq_store_is_refused_to_writers_and_rebuilds_and_changes_nothing
         with pytest.raises(UnsupportedLayoutError, match="BatchCQ topic"):
             store.get_message("BatchTopic", 0, 0)
     assert any("BatchCQ" in note for note in verify_store(root, CONFIG).not_checked)
+    listed = [json.loads(line) for line in cli("topic", "list", "--store", str(root), "--json").stdout.splitlines()]
+    messages = {row["topic"]: row["messages"] for row in listed}
+    assert messages["TopicA"] == 6 and messages.get("BatchTopic") is None  # not read here: not 0
+    refused = cli("print-msg", "--store", str(root), "-t", "BatchTopic", check=False)
+    assert refused.returncode == 1 and "BatchCQ topic" in refused.stderr
 
 
 def test_consume_queues_in_rocksdb_are_refused_to_writers_and_never_read_as_empty(tmp_path):

@@ -605,6 +605,7 @@ def print_msg(topic, begin, end, sub_expression, sql, body, as_json, **kwargs) -
         raise click.UsageError("filter by tags (-s) or by --sql, not both")
     start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
     with read_only_store(_store_args(kwargs)) as store:
+        store.queues.check_managed(topic)  # a broker's LMQ/BatchCQ topic: said, not "no consume queues"
         queue_ids = store.queue_ids(topic)
         if not queue_ids:
             raise Failure(f"topic {topic} has no consume queues in this store")
@@ -784,8 +785,10 @@ def topic_list(as_json, **kwargs) -> None:
         rows = []
         for name in names:
             cfg = store.topic_config.get(name)
-            messages = sum(store.get_max_offset_in_queue(name, q) - store.get_min_offset_in_queue(name, q)
-                           for q in store.queue_ids(name))
+            # None for a broker's LMQ/BatchCQ topic (or queues in RocksDB): not read here, so not 0
+            messages = None if store.queues.unmanaged(name) else sum(
+                store.get_max_offset_in_queue(name, q) - store.get_min_offset_in_queue(name, q)
+                for q in store.queue_ids(name))
             rows.append({"topic": name, "writeQueueNums": cfg.write_queue_nums if cfg else None,
                          "readQueueNums": cfg.read_queue_nums if cfg else None, "perm": cfg.perm if cfg else None,
                          "messages": messages})
@@ -794,8 +797,8 @@ def topic_list(as_json, **kwargs) -> None:
             emit_json(row)
     else:
         _table("topics", ["topic", "write queues", "read queues", "perm", "messages"],
-               [[r["topic"], r["writeQueueNums"] or "-", r["readQueueNums"] or "-", r["perm"] or "-", r["messages"]]
-                for r in rows])
+               [[r["topic"], r["writeQueueNums"] or "-", r["readQueueNums"] or "-", r["perm"] or "-",
+                 "-" if r["messages"] is None else r["messages"]] for r in rows])
 
 
 @topic.command("create", epilog="Example:\n  rocketstore topic create -t OrderPaid -w 8")
