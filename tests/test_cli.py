@@ -816,3 +816,36 @@ def test_a_writing_command_whose_store_path_is_a_file_says_so_and_leaves_it(tmp_
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.rstrip().endswith(f"cannot create store root {path}: it exists and is not a directory")
     assert path.read_bytes() == b"an operator's file"
+
+
+def test_times_read_as_mqadmin_reads_them_to_the_millisecond_and_across_dst(monkeypatch):
+    """A float product read ~20% of the milliseconds of 2004 and 2038-2039 one early (a key query's window left its
+    last message out); local times at a DST change were an hour off mqadmin's calendar; mqadmin's milliseconds are
+    a count, not a fraction (the time-semantics review, checked against Java's SimpleDateFormat)."""
+    import datetime as dt
+    import random
+    import time
+
+    from rocketstore.cli.render import parse_time
+
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    try:
+        assert parse_time("2004-05-19T20:09:43.202Z") == parse_time("2004-05-19#20:09:43:202") == 1084997383202
+        rng = random.Random(7)
+        for ms in [rng.randrange(946684800000, 4102444800000) for _ in range(5000)]:
+            stamp = epoch + dt.timedelta(milliseconds=ms)
+            assert parse_time(stamp.isoformat()) == ms
+            assert parse_time(stamp.strftime("%Y-%m-%d#%H:%M:%S:") + f"{ms % 1000:03d}") == ms
+        monkeypatch.setenv("TZ", "America/New_York")
+        time.tzset()
+        assert parse_time("2024-11-03#01:30:00:000") == 1730615400000  # shown twice: the later (EST), as Java
+        assert parse_time("2024-03-10#02:30:00:000") == 1710055800000  # skipped: 03:30 EDT, as Java
+        assert parse_time("2024-03-10T02:30:00") == 1710055800000
+        assert parse_time("2024-03-10#12:00:00:5") == parse_time("2024-03-10#12:00:00:005")
+        assert parse_time("2024-03-10#12:00:00:1234") == parse_time("2024-03-10#12:00:01:234")
+        assert parse_time("2024-03-10#2:00:00:000") == parse_time("2024-03-10#03:00:00:000")
+    finally:
+        monkeypatch.undo()
+        time.tzset()

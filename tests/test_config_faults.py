@@ -158,7 +158,7 @@ HOSTILE = [
     ("topics.json", b'{"a":' * 100_000, "nests too deeply"),
     ("topics.json", b'{"topicConfigTable": []}', "topicConfigTable must be an object, not a list"),
     ("topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": "x"}}}',
-     "topicConfigTable.T.writeQueueNums must be an integer 0..2147483647, not 'x'"),
+     "topicConfigTable.T.writeQueueNums must be an integer 0..65535, not 'x'"),
     ("topics.json", b'{"topicConfigTable": {"T": {"readQueueNums": -1}}}', "topicConfigTable.T.readQueueNums"),
     ("topics.json", b'{"topicConfigTable": {"T": {"readQueueNums": 100000000000}}}', "T.readQueueNums"),
     ("topics.json", b'{"topicConfigTable": {"T": {"writeQueueNums": true}}}', "not true"),

@@ -258,8 +258,10 @@ _OFFSET = integer(0, _I64_MAX)
 _QUEUE_ID = integer(0, _I32_MAX)
 _QUEUE_NUMS = integer(1, MAX_QUEUE_NUMS)  # what a topic is created or updated with here
 # what a broker's file may hold: its admin stores any value (updateAndCreateTopic checks no range), and a
-# store must not lose every topic over one (0 write queues: a topic closed to producers)
-_STORED_QUEUE_NUMS = integer(0, _I32_MAX)
+# store must not lose every topic over one (0 write queues: a topic closed to producers). Bounded all the same:
+# readers walk range(readQueueNums), which 2**31 would hang
+MAX_STORED_QUEUE_NUMS = 65_535
+_STORED_QUEUE_NUMS = integer(0, MAX_STORED_QUEUE_NUMS)
 _PERM = integer(0, 15)
 _I32 = integer(-_I32_MAX - 1, _I32_MAX)
 TOPICS_SCHEMA = record({

@@ -985,7 +985,7 @@ class MessageStore:
         queue (``resetOffsetByTime``); returns the new offsets and persists them at once. This process's open
         consumers of the group read on from there (what they handed out before is not committed)."""
         self._check_open(write=True)
-        if to not in ("earliest", "latest") and (type(to) is not int or to < 0):
+        if to not in ("earliest", "latest") and type(to) is not int:  # before any message: each queue's start
             raise InvalidQueryError(f"reset to 'earliest', 'latest' or an epoch-ms timestamp, not {to!r}")
         checked(group_name, group, "group")  # before anything moves, even for a topic with no queue
         validate_topic(topic)

@@ -16,7 +16,12 @@ import click
 from ..codec.record import MAGIC_V1, MAGIC_V2
 from ..message import MessageExt
 
-_ROCKETMQ_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})#(\d{2}):(\d{2}):(\d{2}):(\d{3})", re.ASCII)
+# mqadmin's yyyy-MM-dd#HH:mm:ss:SSS as its lenient SimpleDateFormat reads it: a field may have fewer digits, and the
+# milliseconds are a count (":5" is 5 ms, ":1234" 1.234 s), not a fraction
+_ROCKETMQ_TIME = re.compile(r"(\d{4})-(\d{1,2})-(\d{1,2})#(\d{1,2}):(\d{1,2}):(\d{1,2}):(\d{1,9})", re.ASCII)
+_EPOCH = dt.datetime(1970, 1, 1)
+_EPOCH_UTC = _EPOCH.replace(tzinfo=dt.UTC)
+_MS = dt.timedelta(milliseconds=1)
 
 
 _EPOCH_MS = re.compile(r"-?[0-9]{1,25}", re.ASCII)
@@ -36,7 +41,7 @@ def parse_time(value: str | int | None, name: str = "time") -> int | None:
     try:
         if match:
             y, mo, d, h, mi, s, ms = map(int, match.groups())
-            stamp = dt.datetime(y, mo, d, h, mi, s, ms * 1000)
+            stamp = dt.datetime(y, mo, d, h, mi, s) + dt.timedelta(milliseconds=ms)
         else:
             stamp = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
@@ -44,10 +49,20 @@ def parse_time(value: str | int | None, name: str = "time") -> int | None:
                                  f"(e.g. 2026-11-21T09:30:00 or 2026-11-21T09:30:00+08:00)", param_hint=name) from None
     try:
         if stamp.tzinfo is None:
-            stamp = stamp.astimezone()  # local time, as mqadmin reads it
-        return int(stamp.timestamp() * 1000)
+            return _local_ms(stamp)
+        return (stamp - _EPOCH_UTC) // _MS  # integers: a float product read some times 1 ms early
     except (ValueError, OverflowError, OSError) as exc:  # year 1 in a zone east of UTC, and the like
         raise click.BadParameter(f"{value!r} is out of range: {exc}", param_hint=name) from None
+
+
+def _local_ms(stamp: dt.datetime) -> int:
+    """Epoch ms of a local wall-clock time as Java's calendar reads it (mqadmin): an hour a DST change shows twice
+    is the later one (standard time), an hour it skips is read past the change (02:30 is 03:30 summer time); both
+    are the later of Python's two readings (``fold``)."""
+    whole = stamp.replace(microsecond=0)
+    later = max(whole.replace(fold=0).timestamp(), whole.replace(fold=1).timestamp())  # whole seconds: exact
+    offset_s = round((whole - _EPOCH).total_seconds() - later)
+    return (stamp - _EPOCH) // _MS - offset_s * 1000
 
 
 def human_time(ms: int) -> str:
