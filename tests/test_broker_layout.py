@@ -175,3 +175,28 @@ def test_units_whose_tags_code_is_a_consume_queue_ext_address_are_filtered_by_th
         rows = [b for batch in store.queue_arrow("TopicA", 0, tags="TagB") for b in batch.column("body").to_pylist()]
         assert rows == [b"m0", b"m2"]
     assert verify_store(root, CONFIG).clean
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_the_next_segment_a_broker_creates_ahead_is_neither_damage_nor_kept(tmp_path, caplog, sparse):
+    """AllocateMappedFileService creates the next segment before the current one fills: on a running broker's
+    store, verify called that "a segment followed by another but with no BLANK record" (exit 1), and a writer's
+    open moved it to recovery/ as a torn tail, keeping 1 GiB there for good when its zeros were real."""
+    root = tmp_path / "s"
+    _store(root)
+    ahead = root / "commitlog" / f"{CONFIG.mapped_file_size_commit_log:020d}"
+    with open(ahead, "wb") as f:
+        if sparse:
+            f.truncate(CONFIG.mapped_file_size_commit_log)
+        else:
+            f.write(bytes(CONFIG.mapped_file_size_commit_log))
+    report = verify_store(root, CONFIG)
+    assert report.clean, report.problems
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        assert len(list(store.iter_messages())) == 6
+    with caplog.at_level("WARNING"), MessageStore.open(root, CONFIG) as store:
+        assert len(list(store.iter_messages())) == 6
+        store.put_message(Message("TopicA", b"after", queue_id=0))
+    assert "torn tail" not in caplog.text and not (root / "recovery").exists()
+    assert sorted(p.name for p in (root / "commitlog").iterdir()) == [f"{0:020d}"]  # deleted, as RocketMQ does
+    assert verify_store(root, CONFIG).clean

@@ -215,8 +215,8 @@ def _measure_after_end(commit_log: CommitLog, end_file: MappedFile, end_pos: int
     record at the end validates now (its writer finished it), nothing is reported."""
     files = commit_log.mapped_files.files
     later = files[files.index(end_file) + 1:]
-    report.bytes_after_end = (_last_nonzero_end(end_file, end_pos) - end_pos
-                              + sum(_last_nonzero_end(mapped, 0) for mapped in later))
+    report.bytes_after_end = (last_nonzero_end(end_file, end_pos) - end_pos
+                              + sum(last_nonzero_end(mapped, 0) for mapped in later))
     for mapped, pos in [(end_file, end_pos + 1), *((m, 0) for m in later)]:
         at = find_record_start(mapped.buffer, pos, mapped.file_size, mapped.file_from_offset, mapped.file_size)
         if at is not None and int.from_bytes(mapped.buffer[at + 4: at + 8], "big", signed=True) != BLANK_MAGIC:
@@ -245,7 +245,7 @@ def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report
     A BLANK record closing the last segment is not data: the log simply continues in its place,
     as RocketMQ does, so it is zeroed without being salvaged.
     """
-    tail_end = _last_nonzero_end(mapped, pos + BLANK_RECORD_LEN if at_blank else pos)
+    tail_end = last_nonzero_end(mapped, pos + BLANK_RECORD_LEN if at_blank else pos)
     if at_blank and tail_end == pos + BLANK_RECORD_LEN:
         mapped.buffer[pos:tail_end] = bytes(BLANK_RECORD_LEN)
         _sync_cut(mapped)
@@ -272,6 +272,10 @@ def _cut(commit_log: CommitLog, mapped: MappedFile, pos: int, root: Path, report
         report.cut_bytes = tail_end - pos
 
     def move_away(dropped: MappedFile) -> None:
+        if not _holds_data(dropped.path, dropped.file_size):  # a broker's next segment, made ahead, never written:
+            with contextlib.suppress(FileNotFoundError):  # deleted, as RocketMQ's recovery does (not 1 GiB kept)
+                os.unlink(dropped.path)
+            return
         target = unused_path(root / RECOVERY_DIR, f"commitlog-{dropped.path.name}-{stamp}", ".segment")
         with contextlib.suppress(FileNotFoundError):
             os.replace(dropped.path, target)
@@ -288,7 +292,7 @@ def _sync_cut(mapped: MappedFile) -> None:
                          ) from exc
 
 
-def _last_nonzero_end(mapped: MappedFile, start: int) -> int:
+def last_nonzero_end(mapped: MappedFile, start: int) -> int:
     """One past the last non-zero byte of ``mapped`` at or after ``start`` (``start`` if none).
 
     Holes are skipped with SEEK_DATA/SEEK_HOLE where the file system supports them, so a mostly
@@ -304,6 +308,25 @@ def _last_nonzero_end(mapped: MappedFile, start: int) -> int:
             if chunk != _ZERO_CHUNK[: len(chunk)]:
                 last = chunk_start + len(chunk.rstrip(b"\0"))
     return last
+
+
+def _holds_data(path: Path, size: int) -> bool:
+    """Whether the file has a non-zero byte (holes skipped; its mapping may be closed already)."""
+    try:
+        with open(path, "rb") as f:
+            for region_start, region_end in _data_regions(path, 0, size):
+                f.seek(region_start)
+                left = region_end - region_start
+                while left > 0:
+                    chunk = f.read(min(left, len(_ZERO_CHUNK)))
+                    if not chunk:
+                        break
+                    if chunk != _ZERO_CHUNK[: len(chunk)]:
+                        return True
+                    left -= len(chunk)
+    except OSError:
+        return True  # unreadable: kept, as data would be
+    return False
 
 
 def _data_regions(path: Path, start: int, end: int) -> list[tuple[int, int]]:

@@ -64,7 +64,7 @@ from .index.service import IndexService, build_key, chain_problem_at, index_keys
 from .lifecycle import is_locked
 from .mapped.file import MappedFile, parse_segment_name
 from .message import SysFlag
-from .recovery import recovered_log_end
+from .recovery import last_nonzero_end, recovered_log_end
 
 Progress = Callable[[str, int, int], None]
 _NOT_LIVE = 1 << 62  # a frontier past any offset: on a dead store every record must be in place
@@ -185,6 +185,10 @@ def _check_log(commit_log: CommitLog, config: StoreConfig, report: VerifyReport,
                            "not a segment (a segment's name is its 20-digit start offset): rocketstore does not read "
                            "it; RocketMQ would take a numeric name for a segment, or refuse to start"))
     stop_at = snapshot.end if snapshot else None
+    # segments after the last one holding data are a broker's next segments, created ahead (AllocateMappedFile-
+    # Service): the log ends before them, and they are neither damage nor read
+    while len(files) > 1 and last_nonzero_end(files[-1], 0) == 0:
+        files = files[:-1]
     total = sum(f.file_size for f in files)
     done = 0
     workers = max(1, min(os.cpu_count() or 1, len(files)))
@@ -221,14 +225,14 @@ def _scan_segment(mapped: MappedFile, size: int, last: bool) -> tuple[list[Dispa
             pos = stop.pos
             continue
         if stop.kind is StopKind.BLANK:  # nothing may follow it in this segment
-            tail = _nonzero_length(buf, stop.pos + 8)
+            tail = last_nonzero_end(mapped, stop.pos + 8) - (stop.pos + 8)  # holes skipped, not read
             if tail:
                 problems.append(Problem("commitlog", path, stop.offset + 8 + tail - 1,
                                         "non-zero bytes after the segment's BLANK record"))
         elif stop.kind is StopKind.DAMAGE:
             assert stop.error is not None
             if bytes(buf[stop.pos : stop.pos + 8]) == bytes(8):
-                tail = _nonzero_length(buf, stop.pos)
+                tail = last_nonzero_end(mapped, stop.pos) - stop.pos
                 if tail:
                     problems.append(Problem("commitlog", path, stop.offset + tail - 1,
                                             "non-zero bytes after the end of the log"))
@@ -239,17 +243,6 @@ def _scan_segment(mapped: MappedFile, size: int, last: bool) -> tuple[list[Dispa
                 problems.append(Problem("commitlog", path, stop.offset, stop.error.reason))
         break
     return batches, problems
-
-
-def _nonzero_length(buf, pos: int) -> int:
-    """Length of ``buf[pos:]`` without its trailing zero bytes (``len(bytes(...).rstrip(b"\\0"))`` without
-    copying a segment's unused hundreds of megabytes)."""
-    view = np.frombuffer(buf, dtype=np.uint8)[pos:]
-    try:
-        nonzero = np.flatnonzero(view)
-        return int(nonzero[-1]) + 1 if len(nonzero) else 0
-    finally:
-        del view  # no export may outlive the call: the mmap closes after verify
 
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
