@@ -200,3 +200,26 @@ def test_the_next_segment_a_broker_creates_ahead_is_neither_damage_nor_kept(tmp_
     assert "torn tail" not in caplog.text and not (root / "recovery").exists()
     assert sorted(p.name for p in (root / "commitlog").iterdir()) == [f"{0:020d}"]  # deleted, as RocketMQ does
     assert verify_store(root, CONFIG).clean
+
+
+def test_a_broker_conf_whose_commit_log_is_elsewhere_or_split_is_refused_not_read_as_missing(tmp_path):
+    """storePathCommitLog was ignored: a log kept outside the store root looked missing (and the error's advice,
+    an empty commitlog directory, started it over and dropped the broker's queues), and of a multi-path log only
+    the part under the root was read (257 of 700 messages silently missing)."""
+    root = tmp_path / "s"
+    _store(root)
+    before = tree(root)
+    cases = {f"storePathCommitLog={tmp_path / 'disk2' / 'commitlog'}": "keeps the commit log at",
+             f"storePathCommitLog={tmp_path / 'a' / 'commitlog'},{root / 'commitlog'}": "several directories",
+             f"readOnlyCommitLogStorePaths={tmp_path / 'old'}": "several directories"}
+    for line, said in cases.items():
+        conf = tmp_path / "broker.conf"
+        conf.write_text(f"storePathRootDir={root}\n{line}\nmaxHashSlotNum=97\nmaxIndexNum=388\n")
+        for command in (["query-by-key", "-t", "TopicA", "-k", "k1"], ["put", "-t", "TopicA", "-b", "x"]):
+            done = cli(*command, "--broker-conf", str(conf), check=False)
+            assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert tree(root) == before
+    conf.write_text(f"storePathRootDir={root}\nstorePathCommitLog={root / 'commitlog'}\nmaxHashSlotNum=97\n"
+                    "maxIndexNum=388\n")
+    done = cli("query-by-key", "-t", "TopicA", "-k", "k1", "--broker-conf", str(conf))
+    assert len(done.stdout.strip().splitlines()) == 2  # the header and the message

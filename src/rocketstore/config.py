@@ -160,6 +160,23 @@ def broker_conf_store_root(path: str | Path) -> str | None:
     return found
 
 
+def check_commit_log_path(path: str | Path, root: Path) -> None:
+    """Refuse a ``broker.conf`` whose commit log is not ``<root>/commitlog``: ``storePathCommitLog`` elsewhere, or
+    several paths (RocketMQ's multi-path log, ``MultiPathMappedFileQueue``), or ``readOnlyCommitLogStorePaths``.
+    Read from ``<root>/commitlog`` instead, such a log looked missing (or a part of it was all there was)."""
+    settings = dict((key.lower(), value) for key, value in _conf_settings(path))
+    where = settings.get("storepathcommitlog", "")
+    extra = settings.get("readonlycommitlogstorepaths", "")
+    if "," in where or extra:
+        raise ConfigError(f"{path} spreads the commit log over several directories (storePathCommitLog "
+                          f"{where!r}{', readOnlyCommitLogStorePaths ' + repr(extra) if extra else ''}): rocketstore "
+                          "reads one commit-log directory")
+    if where and Path(os.path.abspath(where)) != Path(os.path.abspath(root / "commitlog")):
+        raise ConfigError(f"{path} keeps the commit log at {where} (storePathCommitLog), not in the store root "
+                          f"{root}: rocketstore reads {root / 'commitlog'}; link it there "
+                          f"(ln -s {where} {root / 'commitlog'})")
+
+
 def _conf_settings(path: str | Path) -> list[tuple[str, str]]:
     """The ``key=value`` lines of a ``broker.conf`` (a Java properties file: ``#``/``!`` comments)."""
     try:

@@ -105,9 +105,10 @@ def _check_log_directory(root: Path, writer: bool = False) -> None:
         derived = [name for name in ("consumequeue", "index") if _holds_files(root / name)]
         if derived:
             raise StoreNotFoundError(errno.ENOENT, f"{root} has no commitlog directory but has {' and '.join(derived)} "
-                                     "files made from one (a log on a disk not mounted, a directory moved?): "
-                                     "refusing to open the store. To start it over with an empty log, create an "
-                                     "empty commitlog directory")
+                                     "files made from one (a log on a disk not mounted, a directory moved, a "
+                                     "broker.conf's storePathCommitLog elsewhere?): refusing to open the store. "
+                                     "Only to start it over with an empty log, dropping those queues and index "
+                                     "files, create an empty commitlog directory")
 
 
 def _entries_of_last_record(files: list, phy: int) -> int:

@@ -24,7 +24,14 @@ import click
 
 from .. import Message, MessageStore, StoreConfig
 from ..brokerlayout import ROCKSDB_QUEUES, check_not_dledger
-from ..config import GEOMETRY, broker_conf_store_root, broker_conf_values, broker_sizes, detect_config
+from ..config import (
+    GEOMETRY,
+    broker_conf_store_root,
+    broker_conf_values,
+    broker_sizes,
+    check_commit_log_path,
+    detect_config,
+)
 from ..errors import MessageNotFoundError, RocketStoreError, StoredButNotClosedError
 from ..reads import GetMessageStatus
 from .render import (
@@ -122,6 +129,8 @@ def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int |
     if broker_conf and _defaulted("store_dir"):  # the broker's own storePathRootDir, unless --store names one
         store_dir = broker_conf_store_root(broker_conf) or store_dir
     root = Path(store_dir).expanduser()
+    if broker_conf:
+        check_commit_log_path(broker_conf, root)
     if must_exist and not (root / "commitlog").is_dir():
         check_not_dledger(root)
         raise Failure(f"{root} holds no store (no commitlog directory); pass --store DIR")
