@@ -223,3 +223,20 @@ def test_a_broker_conf_whose_commit_log_is_elsewhere_or_split_is_refused_not_rea
                     "maxIndexNum=388\n")
     done = cli("query-by-key", "-t", "TopicA", "-k", "k1", "--broker-conf", str(conf))
     assert len(done.stdout.strip().splitlines()) == 2  # the header and the message
+
+
+def test_an_empty_newest_index_file_is_dropped_not_taken_for_damage(tmp_path, caplog):
+    """A broker killed between creating its newest index file and mapping it leaves it empty: a writer set the
+    whole index aside and indexed the log again (a broker's 420 MB files each time), read-only views skipped
+    nothing else but called it damage."""
+    root = tmp_path / "s"
+    _store(root)
+    (root / "index" / "29991231235959000").touch()
+    kept = sorted(p.name for p in (root / "index").iterdir() if p.stat().st_size)
+    with MessageStore.open(root, CONFIG, read_only=True) as store:
+        assert [m.body for m in store.query_message("TopicA", "k3")] == [b"m3"]
+    with caplog.at_level("WARNING"), MessageStore.open(root, CONFIG) as store:
+        assert [m.body for m in store.query_message("TopicA", "k3")] == [b"m3"]
+    assert "damaged" not in caplog.text and not (root / "recovery").exists()
+    assert sorted(p.name for p in (root / "index").iterdir()) == kept
+    assert verify_store(root, CONFIG).clean

@@ -106,6 +106,13 @@ def check_geometry(directory: Path, hash_slot_num: int, index_num: int) -> None:
                 f"max_index_num={index_num} ({configured} bytes): open with the store's index geometry")
 
 
+def _empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False
+
+
 class IndexService:
     """Owns ``index/``: building, querying, repairing and expiring index files."""
 
@@ -136,6 +143,14 @@ class IndexService:
         if not self.directory.is_dir():
             return
         names = sorted(e.name for e in os.scandir(self.directory) if _NAME.fullmatch(e.name) and e.is_file())
+        if names and _empty(self.directory / names[-1]):
+            # a broker killed between creating its newest file and mapping it (which gives it its size): nothing
+            # was ever in it, so it goes, as an empty last commit-log or queue file does; taken for damage, the
+            # whole index was set aside and the log indexed again
+            if not self.read_only:
+                (self.directory / names[-1]).unlink(missing_ok=True)
+                log.info("deleted the empty newest index file %s (made, never written)", names[-1])
+            names.pop()
         for name in names:
             try:
                 self.files += (IndexFile.open(self.directory / name, self.hash_slot_num, self.index_num,
