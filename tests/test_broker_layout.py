@@ -20,8 +20,8 @@ from test_cli import CONFIG, cli, tree
 UNIT = struct.Struct(">qiq")
 
 
-def _store(root: Path) -> list:
-    with MessageStore.open(root, CONFIG) as store:
+def _store(root: Path, config=CONFIG) -> list:
+    with MessageStore.open(root, config) as store:
         results = [store.put_message(Message("TopicA", f"m{i}".encode(), keys=[f"k{i}"], queue_id=i % 2))
                    for i in range(6)]
         store.commit_offset("g1", "TopicA", 0, 2)
@@ -240,3 +240,48 @@ def test_an_empty_newest_index_file_is_dropped_not_taken_for_damage(tmp_path, ca
     assert "damaged" not in caplog.text and not (root / "recovery").exists()
     assert sorted(p.name for p in (root / "index").iterdir()) == kept
     assert verify_store(root, CONFIG).clean
+
+
+def _sparsify(path: Path) -> None:
+    """The file as a broker leaves it: only its written pages have blocks."""
+    data = path.read_bytes()
+    with open(path, "wb") as out:
+        for page in range(0, len(data), 4096):
+            if any(data[page : page + 4096]):
+                out.seek(page)
+                out.write(data[page : page + 4096])
+        out.truncate(len(data))
+    assert path.stat().st_blocks * 512 < len(data)
+
+
+def test_a_writer_reserves_the_blocks_of_a_brokers_sparse_files_it_stores_into(tmp_path, monkeypatch):
+    """A broker's index and queue files are sparse; a store into a hole of their mapping on a full disk killed the
+    process with SIGBUS (the disk-full review). A writer's open reserves their blocks, or fails with ENOSPC first."""
+    import dataclasses
+    import errno
+
+    from rocketstore.errors import StoreIOError
+
+    config = dataclasses.replace(CONFIG, mapped_file_size_consume_queue=20 * 4096)  # pages a unit never reached
+    root = tmp_path / "s"
+    _store(root, config)
+    newest_index = sorted((root / "index").iterdir())[-1]
+    queue_file = root / "consumequeue" / "TopicA" / "0" / f"{0:020d}"
+    for path in (newest_index, queue_file):
+        _sparsify(path)
+    before = tree(root)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr("os.posix_fallocate", full)
+        with pytest.raises(StoreIOError, match=r"cannot reserve the blocks of .*SIGBUS") as caught:
+            MessageStore.open(root, config)
+    assert caught.value.errno == errno.ENOSPC
+    assert {k: v for k, v in tree(root).items() if k != "lock"} == {k: v for k, v in before.items() if k != "lock"}
+    with MessageStore.open(root, config) as store:
+        for path in (newest_index, queue_file):
+            assert path.stat().st_blocks * 512 >= path.stat().st_size
+        store.put_message(Message("TopicA", b"more", keys=["k9"], queue_id=0))
+    assert verify_store(root, config).clean

@@ -27,7 +27,16 @@ from .brokerlayout import is_lmq, rocksdb_queues, unmanaged_reason
 from .codec._kernels import put_queue_units
 from .config import StoreConfig
 from .errors import CorruptDataError, UnsupportedLayoutError
-from .mapped.file import STAGING_DIR, FileBudget, MappedFile, reading, replace_file, retry_evicted, unused_path
+from .mapped.file import (
+    STAGING_DIR,
+    FileBudget,
+    MappedFile,
+    reading,
+    replace_file,
+    reserve_blocks,
+    retry_evicted,
+    unused_path,
+)
 from .mapped.file_queue import MappedFileQueue
 
 CQ_UNIT_SIZE = 20
@@ -536,6 +545,13 @@ class ConsumeQueueTable:
                               topic_entry.name, queue_entry.name, damage,
                               queue.mapped_files.max_offset() // CQ_UNIT_SIZE)
                     self.damaged.append((topic_entry.name, int(queue_entry.name)))
+                files = queue.mapped_files.files
+                if not self.read_only and files and self.config.preallocate:  # the file dispatch stores into
+                    try:
+                        reserve_blocks(files[-1].path, files[-1].file_size)
+                    except BaseException:
+                        queue.close()
+                        raise
                 self.queues[(topic_entry.name, int(queue_entry.name))] = queue
 
     def _set_aside(self, directory: Path, topic: str, queue_id: str) -> None:

@@ -34,7 +34,7 @@ from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..errors import ConfigError, CorruptDataError, StoreIOError
-from ..mapped.file import STAGING_DIR, unused_path
+from ..mapped.file import STAGING_DIR, reserve_blocks, unused_path
 from ..message import SysFlag
 from . import _kernels as _ik
 from .bulk import key_candidates, put_hashes
@@ -166,6 +166,8 @@ class IndexService:
                     return
                 self.damaged.append(name)
                 self.load_errors[name] = exc
+        if not self.read_only and self.files and self.config.preallocate:  # the one file a writer stores into
+            reserve_blocks(self.files[-1].path, index_file_size(self.hash_slot_num, self.index_num))
 
     def _set_aside(self) -> None:
         for index in self.files:

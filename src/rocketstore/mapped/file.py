@@ -457,6 +457,29 @@ def allocate(fd: int, size: int, preallocate: bool) -> None:
     os.ftruncate(fd, size)
 
 
+def reserve_blocks(path: Path, size: int) -> None:
+    """Give an existing file every block of its ``size`` if it has holes (``posix_fallocate``, data unchanged). A
+    broker leaves its index and consume-queue files sparse, and a store into a hole of a mapping on a full disk is
+    a SIGBUS that kills the process: reserved up front, a full disk is this ``StoreIOError`` (ENOSPC) instead.
+    Where the file system cannot reserve, nothing is done."""
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise StoreIOError(exc.errno, f"cannot open {path}: {exc.strerror}") from exc
+    try:
+        if os.fstat(fd).st_blocks * 512 >= size:
+            return
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return
+        raise StoreIOError(exc.errno, f"cannot reserve the blocks of {path} (a sparse file, as a broker leaves "
+                                      f"it: a write into a hole on a full disk would stop the process with "
+                                      f"SIGBUS): {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
 def pwrite_all(fd: int, data: bytes, pos: int = 0) -> None:
     """pwrite(2) until every byte is written: a short write (a full disk, a signal) is not success. Raises
     ``OSError`` (ENOSPC for a write that makes no progress), for the caller to type."""
