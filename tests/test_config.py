@@ -278,3 +278,20 @@ def test_an_explicit_queue_or_index_setting_most_files_disagree_with_is_refused(
     first_queue_file = next(os.path.join(d, sorted(f)[0]) for d, _, f in os.walk(root / "consumequeue") if f)
     os.truncate(first_queue_file, 100)  # one file of many disagreeing: damaged, the setting stands
     assert detect_config(root, config).mapped_file_size_consume_queue == config.mapped_file_size_consume_queue
+
+
+def test_a_broker_conf_is_read_as_java_properties(tmp_path):
+    """The broker reads broker.conf with java.util.Properties.load: ':' and blanks separate keys too, a trailing
+    backslash continues a line, escapes are read, and a value keeps its trailing blanks. Only 'key=value' lines
+    were read: a storePathRootDir written 'storePathRootDir: /x' or over two lines was not (the disk review)."""
+    from rocketstore.config import broker_conf_store_root
+
+    conf = tmp_path / "broker.conf"
+    conf.write_text("! a comment\nstorePathRootDir: /data/\\\n    store\nmaxHashSlotNum 97\n"
+                    "maxIndex\\u004eum=388\n  # indented comment\n")
+    assert broker_conf_store_root(conf) == "/data/store"
+    c = StoreConfig.from_broker_conf(conf)
+    assert (c.max_hash_slot_num, c.max_index_num) == (97, 388)
+    conf.write_text("maxHashSlotNum=97  \n")
+    with pytest.raises(ConfigError, match="a broker reads no number there either"):
+        StoreConfig.from_broker_conf(conf)

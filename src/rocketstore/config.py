@@ -178,19 +178,66 @@ def check_commit_log_path(path: str | Path, root: Path) -> None:
 
 
 def _conf_settings(path: str | Path) -> list[tuple[str, str]]:
-    """The ``key=value`` lines of a ``broker.conf`` (a Java properties file: ``#``/``!`` comments)."""
+    """The settings of a ``broker.conf``, read as ``java.util.Properties.load`` reads it (the broker does): ``#``/``!``
+    comments, ``=``, ``:`` or blanks between key and value, lines continued by a trailing backslash, escapes. A
+    value keeps its trailing blanks, as Java's does (the broker then cannot parse a number there: it is named)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start})") from None
     settings = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", "!")) or "=" not in line:
+    lines = _LINE_END.split(text)
+    i = 0
+    while i < len(lines):
+        line = lines[i].lstrip(_BLANKS)
+        i += 1
+        if not line or line[0] in "#!":
             continue
-        key, value = (part.strip() for part in line.split("=", 1))
-        settings.append((key, value))
+        while _continued(line):
+            line = line[:-1] + (lines[i].lstrip(_BLANKS) if i < len(lines) else "")
+            i += 1
+        settings.append(_key_value(line))
     return settings
+
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+_BLANKS = " \t\f"
+_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+
+
+def _continued(line: str) -> bool:
+    return (len(line) - len(line.rstrip("\\"))) % 2 == 1
+
+
+def _key_value(line: str) -> tuple[str, str]:
+    """A logical line's key (up to the first unescaped ``=``, ``:`` or blank) and value, both unescaped."""
+    pos = 0
+    while pos < len(line) and line[pos] not in "=:" + _BLANKS:
+        pos += 2 if line[pos] == "\\" else 1
+    key, rest = line[:pos], line[pos:].lstrip(_BLANKS)
+    if rest[:1] in ("=", ":"):
+        rest = rest[1:].lstrip(_BLANKS)
+    return _unescape(key), _unescape(rest)
+
+
+def _unescape(text: str) -> str:
+    if "\\" not in text:
+        return text
+    out, pos = [], 0
+    while pos < len(text):
+        char = text[pos]
+        if char != "\\" or pos + 1 >= len(text):
+            out.append(char)
+            pos += 1
+            continue
+        code = text[pos + 1]
+        if code == "u" and re.fullmatch(r"[0-9a-fA-F]{4}", text[pos + 2 : pos + 6]):
+            out.append(chr(int(text[pos + 2 : pos + 6], 16)))
+            pos += 6
+        else:
+            out.append(_ESCAPES.get(code, code))
+            pos += 2
+    return "".join(out)
 
 
 def broker_sizes(values: dict[str, object]) -> dict[str, object]:
@@ -398,15 +445,22 @@ def _camel(name: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
+_JAVA_INT = re.compile(r"[+-]?[0-9]+")
+
+
 def _coerce(f: dataclasses.Field, value: str) -> object:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     if kind == "bool":
         return value.lower() == "true"
     if kind == "int":
         try:
+            if not _JAVA_INT.fullmatch(value):  # Integer.parseInt: no blanks, ASCII digits (int() takes both)
+                raise ValueError(value)
             return int(value)
         except ValueError:
-            raise ConfigError(f"{_camel(f.name)} must be an integer, not {value!r}") from None
+            blank = " (the blanks after it too: a broker reads no number there either, and keeps its default)" \
+                if value != value.rstrip() else ""
+            raise ConfigError(f"{_camel(f.name)} must be an integer, not {value!r}{blank}") from None
     return value
 
 
