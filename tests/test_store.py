@@ -834,3 +834,34 @@ def test_an_abort_that_cannot_be_written_refuses_the_open_before_recovery_change
     (tmp_path / "abort").rmdir()
     with MessageStore.open(tmp_path, small_config) as store:
         assert [m.body for m in store.query_message("T", "k")] == [b"x"]
+
+
+def test_one_wrong_clock_reading_does_not_stamp_every_later_message(tmp_path, monkeypatch):
+    """Store times never go back, except from a time more than a day ahead of the clock: one reading in 2100 stamped
+    every later message with it, across restarts, for 76 years, and no time-bounded query found them (the time
+    review). Found by key in their real time window again, and the store verifies clean."""
+    from rocketstore import commitlog
+    from rocketstore.verify import verify_store
+
+    config = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
+                         max_hash_slot_num=97, max_index_num=400)
+    clock = [1_700_000_000_000]
+    monkeypatch.setattr(commitlog, "now_ms", lambda: clock[0])
+    with MessageStore.open(tmp_path, config) as store:
+        store.put_message(Message("T", b"a", keys=["a"]))
+        clock[0] = 4_102_444_800_000  # the clock wrong once
+        store.put_message(Message("T", b"b", keys=["b"]))
+        clock[0] = 1_700_000_000_500
+        store.put_message(Message("T", b"c", keys=["c"]))
+        clock[0] = 1_700_000_000_400  # a small step back: held, as before
+        held = store.put_message(Message("T", b"d", keys=["d"]))
+    assert held.store_timestamp == 1_700_000_000_500
+    clock[0] = 1_700_000_060_000
+    with MessageStore.open(tmp_path, config) as store:
+        after = store.put_message(Message("T", b"e", keys=["e"]))
+        assert after.store_timestamp == 1_700_000_060_000
+        store.wait_for_dispatch()
+        window = (1_700_000_000_000, 1_700_000_100_000)
+        assert [m.body for m in store.query_message("T", "c", 10, *window)] == [b"c"]
+        assert [m.body for m in store.query_message("T", "e", 10, *window)] == [b"e"]
+    assert verify_store(tmp_path, config).clean

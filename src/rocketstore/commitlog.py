@@ -64,6 +64,18 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+CLOCK_HORIZON_MS = 86_400_000  # a store time further ahead of the clock came from a wrong clock (as checkpoints)
+
+
+def next_store_time(last: int) -> int:
+    """The store time of the next put: never before the last one (time lookups bisect), unless the last one is
+    more than ``CLOCK_HORIZON_MS`` ahead of the clock. Then the clock was wrong once and is right again: held to
+    that time, every later message (after restarts too) was stamped with it until the clock caught up (one reading
+    in 2100 pinned them for 76 years), found by no time-bounded query. RocketMQ stamps the clock as it is."""
+    now = now_ms()
+    return now if now >= last or last - now > CLOCK_HORIZON_MS else last
+
+
 class CommitLog:
     """Append, read and scan the commit log of one store."""
 
@@ -128,7 +140,7 @@ class CommitLog:
             self.check_fits(total)
         seal = self.config.enabled_append_prop_crc
         with self.put_lock.held():
-            store_ts = max(now_ms(), self.last_store_timestamp)  # never backwards: time lookups bisect
+            store_ts = next_store_time(self.last_store_timestamp)
             try:
                 mapped = self.mapped_files.last_for_write()
                 if total + BLANK_RECORD_LEN > mapped.remaining:
@@ -235,7 +247,7 @@ class CommitLog:
         phys = np.empty(n, dtype=np.int64)
         with self.put_lock.held():
             self.put_lock.io = True  # tables of rows: pwrites (and rolls) that give the GIL away
-            store_ts = max(now_ms(), self.last_store_timestamp)
+            store_ts = next_store_time(self.last_store_timestamp)
             bases = np.array([self.queue_offsets.get(queue, 0) for queue in queues], dtype=np.int64)
             queue_offsets = bases[group] + rank  # consecutive per queue in row order, continuing each queue
             i = 0
