@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.codec import java_string_hash
@@ -347,3 +350,26 @@ def test_the_disk_ratio_is_dfs_and_a_root_reserve_does_not_count_as_used(tmp_pat
         assert report.commit_log_files == [] and len(store.commit_log.mapped_files.files) == segments > 1
         Disk.f_bfree, Disk.f_bavail = 9_000_000, 0  # truly full: the oldest segment goes, expired or not
         assert store.delete_expired_files(immediately=True).commit_log_files == ["00000000000000000000"]
+
+
+@given(st.lists(st.tuples(st.sampled_from([-1, 0, 5, 1 << 40]), st.sampled_from([-3, 0, 1, 77, 0x7FFFFFFF]),
+                          st.integers(-(1 << 63), (1 << 63) - 1)), max_size=40))
+def test_the_valid_run_of_units_is_the_unit_by_unit_walks(units):
+    """``_valid_run`` (numpy, one pass) against the walk it replaced: stop at the first unit with a negative offset
+    or a size <= 0; the end of the last unit that is not a pre-blank."""
+    from rocketstore import consumequeue
+
+    buf = bytearray(b"".join(struct.pack(">qiq", *unit) for unit in units))
+    count, last_end = 0, None
+    for offset, size, _tags in units:
+        if offset < 0 or size <= 0:
+            break
+        if size != 0x7FFFFFFF:
+            last_end = offset + size
+        count += 1
+    chunk = consumequeue._RUN_CHUNK
+    try:
+        for consumequeue._RUN_CHUNK in (chunk, 3, 1):  # across chunk ends too
+            assert consumequeue._valid_run(buf, len(units)) == (count, last_end)
+    finally:
+        consumequeue._RUN_CHUNK = chunk

@@ -73,6 +73,34 @@ def _units_follow(buf, start: int, limit: int) -> bool:
     return start < end and buf[start:end] != _ZEROS[: end - start]
 
 
+def _valid_run(buf, count: int) -> tuple[int, int | None]:
+    """How many units from the start of ``buf`` are valid (offset >= 0, size > 0), and where the record of the
+    last of them that is not a pre-blank ends (None if none is): numpy over chunks of the file's units, up to the
+    chunk where they end (a Python loop over a broker's 300,000-unit files was most of a read-only open, 1.1 s for
+    1M units; the whole file at once touched its unused pages too)."""
+    valid, last_end = count, None
+    for first in range(0, count, _RUN_CHUNK):
+        units = np.frombuffer(buf, dtype=UNIT_DTYPE, count=min(_RUN_CHUNK, count - first),
+                              offset=first * CQ_UNIT_SIZE)
+        try:
+            phy, size = units["phy"], units["size"]
+            invalid = np.flatnonzero((phy < 0) | (size <= 0))
+            stop = int(invalid[0]) if len(invalid) else len(units)
+            real = np.flatnonzero(size[:stop] != PRE_BLANK_SIZE)
+            if len(real):
+                last_end = int(phy[real[-1]]) + int(size[real[-1]])
+            del phy, size
+        finally:
+            del units  # no export may outlive the call: the mapping may close
+        if stop < min(_RUN_CHUNK, count - first):
+            valid = first + stop
+            break
+    return valid, last_end
+
+
+_RUN_CHUNK = 16_384  # units (320 KB) a step of _valid_run
+
+
 class ConsumeQueue:
     """One topic-queue's units (RocketMQ's ``ConsumeQueue``)."""
 
@@ -109,13 +137,10 @@ class ConsumeQueue:
         max_physic = -1
         for mapped in files[start:]:
             buf = mapped.buffer
-            pos = 0
-            while pos < mapped.file_size:
-                offset, size, _tags = _UNIT.unpack_from(buf, pos)
-                if offset < 0 or size <= 0:
-                    break
-                max_physic = offset + size if size != 0x7FFFFFFF else max_physic
-                pos += CQ_UNIT_SIZE
+            count, last_real = _valid_run(buf, mapped.file_size // CQ_UNIT_SIZE)
+            if last_real is not None:
+                max_physic = last_real
+            pos = count * CQ_UNIT_SIZE
             end = mapped.file_from_offset + pos
             if pos < mapped.file_size:
                 if mapped is not files[-1] or _units_follow(buf, pos + CQ_UNIT_SIZE, mapped.file_size):
