@@ -33,7 +33,6 @@ from .mapped.file import (
     MappedFile,
     reading,
     replace_file,
-    reserve_blocks,
     retry_evicted,
     unused_path,
 )
@@ -245,6 +244,8 @@ class ConsumeQueue:
             log.error("consume queue %s-%d: unit for offset %d written at %d (a gap)", self.topic,
                       self.queue_id, queue_offset, current // CQ_UNIT_SIZE)
         pos = mapped.wrote_position
+        if self.mapped_files.preallocate:
+            mapped.reserve(pos + CQ_UNIT_SIZE)  # a broker's sparse file: blocks before the store (no SIGBUS)
         buf = mapped.buffer
         _HEAD.pack_into(buf, pos, phy_offset)
         _TAGS.pack_into(buf, pos + 12, tags_code)
@@ -279,6 +280,8 @@ class ConsumeQueue:
                 continue
             room = (mapped.file_size - mapped.wrote_position) // CQ_UNIT_SIZE
             pos = mapped.wrote_position
+            if self.mapped_files.preallocate:
+                mapped.reserve(pos + min(room, n - i) * CQ_UNIT_SIZE)
             target = np.frombuffer(mapped.buffer, dtype=np.uint8)
             try:
                 count = put_queue_units(target, pos, room, queue_offsets, phy_offsets, sizes, tags_codes, i)
@@ -570,13 +573,6 @@ class ConsumeQueueTable:
                               topic_entry.name, queue_entry.name, damage,
                               queue.mapped_files.max_offset() // CQ_UNIT_SIZE)
                     self.damaged.append((topic_entry.name, int(queue_entry.name)))
-                files = queue.mapped_files.files
-                if not self.read_only and files and self.config.preallocate:  # the file dispatch stores into
-                    try:
-                        reserve_blocks(files[-1].path, files[-1].file_size)
-                    except BaseException:
-                        queue.close()
-                        raise
                 self.queues[(topic_entry.name, int(queue_entry.name))] = queue
 
     def _set_aside(self, directory: Path, topic: str, queue_id: str) -> None:

@@ -39,6 +39,7 @@ def parse_segment_name(name: str) -> int | None:
 
 
 COPY_LIMIT = 16384  # bytes; see MappedFile.write
+RESERVE_STEP = 1 << 20  # bytes of a sparse file's blocks ``MappedFile.reserve`` allocates at a time
 WARMED_COPY_LIMIT = 1 << 20  # the same, for a file whose pages a WriteAheadWarmer faults in ahead of the writes
 
 
@@ -51,7 +52,7 @@ class MappedFile:
     """
 
     __slots__ = ("_budget", "_deleted", "_evicted", "_fd", "_mm", "_reserved", "copy_limit", "file_from_offset",
-                 "file_size", "flushed_position", "path", "path_text", "read_only", "wrote_position")
+                 "file_size", "flushed_position", "path", "path_text", "read_only", "reserved_to", "wrote_position")
 
     def __init__(self, path: Path, file_size: int, *, read_only: bool = False,
                  budget: FileBudget | None = None) -> None:
@@ -71,6 +72,7 @@ class MappedFile:
         self._mm: mmap.mmap | None = None
         self._fd = -1  # kept for pwrite by a writable file that is never evicted (see write)
         self._reserved = False  # every block allocated: a store into the mapping cannot meet a full disk
+        self.reserved_to = 0  # blocks known allocated below this (``reserve``)
         self.copy_limit = COPY_LIMIT  # the largest write copied into the mapping (see write)
         self._map()
 
@@ -156,7 +158,19 @@ class MappedFile:
             raise
         except OSError as exc:
             raise StoreIOError(exc.errno, f"cannot create segment {path}: {exc.strerror}") from exc
-        return cls(path, file_size, budget=budget)
+        mapped = cls(path, file_size, budget=budget)
+        if preallocate:
+            mapped.reserved_to = file_size
+        return mapped
+
+    def reserve(self, end: int) -> None:
+        """Blocks for the file up to ``end`` before a store into its mapping below it, ``RESERVE_STEP`` at a time. A
+        broker leaves its queue files sparse, and a store into a hole of a mapping on a full disk is a SIGBUS that
+        kills the process: this makes it a ``StoreIOError`` (ENOSPC) first, and allocates only what is written."""
+        if end <= self.reserved_to:
+            return
+        stop = min(self.file_size, max(end, self.reserved_to + RESERVE_STEP))
+        self.reserved_to = self.file_size if reserve_blocks(self.path, stop, self.reserved_to) else stop
 
     # --- access -----------------------------------------------------------------------------
 
@@ -457,22 +471,25 @@ def allocate(fd: int, size: int, preallocate: bool) -> None:
     os.ftruncate(fd, size)
 
 
-def reserve_blocks(path: Path, size: int) -> None:
-    """Give an existing file every block of its ``size`` if it has holes (``posix_fallocate``, data unchanged). A
-    broker leaves its index and consume-queue files sparse, and a store into a hole of a mapping on a full disk is
-    a SIGBUS that kills the process: reserved up front, a full disk is this ``StoreIOError`` (ENOSPC) instead.
-    Where the file system cannot reserve, nothing is done."""
+def reserve_blocks(path: Path, end: int, start: int = 0) -> bool:
+    """Give an existing file its blocks in ``[start, end)`` if it has holes (``posix_fallocate``, data unchanged);
+    True when every block of the file is allocated. A broker leaves its index and consume-queue files sparse, and a
+    store into a hole of a mapping on a full disk is a SIGBUS that kills the process: reserved first, a full disk is
+    this ``StoreIOError`` (ENOSPC) instead. Where the file system cannot reserve, nothing is done."""
     try:
         fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise StoreIOError(exc.errno, f"cannot open {path}: {exc.strerror}") from exc
     try:
-        if os.fstat(fd).st_blocks * 512 >= size:
-            return
-        os.posix_fallocate(fd, 0, size)
+        stat = os.fstat(fd)
+        if stat.st_blocks * 512 >= stat.st_size:
+            return True
+        if end > start:
+            os.posix_fallocate(fd, start, end - start)
+        return False
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            return
+            return True  # nothing to be done here: not asked again
         raise StoreIOError(exc.errno, f"cannot reserve the blocks of {path} (a sparse file, as a broker leaves "
                                       f"it: a write into a hole on a full disk would stop the process with "
                                       f"SIGBUS): {exc.strerror}") from exc
