@@ -29,12 +29,12 @@ def _store(root: Path, config=CONFIG) -> list:
     return results
 
 
-def _add_lmq(root: Path, results: list) -> Path:
+def _add_lmq(root: Path, results: list, config=CONFIG) -> Path:
     """What a broker with enableLmq writes for messages sent with INNER_MULTI_DISPATCH=%LMQ%q1: units of
     queue 0 pointing at the records of another topic, and its consumers' offsets."""
     queue = root / "consumequeue" / "%LMQ%q1" / "0"
     queue.mkdir(parents=True)
-    data = bytearray(CONFIG.mapped_file_size_consume_queue)
+    data = bytearray(config.mapped_file_size_consume_queue)
     for n, result in enumerate(results[:3]):
         UNIT.pack_into(data, n * UNIT.size, result.commit_log_offset, result.store_size, 0)
     (queue / "00000000000000000000").write_bytes(bytes(data))
@@ -303,3 +303,46 @@ def test_a_writer_reserves_the_blocks_of_a_brokers_sparse_files_as_it_stores_int
         assert allocated(busy) and not allocated(idle)
         assert [m.body for m in store.query_message("TopicA", "k8")] == [b"disk full"]
     assert verify_store(root, config).clean
+
+
+def test_lmq_queues_are_cut_with_the_log_so_no_unit_points_at_a_later_message(tmp_path):
+    """Left alone by a writer, an LMQ queue kept its units past a log cut by recovery: the messages put next took
+    those offsets, and the broker served another topic's message to the LMQ's consumers (the self-review)."""
+    root = tmp_path / "s"
+    results = _store(root)
+    queue = _add_lmq(root, results)  # units for records 0, 1 and 2
+    segment = root / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[results[1].commit_log_offset + 84 : results[1].commit_log_offset + 88] = b"\xff" * 4  # its body length
+    segment.write_bytes(bytes(data))
+    (root / "abort").touch()
+    with MessageStore.open(root, CONFIG) as store:
+        assert store.recovery.end_offset == results[1].commit_log_offset
+        new = [store.put_message(Message("Other", f"new{i}".encode())) for i in range(3)]
+    units = queue / f"{0:020d}"
+    kept = [UNIT.unpack_from(units.read_bytes(), n * UNIT.size) for n in range(3)]
+    assert kept[0][0] == results[0].commit_log_offset and kept[1][1] == kept[2][1] == 0  # cut at the log's end
+    assert new[0].commit_log_offset == results[1].commit_log_offset
+
+
+def test_a_rebuild_carries_lmq_queues_with_their_holes_and_cut_at_the_log_end(tmp_path):
+    """copytree filled a broker's sparse LMQ files in (6 MB each for one unit: 100,000 MQTT queues would not fit)
+    and carried units past a log the rebuild's recovery had cut (the self-review)."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, mapped_file_size_consume_queue=20 * 4096)
+    root = tmp_path / "s"
+    results = _store(root, config)
+    queue = _add_lmq(root, results, config)
+    _sparsify(queue / f"{0:020d}")
+    segment = root / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[results[2].commit_log_offset + 84 : results[2].commit_log_offset + 88] = b"\xff" * 4  # record 2 damaged
+    segment.write_bytes(bytes(data))
+    (root / "abort").touch()
+    rebuild(root, config=config)
+    carried = queue / f"{0:020d}"
+    assert carried.stat().st_blocks * 512 < carried.stat().st_size  # still sparse
+    units = [UNIT.unpack_from(carried.read_bytes(), n * UNIT.size) for n in range(3)]
+    assert [u[0] for u in units[:2]] == [results[0].commit_log_offset, results[1].commit_log_offset]
+    assert units[2] == (0, 0, 0)  # its record is past the recovered end

@@ -617,6 +617,30 @@ class ConsumeQueueTable:
             if queue.max_physic_offset > phy_offset:
                 queue.truncate_dirty(phy_offset)
 
+    def truncate_lmq(self, phy_offset: int) -> None:
+        """Cut a broker's LMQ queues where the log was cut, as RocketMQ's ``truncateDirtyLogicFiles`` cuts every
+        queue: they are otherwise left alone, and units past the new end pointed at the records put there next
+        (another topic's message, served to the LMQ's consumers by the broker). A damaged one is left as it is."""
+        base = self.root / CONSUMEQUEUE_DIR
+        for name in self.lmq_dirs:
+            try:
+                queue_ids = sorted(int(e.name) for e in os.scandir(base / name) if e.name.isdigit() and e.is_dir())
+            except OSError:
+                continue
+            for queue_id in queue_ids:
+                queue = ConsumeQueue(self.root, name, queue_id, self.config, budget=self.budget)
+                try:
+                    queue.load()
+                    queue.recover()
+                    if queue.max_physic_offset > phy_offset:
+                        queue.truncate_dirty(phy_offset)
+                        log.warning("LMQ queue %s-%d: units past the commit log's end %d cut", name, queue_id,
+                                    phy_offset)
+                except CorruptDataError as exc:
+                    log.error("LMQ queue %s-%d is damaged (%s): left as it is", name, queue_id, exc)
+                finally:
+                    queue.close()
+
     def topics(self) -> list[str]:
         return sorted({topic for topic, _ in self.queues})
 

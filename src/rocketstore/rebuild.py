@@ -32,7 +32,7 @@ from .config import StoreConfig, detect_config
 from .consumequeue import CONSUMEQUEUE_DIR, ConsumeQueueTable
 from .index.service import INDEX_DIR, IndexService
 from .lifecycle import ABORT_FILE, StoreLock
-from .mapped.file import STAGING_DIR, unused_path
+from .mapped.file import STAGING_DIR, copy_sparse, unused_path
 from .message import SysFlag
 from .recovery import RECOVERY_DIR, recover_commit_log
 from .spark.partitions import DEFAULT_MAX_BYTES_PER_PARTITION, ScanOptions, plan_ranges, read_range  # no pyspark
@@ -155,16 +155,25 @@ def _epoch_ms(column: pa.ChunkedArray) -> np.ndarray:
     return column.cast(pa.int64()).to_numpy() // 1000
 
 
-def _carry_lmq_queues(old: Path, new: Path) -> None:
+def _carry_lmq_queues(root: Path, build: Path, config: StoreConfig, log_end: int) -> None:
     """Copy a broker's LMQ queues into the rebuilt ``consumequeue/``: no record names them (their units come from
-    the broker's multi-dispatch), so a rebuild cannot write them again (``brokerlayout``). Copied, not moved: the
-    old set stays whole until the swap, which a kill before it must find untouched."""
+    the broker's multi-dispatch), so a rebuild cannot write them again (``brokerlayout``). Copied with their holes
+    (a broker's 6 MB file of one unit costs a page), not moved (the old set stays whole until the swap, which a
+    kill before it must find untouched), and cut where the recovered log ends, as every queue is."""
+    old, new = root / CONSUMEQUEUE_DIR, build / CONSUMEQUEUE_DIR
     try:
-        entries = [entry for entry in os.scandir(old) if entry.is_dir() and is_lmq(entry.name)]
+        topics = [entry.name for entry in os.scandir(old) if entry.is_dir() and is_lmq(entry.name)]
     except FileNotFoundError:
         return
-    for entry in entries:
-        shutil.copytree(entry.path, new / entry.name)
+    for topic in topics:
+        for directory, _dirs, files in os.walk(old / topic):
+            target = new / Path(directory).relative_to(old)
+            target.mkdir(parents=True, exist_ok=True)
+            for name in files:
+                copy_sparse(Path(directory) / name, target / name)
+    carried = ConsumeQueueTable(build, config)
+    carried.lmq_dirs = topics
+    carried.truncate_lmq(log_end)
 
 
 def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decoder, *, consume_queues: bool = True,
@@ -219,7 +228,7 @@ def rebuild_from_log(root: str | Path, config: StoreConfig | None, decode: Decod
             finally:
                 writer.close()
             if consume_queues:
-                _carry_lmq_queues(root / CONSUMEQUEUE_DIR, build / CONSUMEQUEUE_DIR)
+                _carry_lmq_queues(root, build, config, log_end)
             # one directory per rebuild, never one an earlier rebuild this second used
             aside = unused_path(root / RECOVERY_DIR, f"{REBUILD_PREFIX}{stamp}")
             mark_complete(build, root, names, aside)

@@ -28,7 +28,7 @@ from .codec.batch import validate_records
 from .codec.record import BLANK_MAGIC, BLANK_RECORD_LEN, RecordLayout, find_record_start, read_layout
 from .commitlog import CommitLog
 from .errors import CorruptDataError, FlushError, StoreIOError
-from .mapped.file import MappedFile, fsync_dir, unused_path
+from .mapped.file import MappedFile, data_regions, fsync_dir, unused_path
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ def last_nonzero_end(mapped: MappedFile, start: int) -> int:
     empty pre-allocated segment is not read page by page.
     """
     buf, size = mapped.buffer, mapped.file_size
-    regions = _data_regions(mapped.path, start, size)
+    regions = data_regions(mapped.path, start, size)
     last = start
     for region_start, region_end in regions:
         for chunk_start in range(region_start, region_end, len(_ZERO_CHUNK)):
@@ -314,7 +314,7 @@ def _holds_data(path: Path, size: int) -> bool:
     """Whether the file has a non-zero byte (holes skipped; its mapping may be closed already)."""
     try:
         with open(path, "rb") as f:
-            for region_start, region_end in _data_regions(path, 0, size):
+            for region_start, region_end in data_regions(path, 0, size):
                 f.seek(region_start)
                 left = region_end - region_start
                 while left > 0:
@@ -327,31 +327,6 @@ def _holds_data(path: Path, size: int) -> bool:
     except OSError:
         return True  # unreadable: kept, as data would be
     return False
-
-
-def _data_regions(path: Path, start: int, end: int) -> list[tuple[int, int]]:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return [(start, end)]
-    regions = []
-    try:
-        pos = start
-        while pos < end:
-            try:
-                data = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:
-                break  # ENXIO: no data after pos
-            if data >= end:
-                break
-            hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
-            regions.append((max(data, start), hole))
-            pos = hole
-    except OSError:
-        return [(start, end)]
-    finally:
-        os.close(fd)
-    return regions
 
 
 def recovered_log_end(root: Path, config) -> tuple[int, int]:

@@ -275,6 +275,10 @@ class MessageStore:
             self.queues.destroy_all()
         else:
             self.queues.truncate_dirty(end)
+            report = self.recovery
+            if self.queues.lmq_dirs and (report.abnormal or report.stop_reason or report.cut_bytes or report.salvaged
+                                         or report.missing_flushed_until):
+                self.queues.truncate_lmq(end)  # only when the log may have lost its tail: they are many
             holes = self._queue_holes()
             lost = self._queues_short_of_their_ends()  # before the tails are checked: a cut tail is not a lost file
             tails = self._check_queue_tails()

@@ -497,6 +497,53 @@ def reserve_blocks(path: Path, end: int, start: int = 0) -> bool:
         os.close(fd)
 
 
+def data_regions(path: Path, start: int, end: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` ranges of ``[start, end)`` that hold data (SEEK_DATA/SEEK_HOLE); the whole range where the
+    file system cannot tell."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return [(start, end)]
+    regions = []
+    try:
+        pos = start
+        while pos < end:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break  # ENXIO: no data after pos
+            if data >= end:
+                break
+            hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+            regions.append((max(data, start), hole))
+            pos = hole
+    except OSError:
+        return [(start, end)]
+    finally:
+        os.close(fd)
+    return regions
+
+
+def copy_sparse(source: Path, target: Path) -> None:
+    """Copy a file with its holes (``shutil.copyfile`` fills them in: a broker's sparse 6 MB queue files, one
+    unit each, cost 6 MB apiece), fsynced."""
+    size = source.stat().st_size
+    with open(source, "rb") as src, open(target, "xb") as out:
+        for start, end in data_regions(source, 0, size):
+            src.seek(start)
+            out.seek(start)
+            left = end - start
+            while left > 0:
+                chunk = src.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                out.write(chunk)
+                left -= len(chunk)
+        out.truncate(size)
+        out.flush()
+        os.fsync(out.fileno())
+
+
 def pwrite_all(fd: int, data: bytes, pos: int = 0) -> None:
     """pwrite(2) until every byte is written: a short write (a full disk, a signal) is not success. Raises
     ``OSError`` (ENOSPC for a write that makes no progress), for the caller to type."""
