@@ -223,6 +223,14 @@ def test_a_broker_conf_whose_commit_log_is_elsewhere_or_split_is_refused_not_rea
                     "maxIndexNum=388\n")
     done = cli("query-by-key", "-t", "TopicA", "-k", "k1", "--broker-conf", str(conf))
     assert len(done.stdout.strip().splitlines()) == 2  # the header and the message
+    # what the refusal advises: the log on another disk, linked into the root (and a broker's trailing blank)
+    (tmp_path / "disk2").mkdir()
+    (root / "commitlog").rename(tmp_path / "disk2" / "commitlog")
+    (root / "commitlog").symlink_to(tmp_path / "disk2" / "commitlog")
+    conf.write_text(f"storePathRootDir={root} \nstorePathCommitLog={tmp_path / 'disk2' / 'commitlog'}\t\n"
+                    "maxHashSlotNum=97\nmaxIndexNum=388\n")
+    done = cli("query-by-key", "-t", "TopicA", "-k", "k1", "--broker-conf", str(conf))
+    assert len(done.stdout.strip().splitlines()) == 2
 
 
 def test_an_empty_newest_index_file_is_dropped_not_taken_for_damage(tmp_path, caplog):

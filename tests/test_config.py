@@ -295,3 +295,5 @@ def test_a_broker_conf_is_read_as_java_properties(tmp_path):
     conf.write_text("maxHashSlotNum=97  \n")
     with pytest.raises(ConfigError, match="a broker reads no number there either"):
         StoreConfig.from_broker_conf(conf)
+    conf.write_text("storePathRootDir=/data/store \t\n")  # a String setting: the broker trims it
+    assert broker_conf_store_root(conf) == "/data/store"

@@ -155,8 +155,8 @@ def broker_conf_store_root(path: str | Path) -> str | None:
     """The ``storePathRootDir`` a ``broker.conf`` names (the store the broker runs on), or None."""
     found = None
     for key, value in _conf_settings(path):
-        if key.lower() == "storepathrootdir" and value:
-            found = value  # the last one wins, as in a Properties file
+        if key.lower() == "storepathrootdir" and value.strip():
+            found = value.strip()  # the last one wins, as in a Properties file; a String setting is trimmed
     return found
 
 
@@ -164,14 +164,14 @@ def check_commit_log_path(path: str | Path, root: Path) -> None:
     """Refuse a ``broker.conf`` whose commit log is not ``<root>/commitlog``: ``storePathCommitLog`` elsewhere, or
     several paths (RocketMQ's multi-path log, ``MultiPathMappedFileQueue``), or ``readOnlyCommitLogStorePaths``.
     Read from ``<root>/commitlog`` instead, such a log looked missing (or a part of it was all there was)."""
-    settings = dict((key.lower(), value) for key, value in _conf_settings(path))
+    settings = {key.lower(): value.strip() for key, value in _conf_settings(path)}  # String settings: trimmed
     where = settings.get("storepathcommitlog", "")
     extra = settings.get("readonlycommitlogstorepaths", "")
     if "," in where or extra:
         raise ConfigError(f"{path} spreads the commit log over several directories (storePathCommitLog "
                           f"{where!r}{', readOnlyCommitLogStorePaths ' + repr(extra) if extra else ''}): rocketstore "
                           "reads one commit-log directory")
-    if where and Path(os.path.abspath(where)) != Path(os.path.abspath(root / "commitlog")):
+    if where and os.path.realpath(where) != os.path.realpath(root / "commitlog"):  # a link there is the log
         raise ConfigError(f"{path} keeps the commit log at {where} (storePathCommitLog), not in the store root "
                           f"{root}: rocketstore reads {root / 'commitlog'}; link it there "
                           f"(ln -s {where} {root / 'commitlog'})")
@@ -180,7 +180,8 @@ def check_commit_log_path(path: str | Path, root: Path) -> None:
 def _conf_settings(path: str | Path) -> list[tuple[str, str]]:
     """The settings of a ``broker.conf``, read as ``java.util.Properties.load`` reads it (the broker does): ``#``/``!``
     comments, ``=``, ``:`` or blanks between key and value, lines continued by a trailing backslash, escapes. A
-    value keeps its trailing blanks, as Java's does (the broker then cannot parse a number there: it is named)."""
+    value keeps its trailing blanks, as Java's does: the broker trims a String setting, and cannot parse a number
+    with them (named here)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -461,7 +462,7 @@ def _coerce(f: dataclasses.Field, value: str) -> object:
             blank = " (the blanks after it too: a broker reads no number there either, and keeps its default)" \
                 if value != value.rstrip() else ""
             raise ConfigError(f"{_camel(f.name)} must be an integer, not {value!r}{blank}") from None
-    return value
+    return value.strip()  # properties2Object trims a String setting (not a number's)
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:
