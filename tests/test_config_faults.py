@@ -28,6 +28,7 @@ from rocketstore.brokerconfig import (
     to_fastjson,
 )
 from rocketstore.errors import ConfigError, ConfigFileError, InvalidQueueError, RocketStoreError
+from test_cli import cli
 
 CONFIG = StoreConfig(mapped_file_size_commit_log=64 << 10, mapped_file_size_consume_queue=20 * 100,
                      max_hash_slot_num=97, max_index_num=388, flush_consumer_offset_interval=10)
@@ -625,3 +626,10 @@ def test_values_a_broker_stores_unchecked_load_and_keep_their_meaning(tmp_path):
             store.put_message(Message("Closed", b"x"))
         assert store.query_offset("g", "T", 0) == -1  # none: a consumer starts where its policy says
         assert store.query_offset("g", "T", 1) == 0  # past the empty queue's end: moved back, as before
+        store.put_message(Message("T", b"x", queue_id=2))
+    progress = cli("consumer-progress", "--store", str(tmp_path), "--json").stdout.splitlines()
+    assert {json.loads(row)["consumerOffset"] for row in progress} == {0}  # -1 as the broker's getConsumeStats
+    listed = {json.loads(row)["topic"]: json.loads(row) for row in
+              cli("topic", "list", "--store", str(tmp_path), "--json").stdout.splitlines()}
+    assert listed["Closed"]["writeQueueNums"] == 0
+    assert "│ Closed │ 0 " in cli("topic", "list", "--store", str(tmp_path)).stdout.replace("  ", " ")

@@ -153,14 +153,14 @@ def stop_at_third_batch(monkeypatch, stop: str):
     that the log is flushed before each batch: what the journal counts is on disk). Returns the real one."""
     real_put, calls = MessageStore.put_batch, []
 
-    def put_then_stop(store, table):
+    def put_then_stop(store, table, **options):
         assert store.commit_log.flushed_offset == store.commit_log.max_offset  # what the journal counts is on disk
         calls.append(table.num_rows)
         if len(calls) == 3:
             if stop == "after the append":
-                real_put(store, table)
+                real_put(store, table, **options)
             raise KeyboardInterrupt  # nothing after this line of the import runs, as after a kill
-        return real_put(store, table)
+        return real_put(store, table, **options)
 
     monkeypatch.setattr(MessageStore, "put_batch", put_then_stop)
     return real_put
@@ -220,8 +220,8 @@ from rocketstore import MessageStore
 
 real_put, calls = MessageStore.put_batch, []
 
-def put_then_die(store, table):
-    result = real_put(store, table)
+def put_then_die(store, table, **options):
+    result = real_put(store, table, **options)
     calls.append(1)
     if len(calls) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -419,3 +419,19 @@ def test_a_journal_damaged_into_other_numbers_is_refused_not_trusted(tmp_path, r
     assert files_of(tmp_path / "s") == {**before, "importProgress.json": files_of(tmp_path / "s")[
         "importProgress.json"]}
     assert len(stored(tmp_path / "s")) == 3000
+
+
+def test_an_import_keeps_a_brokers_multi_dispatch_properties_a_put_refuses(tmp_path):
+    """A put with INNER_MULTI_DISPATCH is refused (rocketstore dispatches no LMQ queue); an import copies stored
+    messages, and refusing those properties refused the whole export of a store that used multi-dispatch."""
+    from rocketstore.errors import InvalidPropertyError
+
+    properties = pa.array([[("INNER_MULTI_DISPATCH", "%LMQ%q1"), ("INNER_MULTI_QUEUE_OFFSET", "0")], []],
+                          pa.map_(pa.string(), pa.string()))
+    write(tmp_path / "export" / "part-0.parquet", topic=["Orders", "Orders"], body=[b"multi", b"plain"],
+          properties=properties)
+    report = import_parquet(tmp_path / "export", tmp_path / "s", config=CONFIG)
+    assert report.rows == 2
+    assert [m.properties.get("INNER_MULTI_DISPATCH") for m in stored(tmp_path / "s")] == ["%LMQ%q1", None]
+    with MessageStore.open(tmp_path / "s", CONFIG) as store, pytest.raises(InvalidPropertyError, match="multi"):
+        store.put_batch(pa.table({"topic": ["Orders"], "body": [b"x"], "properties": properties[:1]}))

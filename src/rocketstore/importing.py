@@ -248,7 +248,7 @@ def _with_the_count(exc: RocketStoreError, report: ImportReport) -> RocketStoreE
 
 def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: Progress | None) -> None:
     try:
-        result = store.put_batch(table)
+        result = store.put_batch(table, copied=True)  # stored messages: a broker's properties kept as they are
     except RocketStoreError as exc:
         text = str(exc)
         found = _ROW.match(text)

@@ -838,7 +838,7 @@ class MessageStore:
         self.dispatcher.keep_up()
         return status, phy, pending, queue_offsets, store_ts
 
-    def put_batch(self, table) -> PutBatchResult:
+    def put_batch(self, table, *, copied: bool = False) -> PutBatchResult:
         """Store a ``pyarrow.Table``/``RecordBatch`` of messages, encoded column-wise (the fast way in).
 
         Columns: ``topic`` and ``body`` (required), ``keys`` (list<string>), ``tags``, ``properties``
@@ -846,11 +846,12 @@ class MessageStore:
         per-message encoder's and happens before anything is written: a bad row is named in a typed
         error. Rows keep their order in the log and in every queue; one store time, and under SYNC_FLUSH one
         wait for the disk. A table larger than the room left in the current segment is written as one
-        crash-atomic append per segment, so a crash keeps a prefix of whole rows.
+        crash-atomic append per segment, so a crash keeps a prefix of whole rows. ``copied``: the rows are messages
+        a store held (an import), so properties a broker sets (INNER_MULTI_DISPATCH) are kept, not refused.
         """
         self._check_open(write=True)
         self.health.check_writable()
-        batch = self._batch_encoder().encode(table)
+        batch = self._batch_encoder().encode(table, copied=copied)
         try:
             missing = self._check_topics(batch.queue_checks)
         except RocketStoreError as exc:  # named by its first row, as the encoder's own refusals are

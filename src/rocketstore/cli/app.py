@@ -806,8 +806,8 @@ def topic_list(as_json, **kwargs) -> None:
             emit_json(row)
     else:
         _table("topics", ["topic", "write queues", "read queues", "perm", "messages"],
-               [[r["topic"], r["writeQueueNums"] or "-", r["readQueueNums"] or "-", r["perm"] or "-",
-                 "-" if r["messages"] is None else r["messages"]] for r in rows])
+               [[r["topic"], *("-" if r[k] is None else r[k] for k in ("writeQueueNums", "readQueueNums", "perm",
+                                                                        "messages"))] for r in rows])
 
 
 @topic.command("create", epilog="Example:\n  rocketstore topic create -t OrderPaid -w 8")
@@ -862,7 +862,9 @@ def consumer_progress(group, as_json, **kwargs) -> None:
                 continue
             committed = store.consumer_offsets.offsets(group_name, topic_name)
             for queue_id in sorted(set(committed) | set(store.queue_ids(topic_name))):
-                offset = committed.get(queue_id, 0)  # a queue the group never committed counts from 0
+                # a queue the group never committed counts from 0, and so does a negative offset a broker stored
+                # (getConsumeStats: consumerOffset < 0 -> 0)
+                offset = max(0, committed.get(queue_id, 0))
                 broker = store.get_max_offset_in_queue(topic_name, queue_id)
                 unit = store.queues.get(topic_name, queue_id)
                 last = unit.get_unit(offset - 1) if unit is not None and offset > 0 else None

@@ -192,7 +192,9 @@ class BatchEncoder:
         self.encoder = encoder
         self.config = encoder.config
 
-    def encode(self, table: pa.Table | pa.RecordBatch) -> EncodedBatch:
+    def encode(self, table: pa.Table | pa.RecordBatch, *, copied: bool = False) -> EncodedBatch:
+        """``copied``: the rows are messages a store held (an import): properties a broker sets, such as
+        INNER_MULTI_DISPATCH, are kept as they are instead of refused as a producer's request."""
         if isinstance(table, pa.RecordBatch):
             table = pa.Table.from_batches([table])
         if not isinstance(table, pa.Table):
@@ -222,7 +224,7 @@ class BatchEncoder:
 
         uniq_raw = self.encoder.uniq_keys.raw_block(n, now)
         props_off, props_data, stored_topic_names, queue_ids, uniq_texts, wait_rows = self._properties(
-            col.get("properties"), tags, keys, uniq_raw, topics_in, topic_codes, queue_ids)
+            col.get("properties"), tags, keys, uniq_raw, topics_in, topic_codes, queue_ids, copied)
         props_len = np.diff(props_off)
         bad = _first_true(props_len > MAX_PROPERTIES_LEN)
         if bad is not None:
@@ -396,7 +398,7 @@ class BatchEncoder:
         return _Keys(list_off, key_off, key_data, present)
 
     def _properties(self, column: pa.Array | None, tags: _Texts, keys: _Keys, uniq_raw: np.ndarray,
-                    topics: list[str], topic_codes: np.ndarray, queue_ids: np.ndarray):
+                    topics: list[str], topic_codes: np.ndarray, queue_ids: np.ndarray, copied: bool = False):
         """Properties strings per row (Arrow-style offsets and bytes, with room for ``__CRC32#`` if the store
         seals records), plus what user properties can change: stored topic and queue (DELAY), UNIQ_KEY (a
         user's own), whether any row waits for the disk."""
@@ -424,7 +426,8 @@ class BatchEncoder:
         for row, pairs in zip(rows.tolist(), maps, strict=True):
             user = dict(pairs)
             try:
-                props = self.encoder.properties_for(user, tags.text(row), keys.texts(row), uniq_list[row])
+                props = self.encoder.properties_for(user, tags.text(row), keys.texts(row), uniq_list[row],
+                                                    system=copied)
                 topic, queue_id = self.encoder.schedule(names[row], int(queue_ids[row]), props)
             except MessageIllegalError as exc:
                 raise type(exc)(f"row {row}: {exc}") from None
