@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .brokerconfig import TopicConfigManager
-from .brokerlayout import batch_cq_topics
+from .brokerlayout import batch_cq_topics, is_lmq
 from .checkpoint import StoreCheckpoint
 from .codec.batch import DispatchBatch, StopKind, as_array, decode_dispatch
 from .codec.properties import PropertyName
@@ -414,10 +414,12 @@ def _check_queue_file_sizes(root: Path, expected: int, report: VerifyReport) -> 
                 if size == expected or (size == 0 and n == len(files) - 1):
                     continue
                 units = "" if size % CQ_UNIT_SIZE == 0 else f" (not a whole number of {CQ_UNIT_SIZE}-byte units)"
+                after = "rocketstore leaves this LMQ queue as it is" if is_lmq(topic_dir.name) else \
+                    "readers skip this queue, a writer's open sets it aside and rebuilds it"
                 report.add(Problem("consumequeue", str(queue_dir / name), min(size, expected),
                                    f"file is {size} bytes{units}, expected {expected} (mappedFileSizeConsumeQueue): "
                                    "RocketMQ refuses to load a store with it (length not matched message store config "
-                                   "value); readers skip this queue, a writer's open sets it aside and rebuilds it"))
+                                   f"value); {after}"))
 
 
 def _subdirectories(directory: Path) -> list[Path]:

@@ -33,7 +33,7 @@ from ..config import (
     detect_config,
 )
 from ..errors import MessageNotFoundError, RocketStoreError, StoredButNotClosedError
-from ..reads import GetMessageStatus
+from ..reads import GetMessageStatus, parse_tags
 from .render import (
     arrow_message_rows,
     arrow_messages,
@@ -613,6 +613,7 @@ def print_msg(topic, begin, end, sub_expression, sql, body, as_json, **kwargs) -
     if sql is not None and sub_expression not in ("", "*"):  # " * " is the tag "*", as RocketMQ reads it
         raise click.UsageError("filter by tags (-s) or by --sql, not both")
     start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
+    parse_tags(sub_expression)  # a refused subscription ('||') before any output, not after a queue's header
     with read_only_store(_store_args(kwargs)) as store:
         store.queues.check_managed(topic)  # a broker's LMQ/BatchCQ topic: said, not "no consume queues"
         queue_ids = store.queue_ids(topic)
