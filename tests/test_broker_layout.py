@@ -354,3 +354,12 @@ def test_a_rebuild_carries_lmq_queues_with_their_holes_and_cut_at_the_log_end(tm
     units = [UNIT.unpack_from(carried.read_bytes(), n * UNIT.size) for n in range(3)]
     assert [u[0] for u in units[:2]] == [results[0].commit_log_offset, results[1].commit_log_offset]
     assert units[2] == (0, 0, 0)  # its record is past the recovered end
+
+
+def test_serve_answers_a_request_for_an_lmq_topic_as_the_clients_not_a_server_failure():
+    """A receive, pull or offset query for a broker's LMQ topic ended as INTERNAL_SERVER_ERROR."""
+    pytest.importorskip("grpc")
+    from rocketstore.server.service import pb, status_of
+
+    refused = status_of(UnsupportedLayoutError("%LMQ%q1 is a broker's LMQ queue"))
+    assert refused.code == pb.Code.BAD_REQUEST and "LMQ" in str(refused)

@@ -47,6 +47,7 @@ from ..errors import (
     StoreFailedError,
     StoreIOError,
     TopicNotExistError,
+    UnsupportedLayoutError,
 )
 from ..message import Message, MessageExt, PutMessageStatus
 from ..reads import parse_tags
@@ -106,6 +107,7 @@ _CODES: tuple[tuple[type | tuple[type, ...], int], ...] = (
     (InvalidFilterError, pb.Code.ILLEGAL_FILTER_EXPRESSION),
     (DeadLetterError, pb.Code.INTERNAL_SERVER_ERROR),
     ((MessageIllegalError, InvalidQueueError), pb.Code.BAD_REQUEST),
+    (UnsupportedLayoutError, pb.Code.BAD_REQUEST),  # a broker's LMQ topic: the request's, not a server failure
 )
 
 
