@@ -876,10 +876,11 @@ def consumer_progress(group, as_json, **kwargs) -> None:
         for row in rows:
             emit_json(row)
         return
+    # mqadmin's consumerProgress prints the last time as yyyy-MM-dd HH:mm:ss (UtilAll.YYYY_MM_DD_HH_MM_SS): no ms
     _table("consumer progress", ["#Group", "#Topic", "#QID", "#Broker Offset", "#Consumer Offset", "#Diff",
                                  "#LastTime"],
            [[r["group"], r["topic"], r["queueId"], r["brokerOffset"], r["consumerOffset"], r["diff"],
-             human_time(r["lastTimestamp"]) if r["lastTimestamp"] > 0 else "N/A"] for r in rows])
+             human_time(r["lastTimestamp"])[:19] if r["lastTimestamp"] > 0 else "N/A"] for r in rows])
     click.echo(f"Diff Total: {sum(r['diff'] for r in rows)}")
 
 
