@@ -4,9 +4,10 @@ A broker's ``store/`` is handed to rocketstore as it is, so these must survive u
 wrongly:
 
 - **LMQ queues** (``enableLmq`` with multi-dispatch): ``consumequeue/%LMQ%<name>/`` whose units point at records of
-  *other* topics (the message that named the queue in ``INNER_MULTI_DISPATCH``). They are never loaded, checked, cut
-  or rebuilt (a check would call every unit damage and cut it), a read of one says so, their consumers' offsets are
-  left alone, and a put cannot write to one (its units would collide with the broker's).
+  *other* topics (the message that named the queue in ``INNER_MULTI_DISPATCH``). They are never loaded, checked or
+  rebuilt (a check would call every unit damage and cut it), only cut where recovery cuts the log (as RocketMQ cuts
+  every queue) and carried over, holes kept, by a rebuild; a read of one says so, their consumers' offsets are left
+  alone, and a put cannot write to one (its units would collide with the broker's).
 - **BatchCQ topics** (topic attribute ``queue.type=BatchCQ``, queues in ``batchconsumequeue/``): a writer would
   dispatch their records into ``consumequeue/<topic>``, and a broker refuses to start with such a directory
   (``ConsumeQueueStore.queueTypeShouldBe``). A writer's open is refused; read-only opens serve the rest.
