@@ -305,7 +305,7 @@ def test_a_refused_send_does_not_create_its_topic(server):
     for topic, (reply, expected) in refused.items():
         assert reply.status.code == expected, (topic, reply.status)
     batch = pb.SendMessageRequest()  # a good message and a bad one: all or nothing, no topic either
-    for topic, body in (("NewBatchA", b"fine"), ("NewBatchB", b"")):
+    for topic, body in (("NewBatchA", b"fine"), ("NewBatchA", b"")):
         msg = batch.messages.add()
         msg.topic.name, msg.body, msg.system_properties.message_id = topic, body, "01AB"
     assert server.call("SendMessage", batch, pb.SendMessageResponse).status.code == pb.Code.MESSAGE_BODY_EMPTY

@@ -15,6 +15,7 @@ import grpc
 from ..errors import ConfigError
 from ..store import MessageStore
 from .auth import Accounts
+from .renewal import RenewPolicy
 from .service import MessagingService
 
 log = logging.getLogger("rocketstore.server")
@@ -56,14 +57,16 @@ class Server:
 
     def __init__(self, store: MessageStore, listen: str = "127.0.0.1:8081", *, auto_create_topics: bool = True,
                  max_attempts: int = 16, transaction_check_ms: int = 6_000, accounts: Accounts | None = None,
-                 max_calls: int = MAX_CALLS, service: MessagingService | None = None) -> None:
+                 max_calls: int = MAX_CALLS, service: MessagingService | None = None,
+                 renew_policy: RenewPolicy | None = None) -> None:
         if store.read_only:
             raise ConfigError("rocketstore serve needs a writable store (it stores what clients send)")
         host, _port = parse_listen(listen)
         self.store = store
         self.service = service or MessagingService(store, auto_create_topics=auto_create_topics,
                                                    max_attempts=max_attempts,
-                                                   transaction_check_ms=transaction_check_ms, accounts=accounts)
+                                                   transaction_check_ms=transaction_check_ms, accounts=accounts,
+                                                   renew_policy=renew_policy)
         self._workers = futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="rocketstore-rpc")
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(self._workers)  # ReceiveMessage reads the store there
@@ -138,4 +141,4 @@ class Server:
         self.stop()
 
 
-__all__ = ["Accounts", "Server"]
+__all__ = ["Accounts", "RenewPolicy", "Server"]

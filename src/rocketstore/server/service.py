@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import inspect
 import ipaddress
 import logging
@@ -58,11 +59,27 @@ from .auth import Accounts
 from .longpoll import LongPolls, call_soon
 from .pop import MAX_BATCH, DeadLetterError, InvalidReceiptHandleError, PopGroups, fit
 from .protocol import SERVICE, pb, service_methods
+from .renewal import RETRY_MS, ReceiptRenewals, RenewPolicy
 
 log = logging.getLogger("rocketstore.server")
 
 BROKER_NAME = "rocketstore"
-RESERVED_PROPERTIES = frozenset(v for k, v in vars(PropertyName).items() if k.isupper() and isinstance(v, str))
+# RocketMQ's MessageConst.STRING_HASH_SET (a send naming one is refused, a delivery leaves them out of the user
+# properties), and the names rocketstore's own store reads (__SHARDINGKEY, INNER_NUM, ...)
+RESERVED_PROPERTIES = frozenset((
+    "TRACE_ON", "MSG_REGION", "KEYS", "TAGS", "WAIT", "DELAY", "RETRY_TOPIC", "REAL_TOPIC", "REAL_QID", "TRAN_MSG",
+    "PGROUP", "MIN_OFFSET", "MAX_OFFSET", "BUYER_ID", "ORIGIN_MESSAGE_ID", "TRANSFER_FLAG", "CORRECTION_FLAG",
+    "MQ2_FLAG", "RECONSUME_TIME", "UNIQ_KEY", "MAX_RECONSUME_TIMES", "CONSUME_START_TIME", "POP_CK",
+    "POP_CK_OFFSET", "1ST_POP_TIME", "TRAN_PREPARED_QUEUE_OFFSET", "DUP_INFO", "EXTEND_UNIQ_INFO", "INSTANCE_ID",
+    "CORRELATION_ID", "REPLY_TO_CLIENT", "TTL", "ARRIVE_TIME", "PUSH_REPLY_TIME", "CLUSTER", "MSG_TYPE",
+    "INNER_MULTI_QUEUE_OFFSET", "TIMER_DELAY_MS", "TIMER_DELAY_SEC", "TIMER_DELIVER_MS", "TIMER_ENQUEUE_MS",
+    "TIMER_DEQUEUE_MS", "TIMER_ROLL_TIMES", "TIMER_OUT_MS", "TIMER_DEL_UNIQKEY", "TIMER_DELAY_LEVEL", "__BORNHOST",
+    "BORN_TIMESTAMP", "DLQ_ORIGIN_TOPIC", "DLQ_ORIGIN_MESSAGE_ID", "__CRC32#",
+)) | frozenset(v for k, v in vars(PropertyName).items() if k.isupper() and isinstance(v, str))
+# the proxy's send limits (ProxyConfig): user properties, their bytes with the tag and keys, a message group's bytes
+USER_PROPERTY_MAX_NUM = 128
+MAX_USER_PROPERTY_SIZE = 16 << 10
+MAX_MESSAGE_GROUP_SIZE = 64
 DEFAULT_INVISIBLE_MS = 30_000
 MAX_LONG_POLL_S = 30.0
 MIN_WAIT_S = 0.01  # the shortest a long poll waits before it looks again
@@ -236,7 +253,8 @@ class MessagingService:
     """The RPC handlers; ``handler()`` makes the grpc generic handler that routes to them."""
 
     def __init__(self, store: MessageStore, *, auto_create_topics: bool = True, max_attempts: int = 16,
-                 transaction_check_ms: int = 6_000, accounts: Accounts | None = None) -> None:
+                 transaction_check_ms: int = 6_000, accounts: Accounts | None = None,
+                 renew_policy: RenewPolicy | None = None) -> None:
         self.store = store
         self.accounts = accounts
         self.auto_create_topics = auto_create_topics
@@ -259,10 +277,14 @@ class MessagingService:
                                          name="rocketstore-transaction-check", daemon=True)
         self._saver = threading.Thread(target=self._save_pop_state_periodically, name="rocketstore-pop-state",
                                        daemon=True)
+        self.renewals = ReceiptRenewals(self.pop.change_invisible, self._online, renew_policy)
+        self._renewer = threading.Thread(target=self.renewals.run, args=(self._closing,), name="rocketstore-renew",
+                                         daemon=True)
 
     def start(self) -> None:
         self._checker.start()
         self._saver.start()
+        self._renewer.start()
         self.long_polls.start()
 
     def _save_pop_state_periodically(self) -> None:
@@ -271,6 +293,11 @@ class MessagingService:
         interval = max(self.store.config.flush_consumer_offset_interval, 100) / 1000
         while not self._closing.wait(interval):
             self.save_pop_state()
+
+    def _online(self, client_id: str) -> bool:
+        """Whether the client has its telemetry stream open (the proxy's ``clientIsOffline``, negated)."""
+        with self._clients_lock:
+            return client_id in self._clients
 
     def save_pop_state(self) -> None:
         """``PopGroups.save``, a failure logged (the periodic saver tries again; a stop's last save is the last)."""
@@ -345,6 +372,9 @@ class MessagingService:
             self._checker.join()
         if self._saver.is_alive():
             self._saver.join()
+        if self._renewer.is_alive():
+            self._renewer.join()
+        self.renewals.clear_all()  # what push consumers held comes back a second after the next start
         self.save_pop_state()  # a clean stop keeps what is held and acknowledged
 
     # --- routes -----------------------------------------------------------------------------------------
@@ -493,12 +523,20 @@ class MessagingService:
     def _settings(self, client):
         settings = pb.Settings()
         settings.CopyFrom(client)
-        # a consumer's client retries as the server does (RocketMQ's proxy: the group's retry times + 1); it said 3
-        # whatever --max-attempts was, and a Java FIFO push consumer then dead-lettered after 3
-        settings.backoff_policy.max_attempts = self.pop.max_attempts if client.HasField("subscription") else 3
-        settings.backoff_policy.exponential_backoff.initial.FromMilliseconds(10)
-        settings.backoff_policy.exponential_backoff.max.FromMilliseconds(1000)
-        settings.backoff_policy.exponential_backoff.multiplier = 2.0
+        if client.HasField("subscription"):
+            # a consumer's client retries as the server does (RocketMQ's proxy: the group's retry times + 1); it said
+            # 3 whatever --max-attempts was, and a Java FIFO push consumer then dead-lettered after 3. The delays
+            # are the group's retry policy (the proxy's mergeSubscriptionData: CustomizedRetryPolicy, 1 s to 2 h):
+            # the producers' 10 ms-1 s backoff sent a message a push consumer failed for 18 s to the DLQ
+            settings.backoff_policy.max_attempts = self.pop.max_attempts
+            settings.backoff_policy.ClearField("exponential_backoff")
+            for delay_ms in RETRY_MS:
+                settings.backoff_policy.customized_backoff.next.add().FromMilliseconds(delay_ms)
+        else:  # the proxy's grpcClientProducer* settings
+            settings.backoff_policy.max_attempts = 3
+            settings.backoff_policy.exponential_backoff.initial.FromMilliseconds(10)
+            settings.backoff_policy.exponential_backoff.max.FromMilliseconds(1000)
+            settings.backoff_policy.exponential_backoff.multiplier = 2.0
         if client.HasField("publishing"):
             settings.publishing.max_body_size = self.store.config.max_message_size
             settings.publishing.validate_message_type = True
@@ -517,7 +555,12 @@ class MessagingService:
         transactional = [m.system_properties.message_type == pb.MessageType.TRANSACTION for m in request.messages]
         transaction_ids = [""] * len(request.messages)
         try:
+            first = request.messages[0].topic
+            if any(m.topic != first for m in request.messages):  # the proxy's buildMessage: one batch, one topic
+                raise Status(pb.Code.MESSAGE_CORRUPTED, "the messages of one send name different topics")
             messages = [self._to_store(m) for m in request.messages]
+            if len(messages) > 1:
+                self._check_batch_size(messages)
             if any(transactional):
                 if len(messages) > 1:
                     raise Status(pb.Code.BAD_REQUEST, "a transactional message is sent on its own")
@@ -543,6 +586,21 @@ class MessagingService:
         self.metrics.add("sent", len(results))
         return pb.SendMessageResponse(status=status(code, "OK" if code == pb.Code.OK else "flush timed out"),
                                       entries=entries)
+
+    def _check_batch_size(self, messages: list[Message]) -> None:
+        """A batch is one body to the broker (``MessageBatch``: each message as size, magic, CRC, flag, body and
+        properties): more than ``max_message_size`` of it is refused (``MessageExtEncoder``), however small each
+        message is."""
+        limit = self.store.config.max_message_size
+        total = 0
+        for m in messages:
+            props = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in (m.properties or {}).items())
+            props += len(m.tags.encode()) + 6 if m.tags else 0
+            props += len(" ".join(m.keys).encode()) + 6 if m.keys else 0
+            total += 22 + len(m.body) + props
+        if total > limit:
+            raise Status(pb.Code.MESSAGE_BODY_TOO_LARGE, f"the batch is {total:,} bytes as the broker encodes it; at "
+                                                         f"most {limit:,} (max_message_size)")
 
     def _send_queues(self, topic: str) -> int:
         """The write queue count of a topic a send names. One that does not exist yet (auto-creation on) counts the
@@ -575,15 +633,20 @@ class MessagingService:
         props = m.system_properties
         if not m.body:
             raise Status(pb.Code.MESSAGE_BODY_EMPTY, "message body is empty")
-        for name in m.user_properties:
-            if name in RESERVED_PROPERTIES:
-                raise Status(pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {name!r} is reserved for the system")
+        _check_user_properties(m.user_properties, props.tag, props.keys)
+        if not props.message_id.strip():
+            raise Status(pb.Code.ILLEGAL_MESSAGE_ID, "message id cannot be empty")
         user = dict(m.user_properties)
-        if props.message_id:
-            user[PropertyName.UNIQ_KEY] = props.message_id
+        user[PropertyName.UNIQ_KEY] = props.message_id
         if props.HasField("message_group"):
-            if not props.message_group:
-                raise Status(pb.Code.ILLEGAL_MESSAGE_GROUP, "message group is empty")
+            group = props.message_group
+            if not group.strip():
+                raise Status(pb.Code.ILLEGAL_MESSAGE_GROUP, "message group is empty or blank")
+            if len(group.encode()) >= MAX_MESSAGE_GROUP_SIZE:
+                raise Status(pb.Code.ILLEGAL_MESSAGE_GROUP, f"message group is {len(group.encode())} bytes; it must "
+                                                            f"be under {MAX_MESSAGE_GROUP_SIZE}")
+            if _has_control(group):
+                raise Status(pb.Code.ILLEGAL_MESSAGE_GROUP, "message group cannot contain control characters")
             user[PropertyName.SHARDING_KEY] = props.message_group
             queue_id = _java_hash(props.message_group) % write  # one queue per group: order kept
         else:
@@ -594,11 +657,13 @@ class MessagingService:
             user[PropertyName.TIMER_DELIVER_MS] = str(_ms(props.delivery_timestamp))
         elif props.message_type == pb.MessageType.DELAY:
             raise Status(pb.Code.ILLEGAL_DELIVERY_TIME, "a DELAY message needs a delivery timestamp")
-        if props.tag and ("|" in props.tag or props.tag.strip() != props.tag):
-            raise Status(pb.Code.ILLEGAL_MESSAGE_TAG, f"tag {props.tag!r} may not contain '|' or blanks at its ends")
+        if props.tag and ("|" in props.tag or props.tag.strip() != props.tag or _has_control(props.tag)):
+            raise Status(pb.Code.ILLEGAL_MESSAGE_TAG, f"tag {props.tag!r} may not contain '|', control characters "
+                                                      f"or blanks at its ends")
         for key in props.keys:
-            if not key or " " in key:
-                raise Status(pb.Code.ILLEGAL_MESSAGE_KEY, f"key {key!r} is empty or contains a space")
+            if not key or " " in key or _has_control(key):
+                raise Status(pb.Code.ILLEGAL_MESSAGE_KEY, f"key {key!r} is empty or contains a space or a control "
+                                                          f"character")
         born = _ms(props.born_timestamp) if props.HasField("born_timestamp") else None
         born_host = props.born_host or None
         body = bytes(m.body)
@@ -680,9 +745,12 @@ class MessagingService:
             consumer_group(request.group)
             read = self._readable(topic)
             tags, sql = subscription(request.filter_expression)
-            invisible_ms = _duration_ms(request.invisible_duration) if request.HasField("invisible_duration") \
-                else DEFAULT_INVISIBLE_MS
-            check_invisible(invisible_ms)
+            if request.auto_renew:  # a push consumer: the server renews (the proxy's enableProxyAutoRenew)
+                invisible_ms = self.renewals.policy.invisible_ms
+            else:
+                invisible_ms = _duration_ms(request.invisible_duration) if request.HasField("invisible_duration") \
+                    else DEFAULT_INVISIBLE_MS
+                check_invisible(invisible_ms)
             batch = max(1, min(request.batch_size or MAX_BATCH, MAX_BATCH))
         except Status as exc:
             yield pb.ReceiveMessageResponse(status=status(exc.code, str(exc)))
@@ -731,6 +799,7 @@ class MessagingService:
             self._hand_back_soon(group, topic, deliveries)
             return
         written = 0
+        renew = request.auto_renew and self._online(client_id := _client_id(context))
         try:  # a call cancelled (or failing) mid-reply hands back what it had not written
             yield pb.ReceiveMessageResponse(status=status())
             # the transport's delivery time: push consumers compute their receive latency from it (and fail
@@ -740,6 +809,8 @@ class MessagingService:
                 yield pb.ReceiveMessageResponse(message=self._to_proto(d.message, d.receipt_handle, d.attempt,
                                                                        d.invisible_ms))
                 written += 1  # grpc took it and asked for the next
+                if renew:
+                    self.renewals.add(client_id, group, topic, d.receipt_handle, d.invisible_ms, d.attempt)
         finally:
             if written < len(deliveries):
                 self._hand_back_soon(group, topic, deliveries[written:])
@@ -786,7 +857,9 @@ class MessagingService:
         user = {k: v for k, v in props.items() if k not in RESERVED_PROPERTIES}
         system = pb.SystemProperties(
             message_id=msg.uniq_key or msg.msg_id, body_encoding=pb.Encoding.IDENTITY,
-            body_digest=pb.Digest(type=pb.DigestType.CRC32, checksum=f"{zlib.crc32(msg.body):08X}"),
+            # MD5 in upper-case hex, as the proxy sends (GrpcConverter): the Java client compares a CRC32 digest with
+            # its own unpadded hex, so a CRC below 0x10000000 (1 body in 16) was marked corrupted and never consumed
+            body_digest=pb.Digest(type=pb.DigestType.MD5, checksum=hashlib.md5(msg.body).hexdigest().upper()),
             born_timestamp=_stamp(msg.born_timestamp), born_host=str(msg.born_host.ip),
             store_timestamp=_stamp(msg.store_timestamp), store_host=str(msg.store_host),
             queue_id=msg.queue_id, queue_offset=msg.queue_offset, delivery_attempt=attempt,
@@ -813,9 +886,10 @@ class MessagingService:
         except Status as exc:
             return pb.AckMessageResponse(status=status(exc.code, str(exc)))
         entries, failures = [], 0
+        client_id = _client_id(context)
         for entry in request.entries:
             try:
-                self.pop.ack(group, topic, entry.receipt_handle)
+                self.pop.ack(group, topic, self.renewals.take(client_id, group, entry.receipt_handle))
                 entries.append(pb.AckMessageResultEntry(message_id=entry.message_id,
                                                         receipt_handle=entry.receipt_handle, status=status()))
             except RocketStoreError as exc:
@@ -848,8 +922,8 @@ class MessagingService:
             consumer_group(request.group)
             invisible_ms = _duration_ms(request.invisible_duration)
             check_invisible(invisible_ms)
-            handle = self.pop.change_invisible(request.group.name, request.topic.name, request.receipt_handle,
-                                               invisible_ms)
+            current = self.renewals.take(_client_id(context), request.group.name, request.receipt_handle)
+            handle = self.pop.change_invisible(request.group.name, request.topic.name, current, invisible_ms)
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             return pb.ChangeInvisibleDurationResponse(status=status(failure.code, str(failure)))
@@ -861,7 +935,8 @@ class MessagingService:
         try:
             topic_name(request.topic.name)
             consumer_group(request.group)
-            self.pop.forward_to_dlq(request.group.name, request.topic.name, request.receipt_handle)
+            current = self.renewals.take(_client_id(context), request.group.name, request.receipt_handle)
+            self.pop.forward_to_dlq(request.group.name, request.topic.name, current)
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             return pb.ForwardMessageToDeadLetterQueueResponse(status=status(failure.code, str(failure)))
@@ -944,13 +1019,41 @@ class MessagingService:
         yield pb.PullMessageResponse(next_offset=next_offset)
 
 
+_CONTROL = frozenset(map(chr, [*range(0x20), *range(0x7F, 0xA0)]))  # Java's Character.isISOControl
+
+
+def _has_control(text: str) -> bool:
+    return not _CONTROL.isdisjoint(text)
+
+
+def _check_user_properties(user, tag: str, keys) -> None:
+    """A send's user properties as the proxy's ``buildMessageProperty`` checks them: at most 128, no reserved name,
+    no control character in a name or value, at most 16 KiB with the tag and the keys."""
+    if len(user) > USER_PROPERTY_MAX_NUM:
+        raise Status(pb.Code.MESSAGE_PROPERTIES_TOO_LARGE, f"{len(user)} user properties; at most "
+                                                           f"{USER_PROPERTY_MAX_NUM}")
+    size = len(tag.encode()) + sum(len(key.encode()) for key in keys)
+    for name, value in user.items():
+        if name in RESERVED_PROPERTIES:
+            raise Status(pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {name!r} is reserved for the system")
+        if _has_control(name) or _has_control(value):
+            raise Status(pb.Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {name!r}: names and values cannot contain "
+                                                               f"control characters")
+        size += len(name.encode()) + len(value.encode())
+    if size > MAX_USER_PROPERTY_SIZE:
+        raise Status(pb.Code.MESSAGE_PROPERTIES_TOO_LARGE, f"user properties, tag and keys are {size:,} bytes; at "
+                                                           f"most {MAX_USER_PROPERTY_SIZE:,}")
+
+
 def _message_type(props: dict[str, str]) -> int:
-    if PropertyName.SHARDING_KEY in props:
-        return pb.MessageType.FIFO
+    """In the proxy's order (``GrpcConverter.buildSystemProperties``): transaction, delay, FIFO."""
     if props.get(PropertyName.TRANSACTION_PREPARED) == "true":
         return pb.MessageType.TRANSACTION
-    if PropertyName.TIMER_OUT_MS in props or PropertyName.TIMER_DELIVER_MS in props or PropertyName.DELAY in props:
+    if PropertyName.TIMER_OUT_MS in props or PropertyName.TIMER_DELIVER_MS in props or PropertyName.DELAY in props \
+            or PropertyName.TIMER_DELAY_SEC in props:
         return pb.MessageType.DELAY
+    if PropertyName.SHARDING_KEY in props:
+        return pb.MessageType.FIFO
     return pb.MessageType.NORMAL
 
 
