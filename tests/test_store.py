@@ -865,3 +865,28 @@ def test_one_wrong_clock_reading_does_not_stamp_every_later_message(tmp_path, mo
         assert [m.body for m in store.query_message("T", "c", 10, *window)] == [b"c"]
         assert [m.body for m in store.query_message("T", "e", 10, *window)] == [b"e"]
     assert verify_store(tmp_path, config).clean
+
+
+@pytest.mark.parametrize("when, deletes", [("04", True), ("4", True), ("1;4", True), ("+4", True), ("04;", True),
+                                           ("05", False), ("3;5", False)])
+def test_delete_when_names_hours_as_rocketmq_parses_them(tmp_path, when, deletes):
+    """deleteWhen=4 is 04:00 to RocketMQ (Integer.parseInt of each ';' piece); compared as text with "%H" it never
+    matched, and expired segments were never deleted."""
+    config = StoreConfig(mapped_file_size_commit_log=4096, max_hash_slot_num=97, max_index_num=500,
+                         file_reserved_time=0, delete_when=when)
+    with MessageStore.open(tmp_path / "s", config) as store:
+        for _ in range(40):
+            store.put_message(Message("T", b"x" * 500))
+        store.wait_for_dispatch()
+        segments = len(list((tmp_path / "s" / "commitlog").iterdir()))
+        four_thirty = time.mktime((*time.localtime(time.time() + 86_400)[:3], 4, 30, 0, 0, 0, -1))
+        report = store.delete_expired_files(now_ms=int(four_thirty * 1000))
+        assert len(report.commit_log_files) == (segments - 1 if deletes else 0), (when, report)
+
+
+@pytest.mark.parametrize("when", [" 4", "4am", "24", "", "04;;16", "-1"])
+def test_delete_when_that_never_matches_is_refused(when):
+    from rocketstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="delete_when"):
+        StoreConfig(delete_when=when)

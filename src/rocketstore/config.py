@@ -88,6 +88,7 @@ class StoreConfig:
     disk_max_used_space_ratio: int = 75  # diskMaxUsedSpaceRatio (%)
 
     _delay_levels_ms: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _delete_hours: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.flush_disk_type, str):
@@ -114,6 +115,14 @@ class StoreConfig:
         _check_range("timer_max_delay_sec", self.timer_max_delay_sec, 1, 1 << 31)
         parse_store_host(self.store_host)
         object.__setattr__(self, "_delay_levels_ms", parse_delay_levels(self.message_delay_level))
+        if not isinstance(self.delete_when, str):
+            raise ConfigError(f"delete_when must be a string of hours such as '04' or '1;4', not {self.delete_when!r}")
+        object.__setattr__(self, "_delete_hours", parse_delete_hours(self.delete_when))
+
+    @property
+    def delete_hours(self) -> frozenset[int]:
+        """The local hours of ``delete_when``."""
+        return self._delete_hours
 
     @property
     def delay_levels_ms(self) -> tuple[int, ...]:
@@ -468,6 +477,23 @@ def _coerce(f: dataclasses.Field, value: str) -> object:
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ConfigError(f"{name} must be an integer in [{low}, {high}], not {value!r}")
+
+
+def parse_delete_hours(spec: str) -> frozenset[int]:
+    """``delete_when`` (``deleteWhen``) -> the local hours it names: ``"04"``, ``"4"`` and ``"1;4"`` as RocketMQ's
+    ``UtilAll.isItTimeToDo`` reads them (each ``;``-separated piece an ``Integer.parseInt`` of an hour of the day).
+    RocketMQ throws at every check on a piece that is not an integer, and a number past 23 never matches: both are
+    refused here, rather than retention that silently never runs."""
+    pieces = spec.split(";")
+    while len(pieces) > 1 and not pieces[-1]:  # Java's split drops trailing empty strings
+        pieces.pop()
+    hours = set()
+    for piece in pieces:
+        if not _JAVA_INT.fullmatch(piece) or not 0 <= int(piece) <= 23:
+            raise ConfigError(f"delete_when takes hours of the day 0-23 separated by ';' (e.g. 04 or 1;4), not "
+                              f"{spec!r}")
+        hours.add(int(piece))
+    return frozenset(hours)
 
 
 def parse_delay_levels(spec: str) -> tuple[int, ...]:

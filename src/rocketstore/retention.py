@@ -54,7 +54,7 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
     ratio = disk_used_ratio(commit_log.directory) if used_ratio is None else used_ratio
     report.disk_used_ratio = ratio
     disk_full = ratio >= config.disk_max_used_space_ratio
-    at_delete_hour = immediately or time.strftime("%H", time.localtime(now / 1000)) in config.delete_when.split(";")
+    at_delete_hour = immediately or time.localtime(now / 1000).tm_hour in config.delete_hours
     reserved_ms = config.file_reserved_time * 3_600_000
     with commit_log.put_lock.held():
         commit_log.put_lock.io = True  # stats and unlinks: producers wait asleep
