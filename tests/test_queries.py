@@ -439,3 +439,35 @@ def test_the_newest_index_files_lost_after_a_clean_close_are_indexed_again(tmp_p
         assert all(store.query_message("T", f"k{i}") for i in range(600))
         assert sum(f.index_count - 1 for f in store.index.files) >= entries - 1
     assert "its newest files were lost" in caplog.text
+
+
+def test_index_files_made_after_the_clock_stepped_back_sort_after_the_older_ones(tmp_path, caplog):
+    """Index files are ordered by their names (local time). A file named by a clock that had stepped back (NTP)
+    sorted before the older ones, so each open took the index for cut short and indexed the log since the step
+    again: its entries grew with every open. New names are now always later than the newest."""
+    config = StoreConfig(max_hash_slot_num=8, max_index_num=40)
+    real = lambda: time.time_ns() // 1_000_000  # noqa: E731
+    ahead = lambda: real() + 3_600_000  # noqa: E731
+    root = tmp_path / "s"
+
+    def put(store, tag, n):
+        for i in range(n):
+            store.put_message(Message("T", f"{tag}{i}".encode(), keys=[f"{tag}{i}", "common"]))
+        store.wait_for_dispatch()
+
+    with MessageStore.open(root, config, index_clock=ahead) as store:  # the host clock ran an hour fast ...
+        put(store, "a", 60)
+    entries = []
+    for n in range(4):  # ... and was stepped back
+        with MessageStore.open(root, config, index_clock=real) as store:
+            if n == 0:
+                put(store, "b", 60)
+            files = store.index.files
+            assert [f.path.name for f in files] == sorted(f.path.name for f in files)
+            begins = [f.end_phy_offset for f in files]
+            assert begins == sorted(begins), "the newest file by name is not the one written last"
+            entries.append(sum(f.index_count - 1 for f in files))
+            assert [m.body for m in store.query_message("T", "b59")] == [b"b59"]
+            assert len(store.query_message("T", "common", max_num=64)) == 64
+    assert len(set(entries)) == 1, f"index entries grew with each open: {entries}"
+    assert "indexed again" not in caplog.text

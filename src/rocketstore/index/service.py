@@ -53,6 +53,14 @@ def index_file_name(now_ms: int) -> str:
     return time.strftime("%Y%m%d%H%M%S", time.localtime(now_ms // 1000)) + f"{now_ms % 1000:03d}"
 
 
+def index_name_ms(name: str) -> int:
+    """The epoch ms an ``index_file_name`` names (-1 when ``name`` is not one)."""
+    try:
+        return int(time.mktime(time.strptime(name[:14], "%Y%m%d%H%M%S"))) * 1000 + int(name[14:17])
+    except (ValueError, OverflowError):
+        return -1
+
+
 def build_key(topic: str, key: str) -> str:
     return f"{topic}#{key}"
 
@@ -268,9 +276,17 @@ class IndexService:
             self.checkpoint.flush()
         self.directory.mkdir(parents=True, exist_ok=True)
         now = self._clock()
-        while (self.directory / index_file_name(now)).exists():  # two files in one millisecond
-            now += 1
-        created = IndexFile.create(self.directory / index_file_name(now), self.hash_slot_num, self.index_num,
+        # later than the newest file's name: files are ordered by name, and after the clock stepped back (NTP) a new
+        # file named by it sorted before the older ones, so every open took the index for damaged and indexed the
+        # log since the step again (its entries growing with each open)
+        newest = self.files[-1].path.name if self.files else ""
+        if index_file_name(now) <= newest:
+            now = max(now, index_name_ms(newest) + 1)
+        step = 1
+        while (self.directory / (name := index_file_name(now))).exists() or name <= newest:
+            now += step  # two files in one millisecond; or a local time the clock's DST change repeats
+            step *= 2
+        created = IndexFile.create(self.directory / name, self.hash_slot_num, self.index_num,
                                    end_phy, end_ts, preallocate=self.config.preallocate,
                                    staging=self.directory.parent / STAGING_DIR)
         self.files += (created,)
