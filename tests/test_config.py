@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from rocketstore import FlushDiskType, StoreConfig
+from rocketstore.config import broker_conf_store_root
 from rocketstore.errors import ConfigError
 from test_cli import cli, tree
 
@@ -296,4 +297,19 @@ def test_a_broker_conf_is_read_as_java_properties(tmp_path):
     with pytest.raises(ConfigError, match="a broker reads no number there either"):
         StoreConfig.from_broker_conf(conf)
     conf.write_text("storePathRootDir=/data/store \t\n")  # a String setting: the broker trims it
+    assert broker_conf_store_root(conf) == "/data/store"
+
+
+def test_broker_conf_keys_are_matched_as_the_broker_matches_them(tmp_path):
+    """``MixAll.properties2Object`` looks each setting up by its exact name (the setter's, first letter lowered): a
+    key in another case is ignored by the broker, so it must be here too, or rocketstore would run with a setting
+    the broker does not have (a CRC check off, another store root)."""
+    conf = tmp_path / "broker.conf"
+    conf.write_text("checkcrconrecover=false\nMaxHashSlotNum=97\nSTOREPATHROOTDIR=/elsewhere\n"
+                    "fileReservedTime=5\ncheckCRCOnRecover=true\nenabledAppendPropCRC=true\n")
+    c = StoreConfig.from_broker_conf(conf)
+    assert c.check_crc_on_recover is True and c.max_hash_slot_num == StoreConfig().max_hash_slot_num
+    assert (c.file_reserved_time, c.enabled_append_prop_crc) == (5, True)
+    assert broker_conf_store_root(conf) is None
+    conf.write_text("storePathRootDir = /data/store \n")
     assert broker_conf_store_root(conf) == "/data/store"

@@ -149,11 +149,12 @@ GEOMETRY = ("mapped_file_size_commit_log", "mapped_file_size_consume_queue", "ma
 
 def broker_conf_values(path: str | Path) -> dict[str, object]:
     """The settings ``StoreConfig`` knows that a ``broker.conf`` sets, by field name (what it names explicitly)."""
-    # RocketMQ spells acronyms in capitals (checkCRCOnRecover), so keys match case-insensitively.
-    known = {f.name.replace("_", ""): f for f in dataclasses.fields(StoreConfig) if f.init}
+    # each key exactly as the broker's ``MixAll.properties2Object`` looks it up: its setter's name without "set",
+    # first letter lowered (checkCRCOnRecover); checkCrcOnRecover or CheckCRCOnRecover is ignored there, and here
+    known = {java_key(f.name): f for f in dataclasses.fields(StoreConfig) if f.init}
     values: dict[str, object] = {}
     for key, value in _conf_settings(path):
-        f = known.get(key.lower())
+        f = known.get(key)
         if f is None:
             continue
         values[f.name] = _coerce(f, value)
@@ -164,7 +165,7 @@ def broker_conf_store_root(path: str | Path) -> str | None:
     """The ``storePathRootDir`` a ``broker.conf`` names (the store the broker runs on), or None."""
     found = None
     for key, value in _conf_settings(path):
-        if key.lower() == "storepathrootdir" and value.strip():
+        if key == "storePathRootDir" and value.strip():
             found = value.strip()  # the last one wins, as in a Properties file; a String setting is trimmed
     return found
 
@@ -173,9 +174,9 @@ def check_commit_log_path(path: str | Path, root: Path) -> None:
     """Refuse a ``broker.conf`` whose commit log is not ``<root>/commitlog``: ``storePathCommitLog`` elsewhere, or
     several paths (RocketMQ's multi-path log, ``MultiPathMappedFileQueue``), or ``readOnlyCommitLogStorePaths``.
     Read from ``<root>/commitlog`` instead, such a log looked missing (or a part of it was all there was)."""
-    settings = {key.lower(): value.strip() for key, value in _conf_settings(path)}  # String settings: trimmed
-    where = settings.get("storepathcommitlog", "")
-    extra = settings.get("readonlycommitlogstorepaths", "")
+    settings = {key: value.strip() for key, value in _conf_settings(path)}  # String settings: trimmed
+    where = settings.get("storePathCommitLog", "")
+    extra = settings.get("readOnlyCommitLogStorePaths", "")
     if "," in where or extra:
         raise ConfigError(f"{path} spreads the commit log over several directories (storePathCommitLog "
                           f"{where!r}{', readOnlyCommitLogStorePaths ' + repr(extra) if extra else ''}): rocketstore "
@@ -455,6 +456,16 @@ def _camel(name: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
+# the settings whose RocketMQ names spell an acronym in capitals
+_JAVA_KEYS = {"check_crc_on_recover": "checkCRCOnRecover", "enabled_append_prop_crc": "enabledAppendPropCRC",
+              "force_verify_prop_crc": "forceVerifyPropCRC"}
+
+
+def java_key(field_name: str) -> str:
+    """The ``broker.conf`` key of a ``StoreConfig`` field (``check_crc_on_recover`` -> ``checkCRCOnRecover``)."""
+    return _JAVA_KEYS.get(field_name) or _camel(field_name)
+
+
 _JAVA_INT = re.compile(r"[+-]?[0-9]+")
 
 
@@ -470,7 +481,7 @@ def _coerce(f: dataclasses.Field, value: str) -> object:
         except ValueError:
             blank = " (the blanks after it too: a broker reads no number there either, and keeps its default)" \
                 if value != value.rstrip() else ""
-            raise ConfigError(f"{_camel(f.name)} must be an integer, not {value!r}{blank}") from None
+            raise ConfigError(f"{java_key(f.name)} must be an integer, not {value!r}{blank}") from None
     return value.strip()  # properties2Object trims a String setting (not a number's)
 
 
