@@ -28,12 +28,12 @@ from rocketmq import (  # noqa: E402
     PushConsumer,
 )
 
+from rocketstore import Message as StoredMessage  # noqa: E402
 from rocketstore import MessageStore  # noqa: E402
-from rocketstore.errors import RocketStoreError  # noqa: E402
 from rocketstore.server import RenewPolicy, Server  # noqa: E402
 from rocketstore.server.pop import PopGroups  # noqa: E402
 from rocketstore.server.protocol import SERVICE, pb  # noqa: E402
-from rocketstore.server.renewal import RETRY_MS, ReceiptRenewals  # noqa: E402
+from rocketstore.server.renewal import RETRY_MS, Clients  # noqa: E402
 from serving import CONFIG  # noqa: E402
 
 FAST = RenewPolicy(invisible_ms=3_000, ahead_ms=1_500, period_s=0.3, steps_ms=(3_000,), clear_ms=500)
@@ -85,90 +85,138 @@ def send_all(server: Server, topic: str, bodies: list[bytes], group: str | None 
 
 # --- auto_renew: the server keeps what a push consumer holds invisible --------------------------------------------
 
-class FakePop:
-    """``change_invisible`` of a pop state, recorded: each call makes a new handle."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-        self.gone: set[str] = set()
-
-    def change_invisible(self, group: str, topic: str, handle: str, ms: int) -> str:
-        if handle in self.gone:
-            raise RocketStoreError(f"{handle} is not in flight")
-        self.calls.append((handle, ms))
-        return f"{handle}+"
+def _pop_with_messages(tmp_path: Path, n: int, **kwargs) -> tuple[MessageStore, PopGroups]:
+    store = MessageStore.open(tmp_path / "store", CONFIG)
+    store.create_topic("T", 1)
+    for i in range(n):
+        store.put_message(StoredMessage("T", f"m{i}".encode()))
+    store.wait_for_dispatch()
+    return store, PopGroups(store, **kwargs)
 
 
-def test_renewals_renew_when_due_and_acks_name_the_current_handle():
-    pop, now, online = FakePop(), [0], {"c1"}
-    policy = RenewPolicy(invisible_ms=60_000, ahead_ms=10_000, steps_ms=(60_000, 180_000))
-    renewals = ReceiptRenewals(pop.change_invisible, online.__contains__, policy, clock=lambda: now[0])
-    renewals.add("c1", "G", "T", "h1", 60_000, attempt=1)
-    renewals.add("c1", "G", "T", "h2", 60_000, attempt=1)
-    now[0] = 49_000
-    renewals.run_once()
-    assert pop.calls == []  # 11 s left: not due
-    now[0] = 50_000
-    renewals.run_once()
-    assert sorted(pop.calls) == [("h1", 60_000), ("h2", 60_000)]
-    assert renewals.take("c1", "G", "h1") == "h1+"  # the client's first handle maps to the renewed one
-    now[0] = 100_000  # h2 is due again (deadline 110 s); h1 is taken: never renewed again
-    renewals.run_once()
-    assert pop.calls[-1] == ("h2+", 180_000) and len(pop.calls) == 3
-    assert renewals.take("c1", "G", "h2") == "h2++"
-    assert renewals.take("c1", "G", "unknown") == "unknown"  # a handle not renewed here is itself
-    assert len(renewals) == 0
+def _deadline(pop: PopGroups, offset: int) -> int:
+    return pop._queues[("G", "T", 0)].inflight[offset].deadline_ms
 
 
-def test_renewals_give_back_what_an_offline_client_held_and_stop_after_the_longest_hold():
-    pop, now, online = FakePop(), [0], {"c1", "c2"}
-    policy = RenewPolicy(invisible_ms=60_000, ahead_ms=10_000, max_ms=3_600_000, clear_ms=1_000)
-    renewals = ReceiptRenewals(pop.change_invisible, online.__contains__, policy, clock=lambda: now[0])
-    renewals.add("c1", "G", "T", "a", 60_000, attempt=1)
-    renewals.add("c2", "G", "T", "b", 60_000, attempt=3)
-    online.discard("c1")
-    renewals.run_once()
-    assert pop.calls == [("a", 1_000)] and renewals.cleared == 1  # visible again in a second, for another consumer
-    now[0] = 3_600_000  # b held an hour: given back with the group's retry delay for its attempt, as a nack
-    renewals.run_once()
-    assert pop.calls[-1] == ("b", RETRY_MS[2])
-    now[0] += 10 * 3_600_000
-    renewals.run_once()
-    assert len(pop.calls) == 2  # never renewed again
-    renewals.add("c2", "G", "T", "gone", 60_000, attempt=1)
-    pop.gone.add("gone")  # acknowledged another way, or delivered again: the renewal stops quietly
-    now[0] += 55_000
-    renewals.run_once()
-    assert len(renewals) == 0 and renewals.take("c2", "G", "gone") == "gone"
+def test_renewal_hides_a_held_message_longer_and_keeps_its_receipt_handle(tmp_path):
+    store, pop = _pop_with_messages(tmp_path, 2)
+    with store:
+        policy = RenewPolicy(invisible_ms=60_000, ahead_ms=10_000, steps_ms=(60_000, 180_000))
+        first, second = pop.receive("G", "T", [0], 2, 60_000, None)
+        pop.mark_renewed("G", "T", [first, second], "c1")
+        start = _deadline(pop, 0) - 60_000
+        assert pop.renew(policy, lambda client: True, now=start + 49_000) == []  # 11 s left: not due
+        assert _deadline(pop, 0) == start + 60_000
+        pop.renew(policy, lambda client: True, now=start + 50_000)
+        assert _deadline(pop, 0) == start + 110_000 and pop.renewed == 2
+        pop.ack("G", "T", first.receipt_handle)  # the handle the client got still acknowledges it
+        pop.renew(policy, lambda client: True, now=start + 100_000)
+        assert _deadline(pop, 1) == start + 280_000  # the second renewal hides it for the second step
+        pop.change_invisible("G", "T", second.receipt_handle, 1_000)  # the client's nack: renewals stop
+        before = _deadline(pop, 1)
+        pop.renew(policy, lambda client: True, now=before)
+        assert _deadline(pop, 1) == before and pop.renewed == 3
 
 
-def test_clear_all_gives_back_and_still_maps_the_handles():
-    pop = FakePop()
-    renewals = ReceiptRenewals(pop.change_invisible, lambda client: True, RenewPolicy(clear_ms=1_000))
-    renewals.add("c", "G", "T", "x", 60_000, attempt=1)
-    renewals.clear_all()
-    assert pop.calls == [("x", 1_000)]
-    assert renewals.take("c", "G", "x") == "x+"  # an ack that runs on through a stop finds the current handle
+def test_renewal_gives_back_what_a_gone_client_held_and_stops_after_the_longest_hold(tmp_path):
+    store, pop = _pop_with_messages(tmp_path, 2)
+    with store:
+        policy = RenewPolicy(invisible_ms=60_000, ahead_ms=10_000, max_ms=3_600_000, clear_ms=1_000)
+        first, second = pop.receive("G", "T", [0], 2, 60_000, None)
+        pop.mark_renewed("G", "T", [first], "gone")
+        pop.mark_renewed("G", "T", [second], "here")
+        now = _deadline(pop, 0) - 60_000
+        sooner = pop.renew(policy, lambda client: client == "here", now=now)
+        assert sooner == [("T", "G", now + 1_000)]  # visible again in a second, for another consumer
+        assert _deadline(pop, 0) == now + 1_000 and _deadline(pop, 1) == now + 60_000
+        pop.renew(policy, lambda client: True, now=now + 3_600_000)  # held an hour: a nack, the retry delay
+        assert _deadline(pop, 1) == now + 3_600_000 + RETRY_MS[0]
+        pop.renew(policy, lambda client: True, now=now + 3_600_000 + RETRY_MS[0])
+        assert _deadline(pop, 1) == now + 3_600_000 + RETRY_MS[0]  # never renewed again
 
 
-def test_renewal_of_a_real_pop_state_then_an_ack_with_the_first_handle(tmp_path):
-    with MessageStore.open(tmp_path / "store", CONFIG) as store:
-        store.create_topic("T", 1)
-        store.put_message(pytest.importorskip("rocketstore").Message("T", b"held"))
-        store.wait_for_dispatch()
-        pop = PopGroups(store)
-        now = [time.time_ns() // 1_000_000]
-        renewals = ReceiptRenewals(pop.change_invisible, lambda client: True,
-                                   RenewPolicy(invisible_ms=60_000, ahead_ms=10_000), clock=lambda: now[0])
-        (delivery,) = pop.receive("G", "T", [0], 1, 60_000, None)
-        renewals.add("c", "G", "T", delivery.receipt_handle, 60_000, delivery.attempt)
-        now[0] += 55_000
-        renewals.run_once()
-        assert renewals.renewed == 1
-        with pytest.raises(RocketStoreError):  # the first handle alone is stale now
-            pop.ack("G", "T", delivery.receipt_handle)
-        pop.ack("G", "T", renewals.take("c", "G", delivery.receipt_handle))
-        assert store.query_offset("G", "T", 0) == 1
+def test_renewals_are_saved_and_a_restarted_server_goes_on_with_them(tmp_path):
+    state = tmp_path / "popState.json"
+    store, pop = _pop_with_messages(tmp_path, 1, state_path=state)
+    with store:
+        (held,) = pop.receive("G", "T", [0], 1, 60_000, None)
+        pop.mark_renewed("G", "T", [held], "c1")
+        now = _deadline(pop, 0) - 60_000
+        pop.renew(RenewPolicy(), lambda client: True, now=now + 55_000)
+        pop.save()
+        again = PopGroups(store, state_path=state)
+        flight = again._queues[("G", "T", 0)].inflight[0]
+        assert (flight.deadline_ms, flight.renew.client, flight.renew.renewals) == (now + 115_000, "c1", 1)
+        again.renew(RenewPolicy(), lambda client: True, now=now + 110_000)
+        assert again._queues[("G", "T", 0)].inflight[0].deadline_ms == now + 110_000 + 180_000
+        again.ack("G", "T", held.receipt_handle)  # the handle from before the restart
+
+
+def test_a_client_is_there_while_heard_from_and_gone_once_it_says_so():
+    now = [0]
+    clients = Clients(expiry_ms=120_000, clock=lambda: now[0])
+    assert clients.online("unknown")  # after a (re)start every client gets the expiry to come back
+    now[0] = 119_999
+    clients.touch("c1")
+    assert clients.online("unknown") and clients.online("c1")
+    now[0] = 120_000
+    assert not clients.online("unknown") and clients.online("c1")
+    now[0] = 239_998
+    assert clients.online("c1")
+    now[0] = 239_999  # two minutes since it was heard
+    assert not clients.online("c1")
+    clients.touch("c1")
+    clients.terminated("c1")
+    assert not clients.online("c1")
+    clients.touch("c1")  # a client id in use again
+    assert clients.online("c1")
+
+
+def _receive(server: Server, client: str, group: str, invisible_s: int = 30, auto_renew: bool = False) -> list:
+    request = pb.ReceiveMessageRequest(group=pb.Resource(name=group), batch_size=8, auto_renew=auto_renew,
+                                       message_queue=pb.MessageQueue(topic=pb.Resource(name="Held"), id=-1))
+    request.invisible_duration.FromSeconds(invisible_s)
+    request.long_polling_timeout.FromSeconds(1)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        rpc = channel.unary_stream(f"/{SERVICE}/ReceiveMessage",
+                                   request_serializer=pb.ReceiveMessageRequest.SerializeToString,
+                                   response_deserializer=pb.ReceiveMessageResponse.FromString)
+        replies = rpc(request, timeout=30, metadata=[("x-mq-client-id", client)])
+        return [r.message for r in replies if r.HasField("message")]
+
+
+def _as_client(server: Server, client: str, method: str, request, response_type):
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        rpc = channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=type(request).SerializeToString,
+                                  response_deserializer=response_type.FromString)
+        return rpc(request, timeout=30, metadata=[("x-mq-client-id", client)])
+
+
+def test_a_client_without_its_telemetry_stream_keeps_what_it_holds_until_it_terminates(tmp_path):
+    """The Python client rebuilds a broken telemetry stream only every 5 minutes, heartbeating and receiving
+    meanwhile: such a client is still there (the proxy's channel lives on heartbeats), so what it holds with
+    auto_renew is renewed, not handed to another consumer; once it says it terminates, it is given back."""
+    with serving(tmp_path, "Held") as (server, _store):
+        send_all(server, "Held", [b"held"])
+        (msg,) = _receive(server, "c1", "HG", auto_renew=True)
+        heartbeat = pb.HeartbeatRequest(group=pb.Resource(name="HG"), client_type=pb.ClientType.PUSH_CONSUMER)
+        deadline = time.monotonic() + 3 * FAST.invisible_ms / 1000
+        while time.monotonic() < deadline:  # three invisible times: c2 gets nothing while c1 is there
+            assert _as_client(server, "c1", "Heartbeat", heartbeat, pb.HeartbeatResponse).status.code == pb.Code.OK
+            assert _receive(server, "c2", "HG") == []
+        assert server.service.pop.renewed > 0
+        bye = pb.NotifyClientTerminationRequest(group=pb.Resource(name="HG"))
+        _as_client(server, "c1", "NotifyClientTermination", bye, pb.NotifyClientTerminationResponse)
+        again = []
+        deadline = time.monotonic() + 10
+        while not again and time.monotonic() < deadline:
+            again = _receive(server, "c2", "HG")
+        assert [(m.body, m.system_properties.delivery_attempt) for m in again] == [(b"held", 2)]
+        ack = pb.AckMessageRequest(group=pb.Resource(name="HG"), topic=pb.Resource(name="Held"), entries=[
+            pb.AckMessageEntry(message_id=msg.system_properties.message_id,
+                               receipt_handle=msg.system_properties.receipt_handle)])
+        late = _as_client(server, "c1", "AckMessage", ack, pb.AckMessageResponse)
+        assert late.status.code == pb.Code.INVALID_RECEIPT_HANDLE  # delivered again since: c1's handle is stale
 
 
 def test_a_push_consumer_slower_than_the_invisible_time_consumes_each_message_once(tmp_path):
@@ -196,7 +244,7 @@ def test_a_push_consumer_slower_than_the_invisible_time_consumes_each_message_on
         finally:
             consumer.shutdown()
         assert sorted(seen) == sorted((f"s{i}".encode(), 1) for i in range(8)), seen
-        assert server.service.renewals.renewed > 0
+        assert server.service.pop.renewed > 0
 
 
 # --- what consumers are told, and what they get ------------------------------------------------------------------
@@ -209,6 +257,9 @@ def test_consumers_get_the_groups_retry_policy_and_producers_their_backoff(tmp_p
         assert delays == list(RETRY_MS) and delays[:4] == [1_000, 5_000, 10_000, 30_000] and delays[-1] == 7_200_000
         assert settings.backoff_policy.max_attempts == server.service.pop.max_attempts
         assert not settings.backoff_policy.HasField("exponential_backoff")
+        consumer.backoff_policy.customized_backoff.next.add().FromSeconds(3)  # a client's own policy is replaced
+        again = server.service._settings(consumer)
+        assert [d.ToMilliseconds() for d in again.backoff_policy.customized_backoff.next] == list(RETRY_MS)
         producer = server.service._settings(pb.Settings(publishing=pb.Publishing()))
         assert producer.backoff_policy.exponential_backoff.max.ToMilliseconds() == 1_000
         assert producer.backoff_policy.max_attempts == 3
@@ -268,6 +319,9 @@ REFUSED = [
     ("a control character in a key", {"keys": ("k\n1",)}, pb.Code.ILLEGAL_MESSAGE_KEY),
     ("a control character in a tag", {"tag": "t\x01ag"}, pb.Code.ILLEGAL_MESSAGE_TAG),
     ("a control character in a tag (C1)", {"tag": "t\x85ag"}, pb.Code.ILLEGAL_MESSAGE_TAG),
+    ("a blank key", {"keys": ("  ",)}, pb.Code.ILLEGAL_MESSAGE_KEY),
+    ("a blank tag", {"tag": " "}, pb.Code.ILLEGAL_MESSAGE_TAG),
+    ("a tag with |", {"tag": "a|b"}, pb.Code.ILLEGAL_MESSAGE_TAG),
     ("an empty message id", {"message_id": ""}, pb.Code.ILLEGAL_MESSAGE_ID),
     ("a blank message id", {"message_id": " "}, pb.Code.ILLEGAL_MESSAGE_ID),
     ("one batch, two topics", {"n": 2, "topics": ["Valid", "Other"]}, pb.Code.MESSAGE_CORRUPTED),
@@ -281,9 +335,14 @@ def test_sends_the_proxy_refuses_are_refused_with_its_codes_and_write_nothing(tm
             reply = call(server, "SendMessage", _request(**fields), pb.SendMessageResponse)
             assert reply.status.code == code, (what, reply.status)
         fine = [_request(user={f"p{i}": "v" for i in range(128)}), _request(group="g" * 63),
-                _request(n=3, body=b"x" * (1 << 20)), _request(tag="TagA", keys=("k1", "k2"))]
+                _request(n=3, body=b"x" * (1 << 20)), _request(tag="TagA", keys=("k1", "k2")),
+                # what the proxy (and the Python client) take: a key with a space inside is two keys, as KEYS
+                # (the keys joined by spaces) makes it in RocketMQ; a tag with a blank at an end
+                _request(body=b"spaced", tag="TagB ", keys=("order 42",))]
         for request in fine:
             reply = call(server, "SendMessage", request, pb.SendMessageResponse)
             assert reply.status.code == pb.Code.OK, reply.status
         store.wait_for_dispatch()
-        assert sum(1 for _ in store.iter_messages()) == 6  # the refused sends wrote nothing
+        assert sum(1 for _ in store.iter_messages()) == 7  # the refused sends wrote nothing
+        (spaced,) = store.query_message("Valid", "42")
+        assert (spaced.body, spaced.keys, spaced.tags) == (b"spaced", ["order", "42"], "TagB ")

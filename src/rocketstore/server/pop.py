@@ -45,6 +45,7 @@ from ..message import MessageExt
 from ..reads import GetMessageStatus
 from ..sqlfilter import SqlFilter
 from ..store import MessageStore
+from .renewal import RenewPolicy, retry_delay
 
 log = logging.getLogger("rocketstore.server")
 
@@ -98,11 +99,21 @@ class DeadLetterError(RocketStoreError):
 
 
 @dataclass(slots=True)
+class Renewing:
+    """A message the server keeps invisible for its push consumer (``renewal.py``)."""
+
+    client: str
+    received_ms: int
+    renewals: int = 0
+
+
+@dataclass(slots=True)
 class InFlight:
     deadline_ms: int
     attempt: int  # 1 for the first delivery
     delivery: int  # the number in the current receipt handle
     group: str | None = None  # its message group, in a FIFO consumer group
+    renew: Renewing | None = None  # received with auto_renew: renewed while its client is there
 
 
 @dataclass(slots=True)
@@ -159,6 +170,7 @@ class PopGroups:
         self._deliveries = itertools.count(1)  # next() is atomic: no lock needed
         self.dead_lettered = 0
         self.dead_letter_failures = 0
+        self.renewed = 0
         self.state_path = state_path
         self._changed = 0  # changes so far (``_mark``, under the queue's lock); ``save`` writes all it has seen
         self._saved = 0
@@ -368,8 +380,55 @@ class PopGroups:
             flight = self._in_flight(state, offset, delivery)
             flight.deadline_ms = _now_ms() + invisible_ms
             flight.delivery = next(self._deliveries)
+            flight.renew = None  # the client decides now (a nack's backoff): the proxy stops renewing it too
             self._mark()
             return self._sign(group, topic, queue_id, offset, flight.delivery)
+
+    def mark_renewed(self, group: str, topic: str, deliveries: list[Delivery], client_id: str) -> None:
+        """``deliveries`` were received with ``auto_renew`` by ``client_id``: ``renew`` keeps them invisible."""
+        now = _now_ms()
+        for d in deliveries:
+            _queue_id, offset, delivery, state = self._handled(group, topic, d.receipt_handle)
+            with state.lock:
+                flight = state.inflight.get(offset)
+                if flight is not None and flight.delivery == delivery:
+                    flight.renew = Renewing(client_id, now)
+                    self._mark()
+
+    def renew(self, policy: RenewPolicy, online, now: int | None = None) -> list[tuple[str, str, int]]:
+        """One renewal pass (the proxy's ``scheduleRenewTask``): every message received with ``auto_renew`` is
+        hidden longer once within ``policy.ahead_ms`` of visible again, given back with the group's retry delay past
+        ``policy.max_ms``, and visible again ``policy.clear_ms`` from now once ``online(client)`` says its client is
+        gone. The receipt handle stays the same. Returns (topic, group, when) of each message now visible sooner,
+        for the receives waiting on it."""
+        now = _now_ms() if now is None else now
+        with self._lock:
+            states = list(self._queues.items())
+        sooner = []
+        for (group, topic, _queue_id), state in states:
+            if not state.inflight:
+                continue
+            with state.lock:
+                for flight in state.inflight.values():
+                    renewing = flight.renew
+                    if renewing is None:
+                        continue
+                    if not online(renewing.client):
+                        flight.deadline_ms = now + policy.clear_ms
+                        flight.renew = None
+                    elif flight.deadline_ms - now > policy.ahead_ms:
+                        continue
+                    elif now - renewing.received_ms >= policy.max_ms:
+                        flight.deadline_ms = now + retry_delay(flight.attempt)
+                        flight.renew = None
+                    else:
+                        flight.deadline_ms = now + policy.step(renewing.renewals)
+                        renewing.renewals += 1
+                        self.renewed += 1
+                    if flight.renew is None:
+                        sooner.append((topic, group, flight.deadline_ms))
+                    self._mark()
+        return sooner
 
     def release(self, group: str, topic: str, deliveries: list[Delivery]) -> int:
         """Hand back ``deliveries`` that never reached their client (its receive was cancelled): each is visible
@@ -386,6 +445,7 @@ class PopGroups:
                     continue
                 flight.deadline_ms = 0
                 flight.attempt -= 1  # its next delivery is this attempt again
+                flight.renew = None
                 self._mark()
                 released += 1
         return released
@@ -470,7 +530,7 @@ class PopGroups:
                 with state.lock:
                     rows.append({"group": group, "topic": topic, "queueId": queue_id, "committed": state.committed,
                                  "next": state.next, "done": _runs(state.done),
-                                 "inflight": [[o, f.deadline_ms, f.attempt, f.delivery, f.group]
+                                 "inflight": [[o, f.deadline_ms, f.attempt, f.delivery, f.group, *_renewing(f)]
                                               for o, f in sorted(state.inflight.items())],
                                  "held": sorted(state.held.items())})
             self.store.consumer_offsets.persist(force=True)
@@ -509,10 +569,11 @@ class PopGroups:
                 state = QueueState(base, nxt)
                 state.done = {o for start, end in row["done"]
                               for o in range(max(int(start), base), min(int(end), nxt))}
-                for offset, deadline, attempt, number, message_group in row["inflight"]:
+                for offset, deadline, attempt, number, message_group, *renewing in row["inflight"]:
                     if int(offset) >= base:
                         state.inflight[int(offset)] = InFlight(int(deadline), int(attempt), int(number),
-                                                               None if message_group is None else str(message_group))
+                                                               None if message_group is None else str(message_group),
+                                                               _renewing_of(renewing))
                         if message_group is not None:
                             state.busy[str(message_group)] = int(offset)
                 for offset, message_group in row["held"]:
@@ -538,6 +599,19 @@ class PopGroups:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _renewing(flight: InFlight) -> list:
+    """A saved in-flight row's renewal, when it has one: [[client, received ms, renewals]]."""
+    renewing = flight.renew
+    return [] if renewing is None else [[renewing.client, renewing.received_ms, renewing.renewals]]
+
+
+def _renewing_of(saved: list) -> Renewing | None:
+    if not saved or saved[0] is None:
+        return None
+    client, received, renewals = saved[0]
+    return Renewing(str(client), int(received), int(renewals))
 
 
 _RESERVED = 1 << 32

@@ -1,35 +1,31 @@
-"""Receipt handles the server keeps alive for push consumers (``auto_renew``), as RocketMQ's proxy does.
+"""Messages the server keeps invisible for push consumers (``auto_renew``), and which clients are still there.
 
 A push consumer receives ahead into a local cache and runs a listener that may take minutes, so it asks the
-server to renew what it holds (``ReceiveMessageRequest.auto_renew``): such a receive hides its messages for
-``invisible_ms`` (the proxy's ``defaultInvisibleTimeMills``, 60 s), and a thread makes each one invisible for
-longer (1, 3, 5, 10, 30 min, then every hour: ``RenewStrategyPolicy``) when it is within ``ahead_ms`` of
-visible again, for up to ``max_ms`` (3 h; then it is given back with the group's retry delay, as a nack). While
-its client is away (no telemetry stream) a renewed message is made visible again ``clear_ms`` (1 s) later, so
-another consumer gets it. Without this, every message a push consumer held longer than the fixed invisible
-time was delivered a second time, and a FIFO group's message to a second consumer while the first still ran it.
+server to renew what it holds (``ReceiveMessageRequest.auto_renew``), as RocketMQ's proxy does
+(``DefaultReceiptHandleManager``): such a receive hides its messages for ``invisible_ms`` (the proxy's
+``defaultInvisibleTimeMills``, 60 s), and every ``period_s`` the server makes each one invisible for longer (1, 3,
+5, 10, 30 min, then every hour: ``RenewStrategyPolicy``) once it is within ``ahead_ms`` of visible again, for up to
+``max_ms`` (3 h; then it is given back with the group's retry delay, as a nack). Once its client is gone (it said
+so, or sent nothing for ``CLIENT_EXPIRY_MS``) it is visible again ``clear_ms`` (1 s) later, for another consumer.
+Without this, every message a push consumer held longer than a fixed invisible time was delivered a second time,
+and a FIFO group's message to a second consumer while the first still ran it.
 
-Renewing changes the message's receipt handle, and the client still holds the first one: an ack, a change of
-invisible duration or a forward to the DLQ names it, and ``take`` answers the current handle (the proxy's
-``removeReceiptHandle``). The renewals are the server's memory only; after a restart the messages come back once
-their last deadline passes, as the proxy's do.
+Unlike the proxy, a renewal keeps the receipt handle (the proxy's changes it and maps the client's first handle to
+the newest in memory): the client's ack is good across renewals and restarts, and the renewals are part of the pop
+state saved in ``popState.json`` (``PopGroups.renew``), so a restarted server goes on renewing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
-from collections.abc import Callable
-
-from ..errors import RocketStoreError
-
-log = logging.getLogger("rocketstore.server")
 
 # the proxy's retry delays for consumers that fail a message (CustomizedRetryPolicy): attempt n waits RETRY_MS[n - 1]
 RETRY_MS = tuple(s * 1000 for s in (1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800,
                                     3600, 7200))
+# a client that sent nothing (heartbeat, telemetry, receive) for this long is gone: the proxy's channelExpiredTimeout
+CLIENT_EXPIRY_MS = 120_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,143 +38,52 @@ class RenewPolicy:
     max_ms: int = 3 * 3600 * 1000  # renewMaxTimeMillis: then the message is given back (a nack)
     clear_ms: int = 1_000  # invisibleTimeMillisWhenClear: its client went away
     steps_ms: tuple[int, ...] = (60_000, 180_000, 300_000, 600_000, 1_800_000, 3_600_000)  # RenewStrategyPolicy
+    client_expiry_ms: int = CLIENT_EXPIRY_MS
+
+    def step(self, renewals: int) -> int:
+        """How long the ``renewals``-th renewal (from 0) hides the message."""
+        return self.steps_ms[min(renewals, len(self.steps_ms) - 1)]
 
 
-@dataclasses.dataclass
-class Renewal:
-    """One held message: its current handle and when it is visible again."""
-
-    group: str
-    topic: str
-    handle: str
-    deadline_ms: int
-    received_ms: int
-    attempt: int
-    renewals: int = 0
-    done: bool = False  # taken by the client's ack/change/forward, or given up: never renewed again
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+def retry_delay(attempt: int) -> int:
+    """The group's retry delay after delivery ``attempt`` (from 1) failed."""
+    return RETRY_MS[min(max(attempt - 1, 0), len(RETRY_MS) - 1)]
 
 
 def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
+    return time.monotonic_ns() // 1_000_000
 
 
-class ReceiptRenewals:
-    """The messages each (client, group) holds with ``auto_renew``; ``run`` renews them in a thread of its own.
+class Clients:
+    """When each client was last heard from: a heartbeat, its telemetry stream, a receive. A client unknown since
+    the server started counts as heard at the start (after a restart its messages go on being renewed until it has
+    had ``expiry_ms`` to come back); one that ended with NotifyClientTermination is gone at once."""
 
-    ``change_invisible(group, topic, handle, ms) -> new handle`` is the pop state's (it raises a
-    ``RocketStoreError`` for a handle no longer in flight: the message was acknowledged or delivered again, and is
-    dropped); ``online(client_id)`` says whether the client's telemetry stream is open."""
-
-    def __init__(self, change_invisible: Callable[[str, str, str, int], str], online: Callable[[str], bool],
-                 policy: RenewPolicy | None = None, clock: Callable[[], int] = _now_ms) -> None:
-        self.policy = policy or RenewPolicy()
-        self._change = change_invisible
-        self._online = online
+    def __init__(self, expiry_ms: int = CLIENT_EXPIRY_MS, clock=_now_ms) -> None:
+        self.expiry_ms = expiry_ms
         self._clock = clock
-        self._held: dict[tuple[str, str], dict[str, Renewal]] = {}  # (client, group) -> first handle -> renewal
+        self._started = clock()
+        self._seen: dict[str, int] = {}
+        self._gone: set[str] = set()
         self._lock = threading.Lock()
-        self.renewed = 0
-        self.cleared = 0
 
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(map(len, self._held.values()))
-
-    def add(self, client_id: str, group: str, topic: str, handle: str, invisible_ms: int, attempt: int) -> None:
+    def touch(self, client_id: str) -> None:
         now = self._clock()
         with self._lock:
-            self._held.setdefault((client_id, group), {})[handle] = Renewal(group, topic, handle, now + invisible_ms,
-                                                                            now, attempt)
+            self._seen[client_id] = now
+            self._gone.discard(client_id)
+            if len(self._seen) > 4096:  # forget clients long gone
+                self._seen = {c: t for c, t in self._seen.items() if now - t < 10 * self.expiry_ms}
 
-    def take(self, client_id: str, group: str, handle: str) -> str:
-        """The current handle of the message the client knows by ``handle`` (itself if it is not renewed here), and
-        no more renewals of it. Waits for a renewal of it that is running."""
+    def terminated(self, client_id: str) -> None:
         with self._lock:
-            held = self._held.get((client_id, group))
-            renewal = held.pop(handle, None) if held is not None else None
-            if held is not None and not held:
-                del self._held[(client_id, group)]
-        if renewal is None:
-            return handle
-        with renewal.lock:
-            renewal.done = True
-            return renewal.handle
+            self._seen.pop(client_id, None)
+            self._gone.add(client_id)
+            if len(self._gone) > 4096:
+                self._gone.clear()  # then they expire as unheard clients do
 
-    def run_once(self) -> None:
-        """One scan (``scheduleRenewTask``): clear what offline clients hold, renew what is due."""
+    def online(self, client_id: str) -> bool:
         with self._lock:
-            entries = list(self._held.items())
-        for (client_id, group), held in entries:
-            if not self._online(client_id):
-                with self._lock:
-                    if self._held.get((client_id, group)) is held:
-                        del self._held[(client_id, group)]
-                for renewal in list(held.values()):
-                    self._give_back(renewal, self.policy.clear_ms, "its client went away")
-                continue
-            for first, renewal in list(held.items()):
-                if renewal.deadline_ms - self._clock() > self.policy.ahead_ms:
-                    continue
-                if not self._renew(renewal):
-                    with self._lock:
-                        if held.get(first) is renewal:
-                            del held[first]
-
-    def clear_all(self) -> None:
-        """Every held message visible again soon (a stopping server: the proxy's ``clearAllHandle``)."""
-        with self._lock:  # kept: an ack that runs on through the stop still finds the current handle
-            entries = list(self._held.values())
-        for held in entries:
-            for renewal in held.values():
-                self._give_back(renewal, self.policy.clear_ms, "the server is stopping")
-
-    def _renew(self, renewal: Renewal) -> bool:
-        """Renew one message, or give it back past ``max_ms``; False once it is no longer to be renewed."""
-        with renewal.lock:
-            if renewal.done:
+            if client_id in self._gone:
                 return False
-            now = self._clock()
-            if now - renewal.received_ms >= self.policy.max_ms:
-                retry = RETRY_MS[min(max(renewal.attempt - 1, 0), len(RETRY_MS) - 1)]
-                self._change_quietly(renewal, retry, "held past the longest renewal")
-                renewal.done = True
-                return False
-            steps = self.policy.steps_ms
-            step = steps[min(renewal.renewals, len(steps) - 1)]
-            try:
-                renewal.handle = self._change(renewal.group, renewal.topic, renewal.handle, step)
-            except RocketStoreError as exc:  # acknowledged meanwhile, or delivered again: nothing to renew
-                log.debug("renewal of a message of %s stopped: %s", renewal.group, exc)
-                renewal.done = True
-                return False
-            renewal.deadline_ms = now + step
-            renewal.renewals += 1
-            self.renewed += 1
-            return True
-
-    def _give_back(self, renewal: Renewal, invisible_ms: int, why: str) -> None:
-        with renewal.lock:
-            if renewal.done:
-                return
-            renewal.done = True
-            if self._change_quietly(renewal, invisible_ms, why):
-                self.cleared += 1
-
-    def _change_quietly(self, renewal: Renewal, invisible_ms: int, why: str) -> bool:
-        try:
-            renewal.handle = self._change(renewal.group, renewal.topic, renewal.handle, invisible_ms)
-        except RocketStoreError as exc:
-            log.debug("a held message of %s not given back (%s): %s", renewal.group, why, exc)
-            return False
-        log.debug("a held message of %s visible again in %d ms: %s", renewal.group, invisible_ms, why)
-        return True
-
-    def run(self, stop: threading.Event) -> None:
-        """Scan every ``period_s`` until ``stop`` is set; a failure is logged and the next scan goes on."""
-        while not stop.wait(self.policy.period_s):
-            try:
-                self.run_once()
-            except Exception:
-                log.exception("renewing the push consumers' messages failed (tried again in %.0f s)",
-                              self.policy.period_s)
+            return self._clock() - self._seen.get(client_id, self._started) < self.expiry_ms

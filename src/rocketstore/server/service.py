@@ -59,7 +59,7 @@ from .auth import Accounts
 from .longpoll import LongPolls, call_soon
 from .pop import MAX_BATCH, DeadLetterError, InvalidReceiptHandleError, PopGroups, fit
 from .protocol import SERVICE, pb, service_methods
-from .renewal import RETRY_MS, ReceiptRenewals, RenewPolicy
+from .renewal import RETRY_MS, Clients, RenewPolicy
 
 log = logging.getLogger("rocketstore.server")
 
@@ -277,9 +277,9 @@ class MessagingService:
                                          name="rocketstore-transaction-check", daemon=True)
         self._saver = threading.Thread(target=self._save_pop_state_periodically, name="rocketstore-pop-state",
                                        daemon=True)
-        self.renewals = ReceiptRenewals(self.pop.change_invisible, self._online, renew_policy)
-        self._renewer = threading.Thread(target=self.renewals.run, args=(self._closing,), name="rocketstore-renew",
-                                         daemon=True)
+        self.renew_policy = renew_policy or RenewPolicy()
+        self.clients = Clients(self.renew_policy.client_expiry_ms)  # who was heard from lately
+        self._renewer = threading.Thread(target=self._renew_periodically, name="rocketstore-renew", daemon=True)
 
     def start(self) -> None:
         self._checker.start()
@@ -295,9 +295,26 @@ class MessagingService:
             self.save_pop_state()
 
     def _online(self, client_id: str) -> bool:
-        """Whether the client has its telemetry stream open (the proxy's ``clientIsOffline``, negated)."""
+        """Whether the client is still there (the proxy's ``clientIsOffline``, negated): its telemetry stream is open,
+        or it was heard from within the last two minutes (a heartbeat, a receive); not once it said it terminates.
+        A stream alone is not enough: the Python client rebuilds a broken one only every 5 minutes, heartbeating
+        and receiving meanwhile."""
         with self._clients_lock:
-            return client_id in self._clients
+            if client_id in self._clients:
+                return True
+        return self.clients.online(client_id)
+
+    def _renew_periodically(self) -> None:
+        """``PopGroups.renew`` every ``period_s``: push consumers' messages kept invisible (``renewal.py``)."""
+        while not self._closing.wait(self.renew_policy.period_s):
+            try:
+                sooner = self.pop.renew(self.renew_policy, self._online)
+            except Exception:
+                log.exception("renewing the push consumers' messages failed (tried again in %.0f s)",
+                              self.renew_policy.period_s)
+                continue
+            for topic, group, due_ms in sooner:  # receives waiting take them once visible
+                self.long_polls.due(topic, group, due_ms)
 
     def save_pop_state(self) -> None:
         """``PopGroups.save``, a failure logged (the periodic saver tries again; a stop's last save is the last)."""
@@ -374,7 +391,6 @@ class MessagingService:
             self._saver.join()
         if self._renewer.is_alive():
             self._renewer.join()
-        self.renewals.clear_all()  # what push consumers held comes back a second after the next start
         self.save_pop_state()  # a clean stop keeps what is held and acknowledged
 
     # --- routes -----------------------------------------------------------------------------------------
@@ -438,6 +454,7 @@ class MessagingService:
                 consumer_group(request.group)
             except Status as exc:
                 return pb.HeartbeatResponse(status=status(exc.code, str(exc)))
+        self.clients.touch(_client_id(context))
         return pb.HeartbeatResponse(status=status())
 
     def NotifyClientTermination(self, request, context):
@@ -446,7 +463,9 @@ class MessagingService:
                 consumer_group(request.group)
             except Status as exc:
                 return pb.NotifyClientTerminationResponse(status=status(exc.code, str(exc)))
-        log.info("client %s terminated", _client_id(context))
+        client_id = _client_id(context)
+        self.clients.terminated(client_id)  # what it held with auto_renew comes back once its stream is closed
+        log.info("client %s terminated", client_id)
         return pb.NotifyClientTerminationResponse(status=status())
 
     async def Telemetry(self, requests, context) -> AsyncIterator:
@@ -460,6 +479,7 @@ class MessagingService:
         async def read() -> None:
             try:
                 async for command in requests:
+                    self.clients.touch(client_id)
                     if command.HasField("settings"):
                         if command.settings.HasField("subscription"):
                             try:
@@ -528,11 +548,12 @@ class MessagingService:
             # 3 whatever --max-attempts was, and a Java FIFO push consumer then dead-lettered after 3. The delays
             # are the group's retry policy (the proxy's mergeSubscriptionData: CustomizedRetryPolicy, 1 s to 2 h):
             # the producers' 10 ms-1 s backoff sent a message a push consumer failed for 18 s to the DLQ
+            settings.ClearField("backoff_policy")  # replaced, not merged with the client's (mergeSubscriptionData)
             settings.backoff_policy.max_attempts = self.pop.max_attempts
-            settings.backoff_policy.ClearField("exponential_backoff")
             for delay_ms in RETRY_MS:
                 settings.backoff_policy.customized_backoff.next.add().FromMilliseconds(delay_ms)
         else:  # the proxy's grpcClientProducer* settings
+            settings.ClearField("backoff_policy")
             settings.backoff_policy.max_attempts = 3
             settings.backoff_policy.exponential_backoff.initial.FromMilliseconds(10)
             settings.backoff_policy.exponential_backoff.max.FromMilliseconds(1000)
@@ -657,20 +678,23 @@ class MessagingService:
             user[PropertyName.TIMER_DELIVER_MS] = str(_ms(props.delivery_timestamp))
         elif props.message_type == pb.MessageType.DELAY:
             raise Status(pb.Code.ILLEGAL_DELIVERY_TIME, "a DELAY message needs a delivery timestamp")
-        if props.tag and ("|" in props.tag or props.tag.strip() != props.tag or _has_control(props.tag)):
-            raise Status(pb.Code.ILLEGAL_MESSAGE_TAG, f"tag {props.tag!r} may not contain '|', control characters "
-                                                      f"or blanks at its ends")
+        # as the proxy's GrpcValidator.validateTag and validateMessageKey: blank, '|' (a tag) or a control character
+        if props.tag and ("|" in props.tag or not props.tag.strip() or _has_control(props.tag)):
+            raise Status(pb.Code.ILLEGAL_MESSAGE_TAG, f"tag {props.tag!r} may not be blank or contain '|' or control "
+                                                      f"characters")
         for key in props.keys:
-            if not key or " " in key or _has_control(key):
-                raise Status(pb.Code.ILLEGAL_MESSAGE_KEY, f"key {key!r} is empty or contains a space or a control "
-                                                          f"character")
+            if key and (not key.strip() or _has_control(key)):
+                raise Status(pb.Code.ILLEGAL_MESSAGE_KEY, f"key {key!r} may not be blank or contain control "
+                                                          f"characters")
+        # KEYS is the keys joined by spaces, so "order 42" is stored, indexed and delivered as two keys, as RocketMQ's
+        keys = [part for key in props.keys for part in key.split(" ") if part]
         born = _ms(props.born_timestamp) if props.HasField("born_timestamp") else None
         born_host = props.born_host or None
         body = bytes(m.body)
         if props.body_encoding == pb.Encoding.GZIP:
             body = self._gunzip(body)
         try:
-            return Message(topic, body, tags=props.tag or None, keys=list(props.keys), properties=user,
+            return Message(topic, body, tags=props.tag or None, keys=keys, properties=user,
                            queue_id=queue_id, born_timestamp=born, born_host=_host(born_host))
         except ValueError as exc:
             raise Status(pb.Code.BAD_REQUEST, str(exc)) from None
@@ -746,7 +770,7 @@ class MessagingService:
             read = self._readable(topic)
             tags, sql = subscription(request.filter_expression)
             if request.auto_renew:  # a push consumer: the server renews (the proxy's enableProxyAutoRenew)
-                invisible_ms = self.renewals.policy.invisible_ms
+                invisible_ms = self.renew_policy.invisible_ms
             else:
                 invisible_ms = _duration_ms(request.invisible_duration) if request.HasField("invisible_duration") \
                     else DEFAULT_INVISIBLE_MS
@@ -763,7 +787,10 @@ class MessagingService:
         deadline = time.monotonic() + poll_s
         start = request.message_queue.id if request.message_queue.id >= 0 else self._next_start(group, topic)
         queue_ids = [(start + i) % read for i in range(read)] if read else []
-        look = functools.partial(self._look, group, topic, queue_ids, batch, invisible_ms, tags, sql)
+        client_id = _client_id(context)
+        self.clients.touch(client_id)
+        look = functools.partial(self._look, group, topic, queue_ids, batch, invisible_ms, tags, sql,
+                                 client_id if request.auto_renew else None)
         loop = asyncio.get_running_loop()
         ticket = None
         failure = None
@@ -799,7 +826,6 @@ class MessagingService:
             self._hand_back_soon(group, topic, deliveries)
             return
         written = 0
-        renew = request.auto_renew and self._online(client_id := _client_id(context))
         try:  # a call cancelled (or failing) mid-reply hands back what it had not written
             yield pb.ReceiveMessageResponse(status=status())
             # the transport's delivery time: push consumers compute their receive latency from it (and fail
@@ -809,19 +835,20 @@ class MessagingService:
                 yield pb.ReceiveMessageResponse(message=self._to_proto(d.message, d.receipt_handle, d.attempt,
                                                                        d.invisible_ms))
                 written += 1  # grpc took it and asked for the next
-                if renew:
-                    self.renewals.add(client_id, group, topic, d.receipt_handle, d.invisible_ms, d.attempt)
         finally:
             if written < len(deliveries):
                 self._hand_back_soon(group, topic, deliveries[written:])
         self.metrics.add("received", len(deliveries))
 
     def _look(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int, tags: str | None,
-              sql: SqlFilter | None) -> tuple[list, int | None]:
+              sql: SqlFilter | None, renew_for: str | None = None) -> tuple[list, int | None]:
         """A receive's look at the queues, in a worker thread: (the deliveries, and when none, the epoch ms at which
         the first message of these queues now in flight becomes visible again: a waiting receive wakes then to take
-        it). Pop's locks are taken here, never on the event loop: a worker holds one across a store read."""
+        it). Pop's locks are taken here, never on the event loop: a worker holds one across a store read.
+        ``renew_for``: the client of an ``auto_renew`` receive, whose deliveries the server renews."""
         deliveries = self.pop.receive(group, topic, queue_ids, batch, invisible_ms, tags, sql)
+        if deliveries and renew_for is not None:
+            self.pop.mark_renewed(group, topic, deliveries, renew_for)
         if deliveries:  # other receives waiting now take them if they are not acknowledged in time
             self.long_polls.due(topic, group, time.time_ns() // 1_000_000 + invisible_ms)
             return deliveries, None
@@ -886,10 +913,9 @@ class MessagingService:
         except Status as exc:
             return pb.AckMessageResponse(status=status(exc.code, str(exc)))
         entries, failures = [], 0
-        client_id = _client_id(context)
         for entry in request.entries:
             try:
-                self.pop.ack(group, topic, self.renewals.take(client_id, group, entry.receipt_handle))
+                self.pop.ack(group, topic, entry.receipt_handle)
                 entries.append(pb.AckMessageResultEntry(message_id=entry.message_id,
                                                         receipt_handle=entry.receipt_handle, status=status()))
             except RocketStoreError as exc:
@@ -922,8 +948,8 @@ class MessagingService:
             consumer_group(request.group)
             invisible_ms = _duration_ms(request.invisible_duration)
             check_invisible(invisible_ms)
-            current = self.renewals.take(_client_id(context), request.group.name, request.receipt_handle)
-            handle = self.pop.change_invisible(request.group.name, request.topic.name, current, invisible_ms)
+            handle = self.pop.change_invisible(request.group.name, request.topic.name, request.receipt_handle,
+                                               invisible_ms)
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             return pb.ChangeInvisibleDurationResponse(status=status(failure.code, str(failure)))
@@ -935,8 +961,7 @@ class MessagingService:
         try:
             topic_name(request.topic.name)
             consumer_group(request.group)
-            current = self.renewals.take(_client_id(context), request.group.name, request.receipt_handle)
-            self.pop.forward_to_dlq(request.group.name, request.topic.name, current)
+            self.pop.forward_to_dlq(request.group.name, request.topic.name, request.receipt_handle)
         except (RocketStoreError, Status) as exc:
             failure = status_of(exc)
             return pb.ForwardMessageToDeadLetterQueueResponse(status=status(failure.code, str(failure)))
