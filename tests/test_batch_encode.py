@@ -52,6 +52,10 @@ rows = st.lists(st.fixed_dictionaries({
     "born_timestamp": st.integers(0, 1 << 45),
     "born_host": st.sampled_from([None, "10.0.0.7:4000", "[2001:db8::1]:9876"]),
     "properties": st.one_of(st.none(), props),
+    # a copied message's rarer fields (an import): a compressed body, MULTI_TAGS, a committed transaction, a retry
+    "sys_flag": st.one_of(st.just(0), st.sampled_from([0x1, 0x2, 0x8, 0x101, 0x301, 0x20B])),
+    "reconsume_times": st.one_of(st.just(0), st.integers(-(1 << 31), (1 << 31) - 1)),
+    "prepared_transaction_offset": st.one_of(st.just(0), st.integers(-(1 << 63), (1 << 63) - 1)),
 }), min_size=1, max_size=12)
 
 
@@ -67,13 +71,17 @@ def table_of(items: list[dict]) -> pa.Table:
         "born_host": pa.array([r["born_host"] for r in items], pa.string()),
         "properties": pa.array([list((r["properties"] or {}).items()) for r in items],
                                pa.map_(pa.string(), pa.string())),
+        **{name: pa.array([r.get(name, 0) for r in items], kind)
+           for name, kind in (("sys_flag", pa.int32()), ("reconsume_times", pa.int32()),
+                              ("prepared_transaction_offset", pa.int64()))},
     })
 
 
 def message_of(r: dict) -> Message:
     return Message(r["topic"], r["body"], tags=r["tags"], keys=r["keys"], properties=r["properties"],
                    queue_id=r["queue_id"], flag=r["flag"], born_timestamp=r["born_timestamp"],
-                   born_host=r["born_host"])
+                   born_host=r["born_host"], sys_flag=r.get("sys_flag", 0), reconsume_times=r.get("reconsume_times", 0),
+                   prepared_transaction_offset=r.get("prepared_transaction_offset", 0))
 
 
 def usable(r: dict) -> bool:
@@ -788,3 +796,35 @@ def test_a_refused_put_messages_names_the_message(tmp_path):
         with pytest.raises(InvalidPropertyError, match=r"^property 'TAGS' contains a separator"):
             store.put_message(msgs[4])  # one message: nothing to name
         assert store.max_phy_offset == 0
+
+
+def test_copied_rarer_fields_round_trip_and_a_prepared_row_is_refused(tmp_path):
+    """What an import carries over besides the usual columns: a compressed body (its flag, so it reads back
+    inflated), a retry's
+    count, a committed transaction's type and half offset. A prepared record takes no queue offset: refused."""
+    table = pa.table({
+        "topic": ["Zip", "Zip", "%RETRY%g", "Tx"], "body": [zlib.compress(b"hello " * 50), b"plain", b"again", b"tx"],
+        "sys_flag": pa.array([0x301, 0, 0, 0x8], pa.int32()),  # COMPRESSED, zlib
+        "reconsume_times": pa.array([0, 0, 5, 0], pa.int32()),
+        "prepared_transaction_offset": pa.array([0, 0, 0, 4242], pa.int64()),
+        "born_host": [None, None, "[2001:db8::1]:1", None],  # an IPv6 row: the general path too
+    })
+    with MessageStore.open(tmp_path / "s", StoreConfig(max_hash_slot_num=97, max_index_num=400)) as store:
+        result = store.put_batch(table.slice(0, 2))  # IPv4 rows only: the compiled path
+        store.put_batch(table.slice(2))
+        store.wait_for_dispatch()
+        got = {(m.topic, m.body): m for m in store.iter_messages()}
+        zipped = got[("Zip", zlib.compress(b"hello " * 50))]  # stored as sent, as a broker keeps it
+        assert zipped.sys_flag & 0x1 and zipped.queue_offset == 0
+        inflated = store.look_message_by_offset(zipped.commit_log_offset, decompress=True)
+        assert inflated.body == b"hello " * 50
+        assert got[("Zip", b"plain")].sys_flag == 0 and result.queue_offsets.tolist() == [0, 1]
+        assert got[("%RETRY%g", b"again")].reconsume_times == 5
+        tx = got[("Tx", b"tx")]
+        assert (tx.sys_flag & 0xC, tx.prepared_transaction_offset) == (0x8, 4242)
+        assert [m.body for m in store.get_message("Tx", 0, 0, 4).messages] == [b"tx"]  # in its queue
+        end = store.commit_log.max_offset
+        bad = table.slice(0, 2).set_column(2, "sys_flag", pa.array([0, 0x4], pa.int32()))
+        with pytest.raises(InvalidFlagError, match="row 1: sys_flag 0x4"):
+            store.put_batch(bad)
+        assert store.commit_log.max_offset == end

@@ -435,3 +435,74 @@ def test_an_import_keeps_a_brokers_multi_dispatch_properties_a_put_refuses(tmp_p
     assert [m.properties.get("INNER_MULTI_DISPATCH") for m in stored(tmp_path / "s")] == ["%LMQ%q1", None]
     with MessageStore.open(tmp_path / "s", CONFIG) as store, pytest.raises(InvalidPropertyError, match="multi"):
         store.put_batch(pa.table({"topic": ["Orders"], "body": [b"x"], "properties": properties[:1]}))
+
+
+def test_an_import_keeps_what_else_a_stored_message_carries(tmp_path):
+    """A compressed body's flag (its bytes stay compressed: without the flag consumers got zlib bytes), a retry's
+    count, a committed transaction's type and half offset; the host bits follow the importing store. A KEYS
+    property is the keys as stored, spacing too: it wins over the split keys column (both were refused)."""
+    import zlib
+
+    write(tmp_path / "one.parquet", topic=["Zip", "%RETRY%g", "Tx", "Keys"],
+          body=[zlib.compress(b"hello " * 20), b"again", b"tx", b"spaced"],
+          keys=pa.array([None, None, None, ["a", "b"]], pa.list_(pa.string())),
+          properties=pa.array([None, None, None, [("KEYS", "a  b")]], pa.map_(pa.string(), pa.string())),
+          sysFlag=pa.array([0x301 | 0x10, 0, 0x8, 0], pa.int32()),  # 0x10: the exporting store's IPv6 born host
+          reconsumeTimes=pa.array([0, 5, 0, 0], pa.int32()),
+          preparedTransactionOffset=pa.array([0, 0, 4242, 0], pa.int64()))
+    import_parquet(tmp_path / "one.parquet", tmp_path / "s", config=CONFIG)
+    zipped, retry, tx, keyed = stored(tmp_path / "s")
+    assert zipped.sys_flag == 0x301 and zipped.body == zlib.compress(b"hello " * 20)
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
+        inflated = store.look_message_by_offset(zipped.commit_log_offset, decompress=True)
+        assert inflated.body == b"hello " * 20
+        assert [m.body for m in store.query_message("Keys", "b")] == [b"spaced"]
+    assert retry.reconsume_times == 5
+    assert (tx.sys_flag, tx.prepared_transaction_offset) == (0x8, 4242)
+    assert keyed.properties["KEYS"] == "a  b"
+
+
+def test_born_times_in_int96_timestamps_are_read_whole(tmp_path):
+    """Spark wrote born times as INT96; read as nanoseconds, those outside 1677-2262 wrapped around (one stored as
+    1970, others refused after part of the import was stored)."""
+    born = [datetime.datetime(1, 1, 1, tzinfo=datetime.UTC), datetime.datetime(1500, 6, 1, tzinfo=datetime.UTC),
+            datetime.datetime(2026, 11, 27, 12, 0, 0, 123000, tzinfo=datetime.UTC),
+            datetime.datetime(3000, 1, 1, tzinfo=datetime.UTC)]
+    table = pa.table({"topic": ["T"] * 4, "body": [b"a", b"b", b"c", b"d"],
+                      "bornTimestamp": pa.array(born, pa.timestamp("us", "UTC"))})
+    pq.write_table(table, tmp_path / "int96.parquet", use_deprecated_int96_timestamps=True)
+    assert pq.ParquetFile(tmp_path / "int96.parquet").schema.column(2).physical_type == "INT96"
+    import_parquet(tmp_path / "int96.parquet", tmp_path / "s", config=CONFIG)
+    epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+    assert [m.born_timestamp for m in stored(tmp_path / "s")] == \
+        [(b - epoch) // datetime.timedelta(milliseconds=1) for b in born]
+
+
+def test_a_topic_with_more_queues_than_the_first_table_shows_is_imported_whole(tmp_path, monkeypatch):
+    """The first table's put created the topic with 8 queues; a later table's queue 12 was refused part-way."""
+    monkeypatch.setattr(importing, "IMPORT_CHUNK_ROWS", 4)
+    queues = [0, 1, 2, 3, 4, 5, 6, 7, 12, 12, 3, 15]
+    write(tmp_path / "wide.parquet", topic=["Wide"] * len(queues), body=[b"%d" % i for i in range(len(queues))],
+          queueId=pa.array(queues, pa.int32()))
+    import_parquet(tmp_path / "wide.parquet", tmp_path / "s", config=CONFIG)
+    with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
+        assert store.topic_config.get("Wide").write_queue_nums == 16
+        assert [m.queue_id for m in store.iter_messages()] == queues
+    write(tmp_path / "more.parquet", topic=["Wide"], body=[b"x"], queueId=pa.array([20], pa.int32()))
+    with pytest.raises(InvalidQueueError, match="queue 20"):  # a topic that was there keeps its queues
+        import_parquet(tmp_path / "more.parquet", tmp_path / "s", config=CONFIG)
+
+
+def test_the_cli_passes_over_the_brokers_own_queues_when_asked(tmp_path):
+    write(tmp_path / "all.parquet", topic=["Orders", "SCHEDULE_TOPIC_XXXX", "RMQ_SYS_TRANS_HALF_TOPIC", "Orders"],
+          body=[b"a", b"parked", b"half", b"b"])
+    done = cli("import", "--store", str(tmp_path / "s"), "--parquet", str(tmp_path / "all.parquet"), "--no-spark",
+               *GEOMETRY, check=False)
+    assert done.returncode == 1 and "--skip-system-topics" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "s").exists()
+    done = cli("import", "--store", str(tmp_path / "s"), "--parquet", str(tmp_path / "all.parquet"), "--no-spark",
+               "--skip-system-topics", *GEOMETRY)
+    assert "imported 2 messages" in done.stdout
+    assert "passed over 2 rows of the broker's own queues (RMQ_SYS_TRANS_HALF_TOPIC 1, SCHEDULE_TOPIC_XXXX 1)" \
+        in done.stderr
+    assert [(m.topic, m.body) for m in stored(tmp_path / "s")] == [("Orders", b"a"), ("Orders", b"b")]

@@ -1162,3 +1162,34 @@ def test_rebuilds_write_delayed_messages_due_at_the_stores_own_delay_levels(spar
                for level in (0, 1) for unit in (store.queues.get("SCHEDULE_TOPIC_XXXX", level).get_unit(n)
                                                 for n in range(3))]
     assert due == [3_600_000] * 3 + [7_200_000] * 3
+
+
+def test_a_whole_store_export_with_the_brokers_own_queues_imports_with_skip_system(spark, tmp_path):
+    """An export holds SCHEDULE_TOPIC_XXXX and the transaction topics once the store used delays; importing it was
+    refused whole. Refused still, saying how to go on; with skip_system both readers store the other rows and count
+    the passed-over ones. The export keeps times as microsecond timestamps (INT96 wrapped in other readers)."""
+    import pyarrow.parquet as pq
+
+    from rocketstore.errors import InvalidTopicError
+    from rocketstore.importing import import_parquet
+    from rocketstore.spark.jobs import read_parquet
+
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        store.put_messages([Message("Orders", b"now %d" % i) for i in range(3)])
+        store.put_message(Message("Orders", b"later", properties={"DELAY": "18"}))  # waits 2 h in the schedule topic
+        store.put_message(Message("Orders", b"compressed", sys_flag=0x301))
+    export_parquet(tmp_path / "s", tmp_path / "out", spark=spark)
+    files = list((tmp_path / "out").rglob("*.parquet"))
+    assert all(pq.ParquetFile(f).schema.column(pq.ParquetFile(f).schema.names.index("bornTimestamp"))
+               .physical_type == "INT64" for f in files)
+    with pytest.raises(InvalidTopicError, match="skip-system-topics"):
+        import_parquet(tmp_path / "out", tmp_path / "refused", config=CONFIG)
+    assert not (tmp_path / "refused").exists()
+    here = import_parquet(tmp_path / "out", tmp_path / "here", config=CONFIG, skip_system=True)
+    there = import_messages(read_parquet(spark, tmp_path / "out"), tmp_path / "spark", config=CONFIG,
+                            skip_system=True)
+    for report, root in ((here, tmp_path / "here"), (there, tmp_path / "spark")):
+        assert (report.rows, report.system_rows) == (4, {"SCHEDULE_TOPIC_XXXX": 1}), root
+        with MessageStore.open(root, CONFIG, read_only=True) as store:
+            got = sorted((m.body, m.sys_flag) for m in store.iter_messages())
+        assert got == sorted([(b"now %d" % i, 0) for i in range(3)] + [(b"compressed", 0x301)]), root

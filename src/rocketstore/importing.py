@@ -20,7 +20,7 @@ import re
 import shutil
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +40,14 @@ from .errors import (
     StoredButNotClosedError,
 )
 from .importjournal import ImportJournal, ImportProgress, describe_source, rows_stored
+from .message import SysFlag
 from .store import MessageStore
 
 Progress = Callable[[str, int, int], None]  # (stage description, done, total)
 
-IMPORT_COLUMNS = ("topic", "body", "keys", "tags", "properties", "queueId", "flag", "bornTimestamp", "bornHost")
+IMPORT_COLUMNS = ("topic", "body", "keys", "tags", "properties", "queueId", "flag", "bornTimestamp", "bornHost",
+                  "sysFlag", "reconsumeTimes", "preparedTransactionOffset")
+_HOST_FLAGS = SysFlag.BORNHOST_V6 | SysFlag.STOREHOST_V6  # the importing store sets these from the hosts
 CHECKED_COLUMNS = ("topic", "body", "queueId")  # what ``first_bad_row`` reads
 IMPORT_CHUNK_BYTES = 64 << 20  # one table handed to put_batch holds at most about this much
 IMPORT_CHUNK_ROWS = 10_000  # and at most this many rows (Spark's Arrow batch size)
@@ -62,7 +65,32 @@ class ImportReport:
     already_imported: bool = False  # the store's journal says this very import finished before: nothing stored
     first_offset: int | None = None
     last_offset: int | None = None
+    system_rows: dict[str, int] = field(default_factory=dict)  # rows of the broker's own topics passed over
 
+
+def importable(topic: str) -> bool:
+    """Whether rows of ``topic`` can be stored: not one of the broker's own queues (``check_sendable``)."""
+    try:
+        check_sendable(topic)
+    except InvalidTopicError:
+        return False
+    return True
+
+
+SYSTEM_ROWS_HINT = ("pass --skip-system-topics (skip_system=True) to import the other rows: the broker's own delay, "
+                    "timer and transaction queues are not imported, so a delayed message still waiting there is not "
+                    "carried over; or export only the topics you need (export -t)")
+
+
+def system_rows_of(table: pa.Table) -> tuple[pa.Table, dict[str, int]]:
+    """``table`` without the rows of topics ``importable`` refuses, and how many each of those had."""
+    topic = table.column("topic").cast(pa.string())
+    system = [t for t in pc.unique(pc.drop_null(topic)).to_pylist() if not importable(t)]
+    if not system:
+        return table, {}
+    mask = pc.is_in(topic, value_set=pa.array(system, pa.string()))
+    counts = pc.value_counts(pc.filter(topic, mask)).to_pylist()
+    return table.filter(pc.invert(pc.fill_null(mask, False))), {c["values"]: c["counts"] for c in counts}
 
 def import_config(root: Path, config: StoreConfig | None, explicit: Iterable[str] | None) -> tuple[bool, StoreConfig]:
     """(whether ``root`` holds no store yet, the config to import with: a store's own geometry when it has one)."""
@@ -87,7 +115,8 @@ def first_bad_row(table: pa.Table, config: StoreConfig) -> tuple[int, str, str] 
             validate_topic(name)
             check_sendable(name)
         except InvalidTopicError as exc:
-            found.append((int(pc.index(topic.cast(pa.string()), name).as_py()), "topic", str(exc)))
+            why = str(exc) if importable(name) else f"{exc}; {SYSTEM_ROWS_HINT}"
+            found.append((int(pc.index(topic.cast(pa.string()), name).as_py()), "topic", why))
     bodies = pc.fill_null(pc.binary_length(body.cast(pa.binary())), 0).to_numpy(zero_copy_only=False)
     over = np.flatnonzero(bodies > max_body)
     if len(over):
@@ -124,6 +153,9 @@ def batch_columns(chunk: pa.Table) -> pa.Table:
             data["tags"] = chunk.column("tags").cast(pa.string())
         if "properties" in names:
             data["properties"] = chunk.column("properties").cast(pa.map_(pa.string(), pa.string()))
+            if "keys" in data:  # a KEYS property is the stored keys as they were (spacing too): it wins
+                stored = pc.is_valid(pc.map_lookup(data["properties"], "KEYS", "first"))
+                data["keys"] = pc.if_else(stored, pa.scalar(None, data["keys"].type), data["keys"])
         if "queueId" in names:
             data["queue_id"] = pc.fill_null(chunk.column("queueId").cast(pa.int32()), 0)
         if "flag" in names:
@@ -135,6 +167,16 @@ def batch_columns(chunk: pa.Table) -> pa.Table:
             data["born_timestamp"] = born.cast(pa.int64())
         if "bornHost" in names:
             data["born_host"] = chunk.column("bornHost").cast(pa.string())
+        # what else a stored message carries: a compressed body's flag (its bytes are stored compressed), a retry's
+        # count, a committed transaction's type and half offset
+        if "sysFlag" in names:
+            data["sys_flag"] = pc.bit_wise_and(pc.fill_null(chunk.column("sysFlag").cast(pa.int32()), 0),
+                                               pa.scalar(~_HOST_FLAGS, pa.int32()))
+        if "reconsumeTimes" in names:
+            data["reconsume_times"] = pc.fill_null(chunk.column("reconsumeTimes").cast(pa.int32()), 0)
+        if "preparedTransactionOffset" in names:
+            data["prepared_transaction_offset"] = pc.fill_null(
+                chunk.column("preparedTransactionOffset").cast(pa.int64()), 0)
     except (pa.ArrowException, TypeError, ValueError) as exc:
         raise ConfigError(f"import columns cannot be read as messages: {exc}") from None
     return pa.table(data)
@@ -168,6 +210,7 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
     before = set(os.listdir(root)) if root.is_dir() else None
     try:
         store = MessageStore.open(root, config)
+        ours: dict[str, bool] = {}  # topic -> whether this import creates it (and may give it more queues)
         try:
             skip = report.skipped  # rows come in the same order every time: the first skip go by
             for chunk in _stopping_with_the_count(chunks, report):
@@ -184,6 +227,7 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                         source, report.skipped + report.rows, log_end, table.num_rows,
                         table.column("topic")[0].as_py(), ImportProgress.body_crc(table.column("body")[0].as_py())))
                     try:
+                        _grow_topics(store, table, ours)
                         _put(store, table, report, progress)
                     except RocketStoreError:
                         if not report.skipped + report.rows and store.commit_log.max_offset == log_end:
@@ -214,6 +258,24 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                         (shutil.rmtree if (root / name).is_dir() else os.unlink)(root / name)
         raise
     return report
+
+
+def _grow_topics(store: MessageStore, table: pa.Table, ours: dict[str, bool]) -> None:
+    """Give a topic this import created as many queues as the rows need. The first table's put creates a topic
+    with the queues it needs (at least the default 8); a later table of the same topic with a higher queue id was
+    refused, and a topic of more than 8 queues could not be imported at all. A topic that was there before keeps
+    its queues (a row past them is refused: the operator decides)."""
+    if "queue_id" not in table.column_names:
+        return
+    highest = pa.table({"topic": table.column("topic"), "queue": table.column("queue_id")}) \
+        .group_by("topic").aggregate([("queue", "max")])
+    for topic, queue in zip(highest.column("topic").to_pylist(), highest.column("queue_max").to_pylist(),
+                            strict=True):
+        config = store.topic_config.get(topic)
+        if topic not in ours:
+            ours[topic] = config is None
+        if ours[topic] and config is not None and queue is not None and queue >= config.write_queue_nums:
+            store.create_topic(topic, queue + 1)
 
 
 CONTENT = "content"  # a source's digest of its files' sizes and times: whether a finished import is this one
@@ -288,9 +350,11 @@ class ParquetDataset:
     """A Parquet file, or a directory of them (``topic=.../date=...`` directories as string columns, as
     ``spark.jobs.read_parquet`` reads them), its files in name order."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, skip_system: bool = False) -> None:
         import pyarrow.parquet as pq
 
+        self.skip_system = skip_system
+        self.system_rows: dict[str, int] = {}  # counted by ``first_bad_row``
         self.path = Path(path)
         if not self.path.exists():
             raise ConfigError(f"{path} does not exist")
@@ -307,7 +371,9 @@ class ParquetDataset:
         self._meta = []
         for file in self.files:
             try:
-                self._meta.append(pq.ParquetFile(file))
+                # INT96 timestamps (what Spark writes by default) in microseconds: read as nanoseconds, born times
+                # outside 1677-2262 wrapped around, stored wrong or refused after part of the import was stored
+                self._meta.append(pq.ParquetFile(file, coerce_int96_timestamp_unit="us"))
             except (OSError, pa.ArrowException) as exc:
                 raise ConfigError(f"{file} is not a readable Parquet file: {one_line(exc)}") from None
         self.partitions = [self._partition_values(file) for file in self.files]
@@ -347,7 +413,7 @@ class ParquetDataset:
         digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:32]
         content = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:32]
         return {"reader": "arrow", "first": names[0], "files": len(names), "digest": digest, "rows": self.rows,
-                CONTENT: content}
+                CONTENT: content, **({"skipSystemTopics": True} if self.skip_system else {})}
 
     def tables(self, columns: Iterable[str] | None = None) -> Iterator[pa.Table]:
         """The rows in order as tables of at most ``IMPORT_CHUNK_ROWS`` rows and about ``IMPORT_CHUNK_BYTES``."""
@@ -355,21 +421,46 @@ class ParquetDataset:
         for file, meta, values in zip(self.files, self._meta, self.partitions, strict=True):
             if not meta.metadata.num_rows:
                 continue
+            if self.skip_system and values.get("topic") is not None and not importable(values["topic"]):
+                continue  # a topic=... directory of the broker's own queue
             in_file = [c for c in wanted if c in meta.schema_arrow.names and c not in values]
             size = sum(meta.metadata.row_group(g).total_byte_size for g in range(meta.num_row_groups))
             rows = max(1, min(IMPORT_CHUNK_ROWS, IMPORT_CHUNK_BYTES * meta.metadata.num_rows // max(size, 1)))
             try:
                 for batch in meta.iter_batches(batch_size=rows, columns=in_file, use_threads=True):
                     table = pa.Table.from_batches([batch])
-                    yield pa.table({c: table.column(c) if c in in_file  # a directory's value: one per row
-                                    else pa.repeat(pa.scalar(values.get(c), pa.string()), table.num_rows)
-                                    for c in wanted})
+                    table = pa.table({c: table.column(c) if c in in_file  # a directory's value: one per row
+                                      else pa.repeat(pa.scalar(values.get(c), pa.string()), table.num_rows)
+                                      for c in wanted})
+                    if self.skip_system:
+                        table, _counts = system_rows_of(table)
+                    if table.num_rows:
+                        yield table
             except (OSError, pa.ArrowException) as exc:
                 raise ConfigError(f"cannot read {file}: {one_line(exc)}") from None
+
+    def _count_system_rows(self) -> dict[str, int]:
+        """How many rows of each topic ``importable`` refuses the dataset holds (``skip_system`` passes them over)."""
+        counts: dict[str, int] = {}
+        for file, meta, values in zip(self.files, self._meta, self.partitions, strict=True):
+            topic = values.get("topic")
+            if "topic" in values:
+                if topic is not None and not importable(topic):
+                    counts[topic] = counts.get(topic, 0) + meta.metadata.num_rows
+                continue
+            try:
+                for batch in meta.iter_batches(batch_size=IMPORT_CHUNK_ROWS * 10, columns=["topic"]):
+                    for name, n in system_rows_of(pa.Table.from_batches([batch]))[1].items():
+                        counts[name] = counts.get(name, 0) + n
+            except (OSError, pa.ArrowException) as exc:
+                raise ConfigError(f"cannot read {file}: {one_line(exc)}") from None
+        return counts
 
     def first_bad_row(self, config: StoreConfig) -> tuple[int, str, str] | None:
         """``first_bad_row`` over the whole dataset, its place counted from the dataset's first row."""
         before = 0
+        if self.skip_system:
+            self.system_rows = self._count_system_rows()
         for table in self.tables(CHECKED_COLUMNS):
             found = first_bad_row(table, config)
             if found is not None:
@@ -380,7 +471,7 @@ class ParquetDataset:
 
 def import_parquet(path: str | Path, root: str | Path, *, config: StoreConfig | None = None,
                    progress: Progress | None = None, explicit: Iterable[str] | None = None,
-                   skip_rows: int | None = None) -> ImportReport:
+                   skip_rows: int | None = None, skip_system: bool = False) -> ImportReport:
     """``spark.jobs.import_messages`` for a Parquet dataset this process can read, without Spark: the files in name
     order (an export's queues keep their order), each table one ``put_batch``; the same checks before anything is
     stored, the same journal and resumption. On one machine the fast way: the single writer, not the reading,
@@ -388,12 +479,14 @@ def import_parquet(path: str | Path, root: str | Path, *, config: StoreConfig | 
     if skip_rows is not None and (type(skip_rows) is not int or skip_rows < 0):
         raise ConfigError(f"skip_rows must be a non-negative integer, not {skip_rows!r}")
     root = Path(root)
-    dataset = ParquetDataset(path)
+    dataset = ParquetDataset(path, skip_system=skip_system)
     fresh, config = import_config(root, config, explicit)
     bad = dataset.first_bad_row(config)
     if bad is not None:
         raise bad_row_error(*bad)
     if skip_rows is not None and skip_rows > dataset.rows:
         raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {dataset.rows} rows")
-    return store_tables(dataset.tables(), root, config, fresh=fresh, source=dataset.source(), skip_rows=skip_rows,
-                        progress=progress)
+    report = store_tables(dataset.tables(), root, config, fresh=fresh, source=dataset.source(), skip_rows=skip_rows,
+                          progress=progress)
+    report.system_rows = dataset.system_rows
+    return report

@@ -842,7 +842,9 @@ class MessageStore:
         """Store a ``pyarrow.Table``/``RecordBatch`` of messages, encoded column-wise (the fast way in).
 
         Columns: ``topic`` and ``body`` (required), ``keys`` (list<string>), ``tags``, ``properties``
-        (map<string, string>), ``queue_id``, ``flag``, ``born_timestamp``, ``born_host``. Validation is the
+        (map<string, string>), ``queue_id``, ``flag``, ``born_timestamp``, ``born_host``, and what copied messages
+        carry: ``sys_flag`` (a compressed body and its type, MULTI_TAGS, a committed transaction), ``reconsume_times``,
+        ``prepared_transaction_offset``. Validation is the
         per-message encoder's and happens before anything is written: a bad row is named in a typed
         error. Rows keep their order in the log and in every queue; one store time, and under SYNC_FLUSH one
         wait for the disk. A table larger than the room left in the current segment is written as one

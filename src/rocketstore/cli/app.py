@@ -1015,13 +1015,16 @@ Examples:
               "stopped)")
 @click.option("--no-spark", is_flag=True, help="read the dataset in this process instead (no JVM; for a dataset "
               "on this machine the fastest way)")
+@click.option("--skip-system-topics", is_flag=True, help="pass over rows of the broker's own queues "
+              "(SCHEDULE_TOPIC_XXXX, rmq_sys_wheel_timer, RMQ_SYS_TRANS_*: a whole-store export holds them) instead "
+              "of refusing the import; delayed messages still waiting there are not carried over")
 @fails_cleanly
-def import_command(master, ship_env, verbose, parquet, from_row, no_spark, **kwargs) -> None:
+def import_command(master, ship_env, verbose, parquet, from_row, no_spark, skip_system_topics, **kwargs) -> None:
     """Append a Parquet dataset of messages to a store (created if missing), each row exactly once (Spark;
     --no-spark: in this process)."""
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     try:
-        report = _import(root, config, master, ship_env, verbose, parquet, from_row, no_spark)
+        report = _import(root, config, master, ship_env, verbose, parquet, from_row, no_spark, skip_system_topics)
     except StoredButNotClosedError as exc:  # its rows are stored and its journal says so: exit 3, not 1
         _say_imported(exc.done, root)
         raise ChangedButNotClosed(f"{exc}. Do not run the import again (it would say nothing imported); the store's "
@@ -1030,7 +1033,7 @@ def import_command(master, ship_env, verbose, parquet, from_row, no_spark, **kwa
 
 
 def _import(root: Path, config: StoreConfig, master, ship_env, verbose, parquet: str, from_row: int | None,
-            no_spark: bool):
+            no_spark: bool, skip_system: bool):
     if no_spark:
         if ship_env or master != "local[*]":
             raise click.UsageError("--no-spark runs no Spark job: leave out --master and --ship-env")
@@ -1040,7 +1043,7 @@ def _import(root: Path, config: StoreConfig, master, ship_env, verbose, parquet:
 
         with progress_bar("import") as progress:
             return import_parquet(parquet, root, config=config, progress=progress, explicit=GEOMETRY,
-                                  skip_rows=from_row)
+                                  skip_rows=from_row, skip_system=skip_system)
     from ..spark.jobs import import_messages, read_parquet
 
     source = parquet if "://" in parquet else os.path.abspath(parquet)  # the JVM's working directory differs
@@ -1049,10 +1052,14 @@ def _import(root: Path, config: StoreConfig, master, ship_env, verbose, parquet:
     spark = _spark(master, ship_env, verbose)
     with progress_bar("import") as progress:
         return import_messages(read_parquet(spark, source), root, config=config, progress=progress,
-                               explicit=GEOMETRY, skip_rows=from_row)
+                               explicit=GEOMETRY, skip_rows=from_row, skip_system=skip_system)
 
 
 def _say_imported(report, root: Path) -> None:
+    if report.system_rows:
+        skipped = ", ".join(f"{topic} {n}" for topic, n in sorted(report.system_rows.items()))
+        click.echo(f"passed over {sum(report.system_rows.values())} rows of the broker's own queues ({skipped})",
+                   err=True)
     if report.already_imported:
         click.echo(f"nothing imported: this import finished before, its {report.skipped} rows are in {root} "
                    "(--from-row 0 stores them again)")

@@ -47,7 +47,13 @@ from .scratch import scratch
 
 _INT32_MAX = (1 << 31) - 1
 _HEX = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8)
-OPTIONAL_COLUMNS = ("keys", "tags", "properties", "queue_id", "flag", "born_timestamp", "born_host")
+OPTIONAL_COLUMNS = ("keys", "tags", "properties", "queue_id", "flag", "born_timestamp", "born_host", "sys_flag",
+                    "reconsume_times", "prepared_transaction_offset")
+# what a row's sys_flag may set: the body's compression and its type, MULTI_TAGS, a committed transaction's type (a
+# prepared or rolled-back record takes no queue offset: put_message stores those), an inner batch's two bits (kept
+# from a broker's BatchCQ topic by an import); the host bits follow the hosts
+_BATCH_SYS_FLAGS = (SysFlag.COMPRESSED | SysFlag.MULTI_TAGS | SysFlag.COMPRESSION_TYPE_MASK
+                    | SysFlag.TRANSACTION_COMMIT_TYPE | SysFlag.NEED_UNWRAP | SysFlag.INNER_BATCH)
 
 
 @dataclass(slots=True)
@@ -219,6 +225,14 @@ class BatchEncoder:
         now = time.time_ns() // 1_000_000
         born_ts = self._ints(col, "born_timestamp", n, now, (-MAX_TIME_MS, MAX_TIME_MS))
         born_raw, born_v6 = self._born_hosts(col.get("born_host"), n)
+        user_flags = self._ints(col, "sys_flag", n, 0, (0, _INT32_MAX))
+        bad = _first_true(user_flags & ~_BATCH_SYS_FLAGS)
+        if bad is not None:
+            raise InvalidFlagError(f"row {bad}: sys_flag 0x{int(user_flags[bad]):X} sets bits a row may not set "
+                                   f"(allowed: 0x{int(_BATCH_SYS_FLAGS):X}; a prepared or rolled-back transaction "
+                                   f"record takes no queue offset: put_message stores it)")
+        reconsumes = self._ints(col, "reconsume_times", n, 0, (-(1 << 31), _INT32_MAX))
+        prepareds = self._ints(col, "prepared_transaction_offset", n, 0, (-(1 << 63), (1 << 63) - 1))
         tags = self._tags(col.get("tags"), n)
         keys = self._keys(col.get("keys"), n)
 
@@ -252,7 +266,7 @@ class BatchEncoder:
         row_v2 = v2[topic_index]
         topic_len = np.array([len(b) for b in topic_bytes], dtype=np.int64)[topic_index]
         store_v6 = self.encoder.store_host.is_ipv6
-        sys_flags = np.where(born_v6, SysFlag.BORNHOST_V6, 0) | (SysFlag.STOREHOST_V6 if store_v6 else 0)
+        sys_flags = user_flags | np.where(born_v6, SysFlag.BORNHOST_V6, 0) | (SysFlag.STOREHOST_V6 if store_v6 else 0)
         body_len = pc.binary_length(bodies).to_numpy(zero_copy_only=False).astype(np.int64)
         sizes = (FIXED_PART_LEN + np.where(born_v6, 12, 0) + (12 if store_v6 else 0) + body_len
                  + np.where(row_v2, 2, 1) + topic_len + 2 + props_len)
@@ -262,10 +276,11 @@ class BatchEncoder:
                                        f"{self.encoder.max_record_len} fit")
         if store_v6 or born_v6.any() or row_v2.any():
             data = self._assemble_general(n, sizes, bodies, topic_bytes, topic_index, row_v2, props_off, props_data,
-                                          queue_ids, flags, sys_flags, born_ts, born_raw)
+                                          queue_ids, flags, sys_flags, born_ts, born_raw, reconsumes, prepareds)
         else:
             data = self._assemble_v4(sizes, bodies, topic_bytes, topic_index, props_off, props_data, queue_ids, flags,
                                      born_ts, born_raw)
+            _set_rare_fields(data, sizes, user_flags, reconsumes, prepareds)
         store_ts_pos = np.where(born_v6, 68, 56).astype(np.int64)
         checks = dict(zip(topics_in, _max_by_code(topic_codes, queue_in, len(topics_in)), strict=True))
         if stored_topic_names is not None:  # some rows moved (DELAY): their stored topics' queues are checked too
@@ -466,7 +481,7 @@ class BatchEncoder:
         return out
 
     def _assemble_general(self, n, sizes, bodies, topic_bytes, topic_index, row_v2, props_off, props_data,
-                          queue_ids, flags, sys_flags, born_ts, born_raw) -> bytearray:
+                          queue_ids, flags, sys_flags, born_ts, born_raw, reconsumes, prepareds) -> bytearray:
         """IPv6 hosts or V2 topics, rare layouts: each record through the one record encoder."""
         from .record import encode_record
 
@@ -479,11 +494,34 @@ class BatchEncoder:
             out += encode_record(topic=topic_bytes[topic_index[i]], body=bodies_py[i], properties=props_py[i],
                                  queue_id=int(queue_ids[i]), flag=int(flags[i]), sys_flag=int(sys_flags[i]),
                                  born_timestamp=int(born_ts[i]), born_host=born_raw[i, :b_len].tobytes(),
-                                 store_host=store, version=MAGIC_V2 if row_v2[i] else MAGIC_V1)
+                                 store_host=store, reconsume_times=int(reconsumes[i]),
+                                 prepared_transaction_offset=int(prepareds[i]),
+                                 version=MAGIC_V2 if row_v2[i] else MAGIC_V1)
         return out
 
 
 _NO_BYTES = np.zeros(0, dtype=np.uint8)
+_SYS_FLAG_POS, _RECONSUME_POS_V4, _PREPARED_POS_V4 = 36, 72, 76  # in a record with IPv4 hosts
+
+
+def _set_rare_fields(data, sizes: np.ndarray, sys_flags: np.ndarray, reconsumes: np.ndarray,
+                     prepareds: np.ndarray) -> None:
+    """SYSFLAG, RECONSUMETIMES and PREPAREDTRANSACTIONOFFSET of the rows that have them (copied messages: a
+    compressed body, a retry, a committed transaction), written into the IPv4 records the compiled loop made with
+    zeros there; no other byte depends on them (the body CRC is of the stored body)."""
+    rows = np.flatnonzero(sys_flags | reconsumes | prepareds)
+    if not len(rows):
+        return
+    starts = np.cumsum(sizes) - sizes
+    out = np.frombuffer(data, dtype=np.uint8)
+    for row in rows.tolist():
+        at = int(starts[row])
+        out[at + _SYS_FLAG_POS : at + _SYS_FLAG_POS + 4] = np.frombuffer(int(sys_flags[row]).to_bytes(4, "big"),
+                                                                         dtype=np.uint8)
+        out[at + _RECONSUME_POS_V4 : at + _RECONSUME_POS_V4 + 4] = np.frombuffer(
+            int(reconsumes[row]).to_bytes(4, "big", signed=True), dtype=np.uint8)
+        out[at + _PREPARED_POS_V4 : at + _PREPARED_POS_V4 + 8] = np.frombuffer(
+            int(prepareds[row]).to_bytes(8, "big", signed=True), dtype=np.uint8)
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ from ..importing import (
     bad_row_error,
     first_bad_row,
     import_config,
+    importable,
     store_tables,
 )
 from ..rebuild import DISPATCH_COLUMNS, DISPATCH_SCHEMA, RebuildReport, rebuild_from_log
@@ -355,7 +356,8 @@ IMPORT_PARTITION_BYTES = 64 << 20  # of rows per partition the driver receives w
 
 
 def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, progress: Progress | None = None,
-                    explicit: Iterable[str] | None = None, skip_rows: int | None = None) -> ImportReport:
+                    explicit: Iterable[str] | None = None, skip_rows: int | None = None,
+                    skip_system: bool = False) -> ImportReport:
     """Append every row of ``df`` to the store through its single writer, each exactly once.
 
     Columns: ``topic`` and ``body`` (binary or string) are required; ``keys`` (array or
@@ -374,6 +376,8 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     import of another dataset (or of this one read another way: ``import_parquet``) is refused while one is
     unfinished. ``skip_rows`` names the first row to store instead; the rows before it are read and checked but not
     stored. ``explicit``: the geometry settings of ``config`` the files must not replace (``detect_config``'s).
+    ``skip_system``: rows of the broker's own queues (delays, timers, transactions: ``importable``) are passed over
+    and counted in the report instead of refusing the import.
     """
     if skip_rows is not None and (type(skip_rows) is not int or skip_rows < 0):
         raise ConfigError(f"skip_rows must be a non-negative integer, not {skip_rows!r}")
@@ -384,6 +388,14 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
         raise ConfigError(f"import needs columns topic and body; missing {sorted(missing)}")
     root = Path(root)
     fresh, config = import_config(root, config, explicit)
+    system_rows: dict[str, int] = {}
+    if skip_system:  # one pass over the topic column: which topics, how many rows each
+        from pyspark.sql import functions as F
+
+        counts = {r["topic"]: r["count"] for r in df.groupBy("topic").count().collect() if r["topic"] is not None}
+        system_rows = {topic: n for topic, n in counts.items() if not importable(topic)}
+        if system_rows:
+            df = df.filter(~F.col("topic").isin(list(system_rows)))
     rows = _with_file_places(df.select(*columns))
     by_file = rows is not None
     if rows is None:
@@ -395,9 +407,12 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
         parts = max(1, -(-size // IMPORT_PARTITION_BYTES))
         rows = rows.repartitionByRange(parts, _FILE, _ROW_INDEX).sortWithinPartitions(_FILE, _ROW_INDEX) \
             .drop(_FILE, _ROW_INDEX)
-    source = {**_source_of(df, total), "reader": "spark", "order": "files" if by_file else "partitions"}
-    return store_tables(_arrow_chunks(rows), root, config, fresh=fresh, source=source, skip_rows=skip_rows,
-                        progress=progress)
+    source = {**_source_of(df, total), "reader": "spark", "order": "files" if by_file else "partitions",
+              **({"skipSystemTopics": True} if skip_system else {})}
+    report = store_tables(_arrow_chunks(rows), root, config, fresh=fresh, source=source, skip_rows=skip_rows,
+                          progress=progress)
+    report.system_rows = system_rows
+    return report
 
 
 def _with_file_places(df):

@@ -209,6 +209,9 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions or max(2, cores)))
         .config("spark.sql.session.timeZone", "UTC")
+        # exports keep born and store times as Parquet timestamps in microseconds, not INT96 (which readers that
+        # take it for nanoseconds, pyarrow's default, wrap around outside 1677-2262)
+        .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
         .config("spark.local.dir", scratch)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         # An executor talks to its Python workers over a Unix socket instead of loopback TCP: each task's
