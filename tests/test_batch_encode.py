@@ -53,7 +53,7 @@ rows = st.lists(st.fixed_dictionaries({
     "born_host": st.sampled_from([None, "10.0.0.7:4000", "[2001:db8::1]:9876"]),
     "properties": st.one_of(st.none(), props),
     # a copied message's rarer fields (an import): a compressed body, MULTI_TAGS, a committed transaction, a retry
-    "sys_flag": st.one_of(st.just(0), st.sampled_from([0x1, 0x2, 0x8, 0x101, 0x301, 0x20B])),
+    "sys_flag": st.one_of(st.just(0), st.sampled_from([0x1, 0x2, 0x4, 0x8, 0xC, 0x101, 0x301, 0x20B])),
     "reconsume_times": st.one_of(st.just(0), st.integers(-(1 << 31), (1 << 31) - 1)),
     "prepared_transaction_offset": st.one_of(st.just(0), st.integers(-(1 << 63), (1 << 63) - 1)),
 }), min_size=1, max_size=12)
@@ -798,20 +798,22 @@ def test_a_refused_put_messages_names_the_message(tmp_path):
         assert store.max_phy_offset == 0
 
 
-def test_copied_rarer_fields_round_trip_and_a_prepared_row_is_refused(tmp_path):
+def test_copied_rarer_fields_round_trip(tmp_path):
     """What an import carries over besides the usual columns: a compressed body (its flag, so it reads back
-    inflated), a retry's
-    count, a committed transaction's type and half offset. A prepared record takes no queue offset: refused."""
+    inflated), a retry's count, a committed transaction's type and half offset, a prepared or rolled-back record
+    (no queue offset, as put_message stores it). Bits the store sets itself are refused."""
     table = pa.table({
-        "topic": ["Zip", "Zip", "%RETRY%g", "Tx"], "body": [zlib.compress(b"hello " * 50), b"plain", b"again", b"tx"],
-        "sys_flag": pa.array([0x301, 0, 0, 0x8], pa.int32()),  # COMPRESSED, zlib
-        "reconsume_times": pa.array([0, 0, 5, 0], pa.int32()),
-        "prepared_transaction_offset": pa.array([0, 0, 0, 4242], pa.int64()),
-        "born_host": [None, None, "[2001:db8::1]:1", None],  # an IPv6 row: the general path too
+        "topic": ["Zip", "Zip", "%RETRY%g", "Tx", "Tx", "Tx", "Tx"],
+        "body": [zlib.compress(b"hello " * 50), b"plain", b"again", b"tx", b"half", b"rolled back", b"after"],
+        "sys_flag": pa.array([0x301, 0, 0, 0x8, 0x4, 0xC, 0], pa.int32()),  # 0x301: COMPRESSED, zlib
+        "reconsume_times": pa.array([0, 0, 5, 0, 0, 0, 0], pa.int32()),
+        "prepared_transaction_offset": pa.array([0, 0, 0, 4242, 0, 0, 0], pa.int64()),
+        "born_host": [None, None, "[2001:db8::1]:1", None, None, None, None],  # an IPv6 row: the general path too
     })
     with MessageStore.open(tmp_path / "s", StoreConfig(max_hash_slot_num=97, max_index_num=400)) as store:
         result = store.put_batch(table.slice(0, 2))  # IPv4 rows only: the compiled path
-        store.put_batch(table.slice(2))
+        store.put_batch(table.slice(2, 1))
+        tx_result = store.put_batch(table.slice(3))
         store.wait_for_dispatch()
         got = {(m.topic, m.body): m for m in store.iter_messages()}
         zipped = got[("Zip", zlib.compress(b"hello " * 50))]  # stored as sent, as a broker keeps it
@@ -822,9 +824,40 @@ def test_copied_rarer_fields_round_trip_and_a_prepared_row_is_refused(tmp_path):
         assert got[("%RETRY%g", b"again")].reconsume_times == 5
         tx = got[("Tx", b"tx")]
         assert (tx.sys_flag & 0xC, tx.prepared_transaction_offset) == (0x8, 4242)
-        assert [m.body for m in store.get_message("Tx", 0, 0, 4).messages] == [b"tx"]  # in its queue
+        assert tx_result.queue_offsets.tolist() == [0, 0, 0, 1]  # the half and the rollback take none
+        assert [m.body for m in store.get_message("Tx", 0, 0, 8).messages] == [b"tx", b"after"]
+        assert got[("Tx", b"half")].sys_flag & 0xC == 0x4 and got[("Tx", b"rolled back")].sys_flag & 0xC == 0xC
         end = store.commit_log.max_offset
-        bad = table.slice(0, 2).set_column(2, "sys_flag", pa.array([0, 0x4], pa.int32()))
-        with pytest.raises(InvalidFlagError, match="row 1: sys_flag 0x4"):
+        bad = table.slice(0, 2).set_column(2, "sys_flag", pa.array([0, 0x10], pa.int32()))  # a host bit
+        with pytest.raises(InvalidFlagError, match="row 1: sys_flag 0x10"):
             store.put_batch(bad)
         assert store.commit_log.max_offset == end
+
+
+def test_rows_without_a_queue_offset_in_a_table_split_over_segments(tmp_path):
+    """A table larger than a segment is one append per segment; the queues advance per segment over the rows
+    that take an offset only, and the next put goes on from there."""
+    n = 120
+    flags = [0x4 if i % 3 == 0 else 0 for i in range(n)]
+    table = pa.table({"topic": ["T"] * n, "body": [b"%03d" % i + b"." * 100 for i in range(n)],
+                      "queue_id": pa.array([i % 2 for i in range(n)], pa.int32()),
+                      "sys_flag": pa.array(flags, pa.int32())})
+    config = StoreConfig(mapped_file_size_commit_log=4096, max_hash_slot_num=97, max_index_num=400)
+    with MessageStore.open(tmp_path / "s", config) as store:
+        result = store.put_batch(table)
+        assert len(list((tmp_path / "s" / "commitlog").iterdir())) > 3
+        expected, next_of = [], {0: 0, 1: 0}
+        for i in range(n):
+            if flags[i]:
+                expected.append(0)
+            else:
+                expected.append(next_of[i % 2])
+                next_of[i % 2] += 1
+        assert result.queue_offsets.tolist() == expected
+        after = store.put_batch(pa.table({"topic": ["T", "T"], "body": [b"a", b"b"],
+                                          "queue_id": pa.array([0, 1], pa.int32())}))
+        assert after.queue_offsets.tolist() == [next_of[0], next_of[1]]
+        store.wait_for_dispatch()
+        for q in (0, 1):
+            bodies = [m.body[:3] for m in store.get_message("T", q, 0, 100).messages]
+            assert bodies == [b"%03d" % i for i in range(n) if i % 2 == q and not flags[i]] + [b"ab"[q:q + 1]]

@@ -242,7 +242,8 @@ class CommitLog:
         starts = ends - sizes
         data = np.frombuffer(batch.data, dtype=np.uint8)
         keys = (batch.topic_index.astype(np.int64) << 32) | batch.queue_ids.astype(np.int64)
-        group, rank, group_keys, counts = queue_groups(keys)
+        taking = None if batch.no_offset is None else ~batch.no_offset  # prepared/rolled-back rows take none
+        group, rank, group_keys, counts = queue_groups(keys if taking is None else keys[taking])
         queues = [(batch.topics[key >> 32], key & 0xFFFFFFFF) for key in group_keys.tolist()]
         phys = np.empty(n, dtype=np.int64)
         with self.put_lock.held():
@@ -250,6 +251,9 @@ class CommitLog:
             store_ts = next_store_time(self.last_store_timestamp)
             bases = np.array([self.queue_offsets.get(queue, 0) for queue in queues], dtype=np.int64)
             queue_offsets = bases[group] + rank  # consecutive per queue in row order, continuing each queue
+            if taking is not None:
+                taken, queue_offsets = queue_offsets, np.zeros(n, dtype=np.int64)
+                queue_offsets[taking] = taken
             i = 0
             while i < n:
                 try:
@@ -288,8 +292,11 @@ class CommitLog:
                 mapped.wrote_position = pos + end - base
                 if i == 0 and j == n:
                     self.queue_offsets.update(zip(queues, (bases + counts).tolist(), strict=True))
-                else:  # one segment's rows of a split table
+                elif taking is None:  # one segment's rows of a split table
                     self._advance_queues(keys[i:j], queue_offsets[i:j], batch.topics)
+                else:
+                    part = taking[i:j]
+                    self._advance_queues(keys[i:j][part], queue_offsets[i:j][part], batch.topics)
                 self.last_store_timestamp = store_ts
                 self.last_append = (int(phys[j - 1] + sizes[j - 1]), store_ts)
                 i = j

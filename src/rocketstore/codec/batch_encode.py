@@ -49,11 +49,11 @@ _INT32_MAX = (1 << 31) - 1
 _HEX = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8)
 OPTIONAL_COLUMNS = ("keys", "tags", "properties", "queue_id", "flag", "born_timestamp", "born_host", "sys_flag",
                     "reconsume_times", "prepared_transaction_offset")
-# what a row's sys_flag may set: the body's compression and its type, MULTI_TAGS, a committed transaction's type (a
-# prepared or rolled-back record takes no queue offset: put_message stores those), an inner batch's two bits (kept
-# from a broker's BatchCQ topic by an import); the host bits follow the hosts
+# what a row's sys_flag may set: the body's compression and its type, MULTI_TAGS, a transaction type (a prepared or
+# rolled-back record takes no queue offset, as put_message's), an inner batch's two bits (kept from a broker's
+# BatchCQ topic by an import); the host bits follow the hosts
 _BATCH_SYS_FLAGS = (SysFlag.COMPRESSED | SysFlag.MULTI_TAGS | SysFlag.COMPRESSION_TYPE_MASK
-                    | SysFlag.TRANSACTION_COMMIT_TYPE | SysFlag.NEED_UNWRAP | SysFlag.INNER_BATCH)
+                    | SysFlag.TRANSACTION_MASK | SysFlag.NEED_UNWRAP | SysFlag.INNER_BATCH)
 
 
 @dataclass(slots=True)
@@ -70,6 +70,7 @@ class EncodedBatch:
     uniq_texts: list[str] | None  # every row's UNIQ_KEY when some row brought its own
     wait_store: bool  # some row wants SYNC_FLUSH's wait (WAIT != false)
     queue_checks: list[tuple[str, int]]  # (topic, highest queue id used): the topic rules to apply
+    no_offset: np.ndarray | None = None  # rows that take no queue offset (prepared, rolled back); None: none
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -229,8 +230,7 @@ class BatchEncoder:
         bad = _first_true(user_flags & ~_BATCH_SYS_FLAGS)
         if bad is not None:
             raise InvalidFlagError(f"row {bad}: sys_flag 0x{int(user_flags[bad]):X} sets bits a row may not set "
-                                   f"(allowed: 0x{int(_BATCH_SYS_FLAGS):X}; a prepared or rolled-back transaction "
-                                   f"record takes no queue offset: put_message stores it)")
+                                   f"(allowed: 0x{int(_BATCH_SYS_FLAGS):X})")
         reconsumes = self._ints(col, "reconsume_times", n, 0, (-(1 << 31), _INT32_MAX))
         prepareds = self._ints(col, "prepared_transaction_offset", n, 0, (-(1 << 63), (1 << 63) - 1))
         tags = self._tags(col.get("tags"), n)
@@ -287,8 +287,11 @@ class BatchEncoder:
             for t, highest in zip(stored_topics, _max_by_code(topic_index, queue_ids, len(stored_topics)),
                                   strict=True):
                 checks[t] = max(checks.get(t, 0), highest)
+        # the bit PREPARED and ROLLBACK share: such a record takes no queue offset (0 is written), as put_message's
+        no_offset = (user_flags & SysFlag.TRANSACTION_PREPARED_TYPE) != 0
         return EncodedBatch(data, sizes, stored_topics, topic_index, queue_ids.astype(np.int32), store_ts_pos,
-                            uniq_raw, uniq_texts, bool(wait_rows), sorted(checks.items()))
+                            uniq_raw, uniq_texts, bool(wait_rows), sorted(checks.items()),
+                            no_offset if no_offset.any() else None)
 
     # --- columns -------------------------------------------------------------------------------------
 
