@@ -100,8 +100,8 @@ def test_query_by_key_table_and_json_match_the_library(store):
                               "storeTimestamp", "bornHost", "storeHost", "sysFlag", "flag", "reconsumeTimes",
                               "preparedTransactionOffset", "bodyCRC", "storeSize", "properties", "body"}
     window = cli("query-by-key", "--store", str(root), "-t", "Topic0", "-k", "shared", "-b",
-                 str(results[-1].store_timestamp + 1), "--json").stdout
-    assert window == ""
+                 str(results[-1].store_timestamp + 1), "--json", check=False)
+    assert window.stdout == "" and window.returncode == 1  # nothing found: exit 1, as query-by-id
     assert tree(root) == before
 
 
@@ -212,7 +212,9 @@ def test_dump_log_json_matches_rocketmqs_decoder(vectors):
 
 def test_dump_log_reports_where_decoding_stops(vectors, tmp_path):
     segment = vectors / "v6_commitlog_corrupt" / "00000000000000000000"
-    lines = [json.loads(x) for x in cli("dump-log", str(segment), "--json").stdout.splitlines()]
+    done = cli("dump-log", str(segment), "--json", check=False)
+    assert done.returncode == 1  # stopped at bytes that are no record: not an "ok" for a script
+    lines = [json.loads(x) for x in done.stdout.splitlines()]
     assert [x["pos"] for x in lines] == [0, 184]
     assert lines[1]["end"] == "decode-returned-null" and "body length" in lines[1]["reason"]
     text = cli("dump-log", str(segment), "--from", "300").stdout
@@ -708,7 +710,7 @@ def test_query_by_key_with_a_keys_file_equals_one_query_per_key(store, tmp_path)
     got = [json.loads(x) for x in lines]
     singles = [json.loads(x) | {"queryTopic": "Topic1", "queryKey": key} for key in keys
                for x in cli("query-by-key", "--store", str(root), "-t", "Topic1", "-k", key, "-m", "3",
-                            "--json").stdout.splitlines()]
+                            "--json", check=False).stdout.splitlines()]
     assert got == singles and len(got) == 1 + 1 + 3 + 0 + 1
     table = cli("query-by-key", "--store", str(root), "-t", "Topic1", "--keys-file", "-", stdin="order-9\n")
     assert table.stdout.splitlines()[1].split()[0] == "order-9"
@@ -854,3 +856,97 @@ def test_times_read_as_mqadmin_reads_them_to_the_millisecond_and_across_dst(monk
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+def test_a_log_damaged_before_intact_records_is_refused_unless_allowed(store, tmp_path):
+    """One flipped body byte in an early record: recovery ends the log there. Queries answered from the first
+    records with exit 0, and a writing command (reset-offset) cut every intact record after the damage off the
+    log. Both are refused now, changing nothing; --allow-damage goes on as a broker's restart would."""
+    copy, _results = _damage_before_the_end(store, tmp_path)
+    before = tree(copy)
+    store_args = ["--store", str(copy)]
+    for args in (["query-by-key", "-t", "Topic0", "-k", "shared"], ["print-msg", "-t", "Topic1"],
+                 ["topic", "list"], ["consumer-progress"],
+                 ["reset-offset", "-g", "G", "-t", "Topic0", "-s", "earliest"], ["put", "-t", "Topic0", "-b", "x"]):
+        done = cli(*args, *store_args, check=False)
+        assert done.returncode == 1 and "damaged at offset" in done.stderr and "--allow-damage" in done.stderr, \
+            (args, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert tree(copy) == before, args
+    found = cli("query-by-key", "-t", "Topic0", "-k", "shared", "--allow-damage", "--json", *store_args).stdout
+    assert 0 < len(found.splitlines()) < 60  # the answers of the log up to the damage
+    assert tree(copy) == before
+    cli("reset-offset", "-g", "G", "-t", "Topic0", "-s", "earliest", "--allow-damage", *store_args)
+    assert list((copy / "recovery").iterdir())  # cut as a broker's restart cuts, the tail kept
+
+
+def test_the_api_can_refuse_to_cut_a_damaged_log(store, tmp_path):
+    from rocketstore.errors import DamagedLogError
+
+    copy, results = _damage_before_the_end(store, tmp_path)
+    damaged = results[-8].commit_log_offset
+    before = {k: v for k, v in tree(copy).items() if k != "lock"}
+    with pytest.raises(DamagedLogError, match=f"damaged at offset {damaged}"):
+        MessageStore.open(copy, CONFIG.replace(cut_damaged_log=False))
+    assert {k: v for k, v in tree(copy).items() if k != "lock"} == before
+    with MessageStore.open(copy, CONFIG) as opened:  # RocketMQ's way, the default
+        assert opened.recovery.end_offset == damaged
+
+
+def _damage_before_the_end(store, tmp_path) -> tuple[Path, list]:
+    """A copy of the store with one body byte flipped in a record of the newest segment (the one a clean
+    shutdown's recovery validates) that has intact records after it."""
+    copy, results = damaged_copy(store, tmp_path)
+    at = results[-8].commit_log_offset
+    size = CONFIG.mapped_file_size_commit_log
+    segment = copy / "commitlog" / f"{at // size * size:020d}"
+    assert segment == sorted((copy / "commitlog").iterdir())[-1]
+    data = bytearray(segment.read_bytes())
+    data[at % size + 90] ^= 0x55
+    segment.write_bytes(bytes(data))
+    return copy, results
+
+
+def test_consumer_progress_reports_as_the_brokers_getconsumestats(tmp_path):
+    """Each read queue of the topic (not only those with files or commits), the diff unclamped (negative: an
+    offset past the queue's end, which mqadmin shows), a topic without config skipped; an offsets file that cannot
+    be read is an error, not a report of no lag."""
+    root = tmp_path / "s"
+    with MessageStore.open(root, CONFIG) as s:
+        s.create_topic("Wide", 4)
+        s.put_messages([Message("Wide", b"x", queue_id=1) for _ in range(3)])
+        s.put_messages([Message("Gone", b"y", queue_id=0) for _ in range(2)])
+        s.wait_for_dispatch()
+        s.commit_offset("g", "Wide", 1, 2)
+        s.commit_offset("g", "Wide", 2, 7)  # past the queue's end (0 messages)
+        s.commit_offset("g", "Gone", 0, 1)
+        s.delete_topic("Gone")
+    done = cli("consumer-progress", "--store", str(root), "--json")
+    rows = [json.loads(x) for x in done.stdout.splitlines()]
+    assert [(r["queueId"], r["brokerOffset"], r["consumerOffset"], r["diff"]) for r in rows] == \
+        [(0, 0, 0, 0), (1, 3, 2, 1), (2, 0, 7, -7), (3, 0, 0, 0)]
+    assert "Gone not shown" in done.stderr
+    assert "Diff Total: -6" in cli("consumer-progress", "--store", str(root)).stdout
+    for name in ("consumerOffset.json", "consumerOffset.json.bak"):
+        (root / "config" / name).write_text('{"offsetTable": {"Wide@g": {')  # cut short, and its backup too
+    bad = cli("consumer-progress", "--store", str(root), check=False)
+    assert bad.returncode == 1 and "cannot report consumerOffset.json" in bad.stderr and not bad.stdout
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_nothing_found_and_a_dump_stopped_at_damage_exit_1(store, tmp_path):
+    """As query-by-id: a key nothing has is exit 1 (mqadmin: "query message by key finished, but no message."),
+    one line on stderr; dump-log that stops at a record that does not decode exits 1 too (it said 0)."""
+    root, results = store
+    for args in (["-k", "no-such-key"], ["-k", "no-such-key", "--json"]):
+        done = cli("query-by-key", "--store", str(root), "-t", "Topic0", *args, check=False)
+        assert done.returncode == 1 and "no-such-key" in done.stderr and "Traceback" not in done.stderr
+    assert cli("query-by-key", "--store", str(root), "-t", "Topic0", "-k", "shared").returncode == 0
+    copy, _ = damaged_copy(store, tmp_path)
+    segment = copy / "commitlog" / f"{0:020d}"
+    data = bytearray(segment.read_bytes())
+    data[results[3].commit_log_offset + 90] ^= 0x55
+    segment.write_bytes(bytes(data))
+    done = cli("dump-log", str(segment), "--check-crc", check=False)
+    assert done.returncode == 1 and "STOP" in done.stdout and "decoding stopped" in done.stderr
+    assert cli("dump-log", str(segment)).returncode == 0  # without the CRC check every record decodes

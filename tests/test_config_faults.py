@@ -625,10 +625,14 @@ def test_values_a_broker_stores_unchecked_load_and_keep_their_meaning(tmp_path):
         with pytest.raises(InvalidQueueError):
             store.put_message(Message("Closed", b"x"))
         assert store.query_offset("g", "T", 0) == -1  # none: a consumer starts where its policy says
-        assert store.query_offset("g", "T", 1) == 0  # past the empty queue's end: moved back, as before
+        # past the empty queue's end: kept, as a broker keeps it until a pull (nothing was lost to correct)
+        assert store.query_offset("g", "T", 1) == 8
         store.put_message(Message("T", b"x", queue_id=2))
-    progress = cli("consumer-progress", "--store", str(tmp_path), "--json").stdout.splitlines()
-    assert {json.loads(row)["consumerOffset"] for row in progress} == {0}  # -1 as the broker's getConsumeStats
+    progress = [json.loads(row) for row in cli("consumer-progress", "--store", str(tmp_path), "--json")
+                .stdout.splitlines()]
+    # -1 shown as 0, as the broker's getConsumeStats; each of the topic's 4 read queues; 8 past the end: diff -8
+    assert [(r["queueId"], r["consumerOffset"], r["diff"]) for r in progress] == [(0, 0, 0), (1, 8, -8), (2, 0, 1),
+                                                                                 (3, 0, 0)]
     listed = {json.loads(row)["topic"]: json.loads(row) for row in
               cli("topic", "list", "--store", str(tmp_path), "--json").stdout.splitlines()}
     assert listed["Closed"]["writeQueueNums"] == 0

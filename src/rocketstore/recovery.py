@@ -27,7 +27,7 @@ from .checkpoint import StoreCheckpoint
 from .codec.batch import validate_records
 from .codec.record import BLANK_MAGIC, BLANK_RECORD_LEN, RecordLayout, find_record_start, read_layout
 from .commitlog import CommitLog
-from .errors import CorruptDataError, FlushError, StoreIOError
+from .errors import CorruptDataError, DamagedLogError, FlushError, StoreIOError
 from .mapped.file import MappedFile, data_regions, fsync_dir, unused_path
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,11 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
             _measure_after_end(commit_log, end_file, end_pos, report)
         _truncate_in_memory(commit_log, report.end_offset)
     else:
+        if report.stop_reason and not commit_log.config.cut_damaged_log:
+            _measure_after_end(commit_log, end_file, end_pos, report)
+            if report.resumes_at is not None:
+                raise damaged_log_error(root, report, "would be cut off by this writer's open (RocketMQ's recovery "
+                                        "cuts there too, the cut bytes kept in recovery/); nothing was changed")
         _cut(commit_log, end_file, end_pos, root, report, at_blank=blank)
     commit_log.mapped_files.flushed_where = report.end_offset
     report.seconds = time.monotonic() - started
@@ -139,6 +144,15 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
         log.warning("recovery ended the commit log at %d: %s (zeroed %d bytes, kept %s)", report.end_offset,
                     report.stop_reason or "torn tail", report.cut_bytes, report.salvaged)
     return report
+
+
+def damaged_log_error(root: Path, report: RecoveryReport, what: str) -> DamagedLogError:
+    """The typed error for a log whose recovery stopped at damage with intact records after it."""
+    error = DamagedLogError(f"the commit log of {root} is damaged at offset {report.end_offset} ({report.stop_reason})"
+                            f"; {report.bytes_after_end} bytes after it, with intact records from offset "
+                            f"{report.resumes_at} on, {what}")
+    error.offset = report.end_offset
+    return error
 
 
 def _walk_segments(commit_log: CommitLog, index: int, pos: int, report: RecoveryReport,

@@ -380,9 +380,10 @@ class MessageStore:
     def _check_flushed_present(self) -> None:
         """The checkpoint names the store time of the last flushed message: a log that ends before it lost
         flushed messages (a segment deleted by hand, a device that lied about a flush), said loudly. And on a
-        writer open, consumers' offsets past their queue's end are brought back to it, as a broker corrects an
-        offset past a queue at the next pull: left there, they would skip as many new messages (queues cut by
-        that loss, or a consumer offsets file that survived a power loss the log's tail did not)."""
+        writer open that may have lost the log's or a queue's tail, consumers' offsets past their queue's end are
+        brought back to it, as a broker corrects an offset past a queue at the next pull: left there, they would
+        skip as many new messages (queues cut by that loss, or a consumer offsets file that survived a power loss
+        the log's tail did not)."""
         assert self.recovery is not None and self.checkpoint is not None
         newest, flushed = self.commit_log.last_store_timestamp, self.checkpoint.physic_msg_timestamp
         lost = flushed > newest  # with no segment at all, newest is 0: a checkpoint that saw a flush says loss
@@ -392,6 +393,13 @@ class MessageStore:
                       "ms were flushed: flushed messages are missing (a segment deleted or damaged outside "
                       "rocketstore?)", newest, flushed)
         if self.read_only:
+            return
+        self._correct_delivery_offsets()
+        report = self.recovery
+        if not (lost or report.abnormal or report.stop_reason or report.cut_bytes or report.salvaged
+                or self._queue_restart >= 0):
+            # a clean open lost nothing: an offset past a queue's end was put there (an operator, a broker) and is
+            # left as it is, as a broker leaves it until a pull corrects it (a refused reset-offset rewrote it)
             return
         corrected = False
         for topic, group in self.consumer_offsets.groups():
@@ -410,7 +418,6 @@ class MessageStore:
                     corrected = True
         if corrected:
             self.consumer_offsets.persist()
-        self._correct_delivery_offsets()
 
     def _correct_delivery_offsets(self) -> None:
         """The delay levels' and the timer wheel's offsets, past their queue's end, back to it (RocketMQ's

@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from .. import Message, MessageStore, StoreConfig
+from ..brokerconfig import ConsumerOffsetManager, TopicConfigManager
 from ..brokerlayout import ROCKSDB_QUEUES, check_not_dledger
 from ..config import (
     GEOMETRY,
@@ -32,8 +33,9 @@ from ..config import (
     check_commit_log_path,
     detect_config,
 )
-from ..errors import MessageNotFoundError, RocketStoreError, StoredButNotClosedError
+from ..errors import DamagedLogError, MessageNotFoundError, RocketStoreError, StoredButNotClosedError
 from ..reads import GetMessageStatus, parse_tags
+from ..recovery import damaged_log_error
 from .render import (
     arrow_message_rows,
     arrow_messages,
@@ -69,6 +71,12 @@ def fails_cleanly(command):
         except BrokenPipeError:  # `| head`: stop quietly, like any Unix tool
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
+        except DamagedLogError as exc:  # the store's words, and the command line's way on
+            text = str(exc)
+            if "--allow-damage" not in text and "onCorrupt" not in text:  # (a scan's says its own way on)
+                text += " (rocketstore verify shows the damage; --allow-damage goes on with the log cut there, as a " \
+                        "broker's restart cuts it)"
+            raise Failure(text) from None
         except RocketStoreError as exc:
             raise Failure(str(exc)) from None
         except OSError as exc:
@@ -103,6 +111,11 @@ def store_options(command):
     command = click.option("--broker-conf", type=click.Path(dir_okay=False, exists=True),
                            help="read settings (maxHashSlotNum, ..., and storePathRootDir unless --store is "
                            "given) from a broker.conf")(command)
+    command = click.option("--allow-damage", is_flag=True,
+                           help="go on when the commit log is damaged with intact records after the damage: "
+                           "answer from the log up to it, and a writing command cuts the log there as a broker's "
+                           "restart does (the cut bytes kept in recovery/); without it such a store is refused "
+                           "(rocketstore verify shows the damage)")(command)
     return click.option("--store", "store_dir", default=DEFAULT_STORE, show_default=True,
                         help="the store root (RocketMQ's storePathRootDir)")(command)
 
@@ -124,8 +137,8 @@ def json_option(command):
 
 def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int | None,
                max_index_num: int | None, mapped_file_size_commit_log: int | None = None,
-               mapped_file_size_consume_queue: int | None = None, *, must_exist: bool = True
-               ) -> tuple[Path, StoreConfig]:
+               mapped_file_size_consume_queue: int | None = None, allow_damage: bool = False, *,
+               must_exist: bool = True) -> tuple[Path, StoreConfig]:
     if broker_conf and _defaulted("store_dir"):  # the broker's own storePathRootDir, unless --store names one
         store_dir = broker_conf_store_root(broker_conf) or store_dir
     root = Path(store_dir).expanduser()
@@ -141,7 +154,9 @@ def config_for(store_dir: str, broker_conf: str | None, max_hash_slot_num: int |
                   if v is not None)
     base = StoreConfig(**broker_sizes(values))  # type: ignore[arg-type]
     # what the broker.conf and the flags name wins over what the files suggest
-    return root, detect_config(root, base, explicit=values) if root.exists() else base
+    config = detect_config(root, base, explicit=values) if root.exists() else base
+    # a writer's open refuses to cut intact records off a damaged log unless the operator says so
+    return root, config.replace(cut_damaged_log=allow_damage)
 
 
 def _defaulted(param: str) -> bool:
@@ -200,15 +215,29 @@ def _remove_what_was_added(root: Path, existed: bool, before: set[str]) -> None:
 
 
 @contextlib.contextmanager
-def read_only_store(options: dict) -> Iterator[MessageStore]:
+def read_only_store(options: dict, reports: tuple[type, ...] = ()) -> Iterator[MessageStore]:
+    """The store a query opens. A log that recovery ends at damage with intact records after it is refused (every
+    answer would silently leave those out) unless --allow-damage. ``reports``: the config files (managers) whose
+    content the command reports: one that cannot be read is its error (a read-only open would serve it empty, and
+    an empty report reads as "no lag" or "no topics")."""
     root, config = config_for(**options)
+    for manager in reports:
+        try:
+            manager(root, read_only=True).load()
+        except RocketStoreError as exc:
+            raise Failure(f"cannot report {manager.FILE}: {exc}") from None
     with MessageStore.open(root, config, read_only=True) as store:
+        report = store.recovery
+        if report is not None and report.resumes_at is not None and not config.cut_damaged_log:
+            raise damaged_log_error(root, report, "would be left out of every answer: --allow-damage answers from "
+                                    "the log up to the damage (rocketstore verify shows it)")
         yield store
 
 
 def _store_args(kwargs: dict) -> dict:
     return {k: kwargs.pop(k) for k in ("store_dir", "broker_conf", "max_hash_slot_num", "max_index_num",
-                                       "mapped_file_size_commit_log", "mapped_file_size_consume_queue")}
+                                       "mapped_file_size_commit_log", "mapped_file_size_consume_queue",
+                                       "allow_damage")}
 
 
 @contextlib.contextmanager
@@ -405,16 +434,20 @@ def query_by_key(topic, msg_key, keys_file, begin, end, max_num, as_json, **kwar
         with read_only_store(_store_args(kwargs)) as store:
             found = store.query_messages_arrow([(topic, key) for key in keys], max_num, start, stop)
         _print_found(found, as_json)
+        if not found.num_rows:  # as query-by-id: nothing found is exit 1 (mqadmin: "... but no message.")
+            raise Failure(f"no message of topic {topic} has any of the {len(keys)} keys")
         return
     with read_only_store(_store_args(kwargs)) as store:
         found = store.query_message(topic, msg_key, max_num, start, stop)
     if as_json:
         for msg in found:
             emit_json(message_json(msg))
-        return
-    click.echo(f"{'#Message ID':<50} {'#QID':>4} {'#Offset':>40}")
-    for msg in found:
-        click.echo(f"{msg.uniq_key or msg.msg_id:<50} {msg.queue_id:>4} {msg.queue_offset:>40}")
+    else:
+        click.echo(f"{'#Message ID':<50} {'#QID':>4} {'#Offset':>40}")
+        for msg in found:
+            click.echo(f"{msg.uniq_key or msg.msg_id:<50} {msg.queue_id:>4} {msg.queue_offset:>40}")
+    if not found:
+        raise Failure(f"no message of topic {topic} has the key {msg_key!r}")
 
 
 def _lines(file) -> list[str]:
@@ -697,6 +730,8 @@ def dump_log(path, from_offset, check_crc, decompress, as_json) -> None:
             else:
                 label = f"STOP: {event['reason']}" if stopped else "end of data (zero bytes follow)"
                 click.echo(f"{pos:>14} {'':>7} {label}")
+    if stopped:  # decoding stopped at bytes that are no record (damage, or not a log): a script must not read "ok"
+        raise Failure(f"decoding stopped at offset {pos}: bytes there are no record that decodes")
 
 
 @main.command(epilog="""\b
@@ -790,7 +825,7 @@ def topic() -> None:
 @fails_cleanly
 def topic_list(as_json, **kwargs) -> None:
     """Configured topics with queue counts, plus topics that only have consume queues."""
-    with read_only_store(_store_args(kwargs)) as store:
+    with read_only_store(_store_args(kwargs), (TopicConfigManager,)) as store:
         names = sorted(set(store.topic_config.topics) | set(store.topics()))
         rows = []
         for name in names:
@@ -849,7 +884,7 @@ Examples:
 @fails_cleanly
 def consumer_progress(group, as_json, **kwargs) -> None:
     """Committed offsets and lag per queue (like mqadmin consumerProgress)."""
-    with read_only_store(_store_args(kwargs)) as store:
+    with read_only_store(_store_args(kwargs), (ConsumerOffsetManager, TopicConfigManager)) as store:
         pairs = [(t, g) for t, g in store.consumer_offsets.groups() if group is None or g == group]
         if group is not None and not pairs:
             raise Failure(f"consumer group {group} has no committed offsets in this store")
@@ -861,16 +896,21 @@ def consumer_progress(group, as_json, **kwargs) -> None:
             if reason is not None:  # a broker's LMQ or BatchCQ queue: said, not shown as a lag of 0
                 click.echo(f"{group_name}: not shown: {reason}", err=True)
                 continue
+            config = store.topic_config.get(topic_name)
+            if config is None:  # the broker's getConsumeStats skips a topic it has no config for
+                click.echo(f"{group_name}: {topic_name} not shown: the topic is not in topics.json", err=True)
+                continue
             committed = store.consumer_offsets.offsets(group_name, topic_name)
-            for queue_id in sorted(set(committed) | set(store.queue_ids(topic_name))):
+            for queue_id in range(config.read_queue_nums):  # as getConsumeStats: each read queue of the topic
                 # a queue the group never committed counts from 0, and so does a negative offset a broker stored
-                # (getConsumeStats: consumerOffset < 0 -> 0)
+                # (getConsumeStats: consumerOffset < 0 -> 0); the diff is not clamped: a negative one is an offset
+                # past the queue's end
                 offset = max(0, committed.get(queue_id, 0))
-                broker = store.get_max_offset_in_queue(topic_name, queue_id)
+                broker = max(0, store.get_max_offset_in_queue(topic_name, queue_id))
                 unit = store.queues.get(topic_name, queue_id)
-                last = unit.get_unit(offset - 1) if unit is not None and offset > 0 else None
+                last = unit.get_unit(offset - 1) if unit is not None and 0 < offset <= broker else None
                 rows.append({"group": group_name, "topic": topic_name, "queueId": queue_id, "brokerOffset": broker,
-                             "consumerOffset": offset, "diff": max(0, broker - offset),
+                             "consumerOffset": offset, "diff": broker - offset,
                              "lastTimestamp": store.commit_log.store_time(last[0], last[1]) if last else -1})
     if as_json:
         for row in rows:
