@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import re
 import struct
 import subprocess
@@ -1209,3 +1210,30 @@ def test_every_module_imports_as_the_first_one_of_the_package():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].endswith("failed []"), done.stdout[-3000:]
     assert int(done.stdout.split("imported ")[1].split()[0]) > 50
+
+
+NO_CACHE_HOME = """
+import os, sys
+from numba.core import caching
+for name in ("InTreeCacheLocator", "UserWideCacheLocator"):  # as for a user who can write neither
+    getattr(caching, name).from_function = classmethod(lambda cls, py_func, py_file: None)
+from click.testing import CliRunner
+from rocketstore.cli.app import main
+print(CliRunner().invoke(main, ["--help"]).exit_code)
+from rocketstore.codec._kernels import queue_groups
+import numpy as np
+print(queue_groups(np.array([3, 1, 3], dtype=np.int64))[1].tolist())
+"""
+
+
+def test_the_kernels_load_for_a_user_who_can_write_no_cache_directory(tmp_path):
+    """A service account with no home, running an installed package it cannot write: every numba kernel with
+    cache=True raised "no locator available" at import, so every command (--help too) died with a traceback.
+    The kernels are cached in a private directory under the temporary one instead."""
+    env = {**os.environ, "HOME": "/nonexistent", "TMPDIR": str(tmp_path), "XDG_CACHE_HOME": "/nonexistent"}
+    env.pop("NUMBA_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", NO_CACHE_HOME], capture_output=True, text=True, timeout=300,
+                          env=env, check=False)
+    assert done.returncode == 0 and done.stdout.split() == ["0", "[0,", "0,", "1]"], done.stderr[-3000:]
+    private = tmp_path / f"rocketstore-numba-{os.getuid()}"
+    assert private.is_dir() and any(private.rglob("*.nbi")) and (private.stat().st_mode & 0o777) == 0o700

@@ -10,6 +10,8 @@ version of the package never loads another's machine code.
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 
 PACKAGE = "rocketstore/"
 
@@ -46,3 +48,45 @@ def install() -> None:
             return cls(py_func, py_file) if inside.startswith(PACKAGE) else None
 
     locators.insert(0, ShippedPackageLocator)
+    user = getattr(caching, "UserProvidedCacheLocator", None)
+    if user is not None:
+        locators.append(_fallback_locator(user))
+
+
+def _fallback_locator(user: type) -> type:
+    """The last locator: a private directory under the temporary one, for a user who can write neither the
+    package's ``__pycache__`` nor a home cache (a service account with no home). Without it every ``cache=True``
+    kernel raised "no locator available" at import: each command, ``--help`` too, died with a traceback."""
+
+    class TemporaryDirectoryLocator(user):
+        rocketstore = True
+
+        def __init__(self, py_func, py_file) -> None:
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._cache_path = os.path.join(self.directory, self.get_suitable_cache_subpath(py_file))
+
+        directory = ""
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            cls.directory = cls.directory or _private_directory()
+            if not cls.directory:
+                return None
+            return super(user, cls).from_function(py_func, py_file)  # numba's checks, without CACHE_DIR's
+
+    return TemporaryDirectoryLocator
+
+
+def _private_directory() -> str:
+    """``$TMPDIR/rocketstore-numba-<uid>``, made 0700; "" when it cannot be, or belongs to someone else (a
+    directory another user made there could hand this process machine code)."""
+    path = os.path.join(tempfile.gettempdir(), f"rocketstore-numba-{os.getuid()}")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return ""
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return ""
+    return path
