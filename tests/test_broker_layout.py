@@ -215,7 +215,7 @@ def test_a_broker_conf_whose_commit_log_is_elsewhere_or_split_is_refused_not_rea
     for line, said in cases.items():
         conf = tmp_path / "broker.conf"
         conf.write_text(f"storePathRootDir={root}\n{line}\nmaxHashSlotNum=97\nmaxIndexNum=388\n")
-        for command in (["query-by-key", "-t", "TopicA", "-k", "k1"], ["put", "-t", "TopicA", "-b", "x"]):
+        for command in (["query-by-key", "-t", "TopicA", "-k", "k1"], ["put", "-t", "TopicA", "-p", "x"]):
             done = cli(*command, "--broker-conf", str(conf), check=False)
             assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert tree(root) == before

@@ -293,7 +293,8 @@ def test_stats_counts_and_plots(store, tmp_path):
 
 def test_put_from_options_and_stdin(tmp_path):
     root = tmp_path / "s"
-    out = cli("put", "--store", str(root), "-t", "T", "-b", "hello", "-k", "k1", "--tags", "A", "-p", "x=y").stdout
+    out = cli("put", "--store", str(root), "-t", "T", "-p", "hello", "-k", "k1", "--tags", "A", "--property",
+              "x=y").stdout
     assert out.startswith("SendResult [sendStatus=PUT_OK") and "queueOffset=0" in out
     lines = "\n".join(json.dumps({"topic": "T", "body": f"b{i}", "keys": [f"s{i}"], "queue": 1}) for i in range(3))
     results = [json.loads(x) for x in cli("put", "--store", str(root), "--json", stdin=lines).stdout.splitlines()]
@@ -310,8 +311,8 @@ def test_put_from_options_and_stdin(tmp_path):
     (["query-by-offset", "-t", "Topic0", "-q", "0", "-o", "999"], "OFFSET_OVERFLOW_BADLY"),
     (["query-by-unique-key", "-i", "ABCDEF"], "no message"),
     (["print-msg", "-t", "Nope"], "no consume queues"),
-    (["put", "-t", "bad/topic", "-b", "x"], "may contain only"),
-    (["put", "-t", "T", "-b", "x", "-k", "has space"], "space"),
+    (["put", "-t", "bad/topic", "-p", "x"], "may contain only"),
+    (["put", "-t", "T", "-p", "x", "-k", "has space"], "space"),
     (["put", "-t", "T"], "--body is required"),
     (["stats", "--bucket", "week"], "week"),
 ])
@@ -375,7 +376,7 @@ def test_writer_lock_is_reported(store, tmp_path):
     root = tmp_path / "locked"
     with MessageStore.open(root, CONFIG) as writer:
         writer.put_message(Message("T", b"live"))
-        done = cli("put", "--store", str(root), "-t", "T", "-b", "x", check=False, process=True)  # another process
+        done = cli("put", "--store", str(root), "-t", "T", "-p", "x", check=False, process=True)  # another process
         assert done.returncode == 1 and "locked by another writer" in done.stderr
         assert "open by a writer" in cli("inspect", "--store", str(root)).stdout  # reads still work
 
@@ -740,7 +741,7 @@ def test_refused_writing_commands_on_a_new_path_leave_nothing_and_serve_checks_o
     store opened (and wrote the transaction topics into it); demo --messages 0 failed with "list index out of
     range" and left a store."""
     new = tmp_path / "new"
-    refused = [(["put", "-t", "a/b", "-b", "x"], None), (["topic", "create", "-t", "SCHEDULE_TOPIC_XXXX"], None),
+    refused = [(["put", "-t", "a/b", "-p", "x"], None), (["topic", "create", "-t", "SCHEDULE_TOPIC_XXXX"], None),
                (["put"], '{"topic": "T", "body": "x", "keys": ["a b"]}\n')]
     for args, stdin in refused:
         done = cli(*args, "--store", str(new), stdin=stdin, check=False)
@@ -753,8 +754,8 @@ def test_refused_writing_commands_on_a_new_path_leave_nothing_and_serve_checks_o
     for args, stdin in refused:
         assert cli(*args, "--store", str(empty), stdin=stdin, check=False).returncode == 1
         assert sorted(empty.rglob("*")) == empty_tree, args  # no lock, checkpoint or queueEnds.json left beside it
-    assert cli("put", "-t", "T", "-b", "kept", "--store", str(new)).returncode == 0
-    assert cli("put", "-t", "a/b", "-b", "x", "--store", str(new), check=False).returncode == 1
+    assert cli("put", "-t", "T", "-p", "kept", "--store", str(new)).returncode == 0
+    assert cli("put", "-t", "a/b", "-p", "x", "--store", str(new), check=False).returncode == 1
     assert (new / "commitlog").is_dir()  # an existing store stays, of course
     before = tree(new)
     for args in (["--listen", "127.0.0.1:99999"], ["--listen", "256.1.1.1:8081"], ["--stats-interval", "-1"],
@@ -784,7 +785,7 @@ def test_put_refuses_json_lines_it_would_have_changed(tmp_path):
             _json_message(json.loads(line))
         assert reason in str(caught.value), line
     root = tmp_path / "s"
-    cli("put", "-t", "T", "-b", "first", "--store", str(root))
+    cli("put", "-t", "T", "-p", "first", "--store", str(root))
     before = tree(root)
     done = cli("put", "--store", str(root), stdin='{"topic":"T","body":"ok"}\n{"topic":"T","bodyBase64":"!!!"}\n',
                check=False)
@@ -819,7 +820,7 @@ def test_a_writing_command_whose_store_path_is_a_file_says_so_and_leaves_it(tmp_
     """mkdir's "[Errno 17] File exists" did not say that the path is a file."""
     path = tmp_path / "notes.txt"
     path.write_bytes(b"an operator's file")
-    done = cli("put", "-t", "T", "-b", "x", "--store", str(path), check=False)
+    done = cli("put", "-t", "T", "-p", "x", "--store", str(path), check=False)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.rstrip().endswith(f"cannot create store root {path}: it exists and is not a directory")
     assert path.read_bytes() == b"an operator's file"
@@ -867,7 +868,7 @@ def test_a_log_damaged_before_intact_records_is_refused_unless_allowed(store, tm
     store_args = ["--store", str(copy)]
     for args in (["query-by-key", "-t", "Topic0", "-k", "shared"], ["print-msg", "-t", "Topic1"],
                  ["topic", "list"], ["consumer-progress"],
-                 ["reset-offset", "-g", "G", "-t", "Topic0", "-s", "earliest"], ["put", "-t", "Topic0", "-b", "x"]):
+                 ["reset-offset", "-g", "G", "-t", "Topic0", "-s", "earliest"], ["put", "-t", "Topic0", "-p", "x"]):
         done = cli(*args, *store_args, check=False)
         assert done.returncode == 1 and "damaged at offset" in done.stderr and "--allow-damage" in done.stderr, \
             (args, done.stderr)
@@ -950,3 +951,16 @@ def test_nothing_found_and_a_dump_stopped_at_damage_exit_1(store, tmp_path):
     done = cli("dump-log", str(segment), "--check-crc", check=False)
     assert done.returncode == 1 and "STOP" in done.stdout and "decoding stopped" in done.stderr
     assert cli("dump-log", str(segment)).returncode == 0  # without the CRC check every record decodes
+
+
+def test_put_takes_mqadmin_sendmessages_letters_and_refuses_its_broker(tmp_path):
+    """-p body, -c tags, -i queue, -k key as mqadmin sendMessage; -b (its broker) was put's body, so
+    `put -t T -b broker-a -p amount=100` stored the body broker-a: refused now, writing nothing."""
+    root = tmp_path / "s"
+    done = cli("put", "--store", str(root), "-t", "T", "-b", "broker-a", "-p", "amount=100", check=False)
+    assert done.returncode == 2 and "-b/--broker" in done.stderr and not root.exists()
+    cli("put", "--store", str(root), "-t", "T", "-p", "hello", "-c", "TagA", "-i", "1", "-k", "k1",
+        "--property", "a=b")
+    with MessageStore.open(root, read_only=True) as opened:
+        (msg,) = opened.iter_messages()
+    assert (msg.body, msg.tags, msg.queue_id, msg.keys, msg.properties["a"]) == (b"hello", "TagA", 1, ["k1"], "b")

@@ -110,7 +110,7 @@ def test_explicit_geometry_wins_over_a_damaged_single_segment(tmp_path):
     conf = tmp_path / "broker.conf"
     conf.write_text("mappedFileSizeCommitLog=16384\n")
     before = tree(root)
-    done = cli("put", "--store", str(root), "--broker-conf", str(conf), "-t", "T", "-b", "x", check=False)
+    done = cli("put", "--store", str(root), "--broker-conf", str(conf), "-t", "T", "-p", "x", check=False)
     assert done.returncode == 1 and "segment is 5000 bytes but the configured size is 16384" in done.stderr
     assert tree(root) == before
 
@@ -148,7 +148,7 @@ def test_a_lone_segment_is_the_geometry_only_at_a_size_a_broker_is_configured_wi
     with pytest.raises(ConfigError, match=f"segment {segment} is 5000 bytes.*--mapped-file-size-commit-log"):
         detect_config(root)
     assert detect_config(root, config).mapped_file_size_commit_log == 1 << 14  # named: the file is the damaged one
-    for command in (["inspect"], ["put", "-t", "T", "-b", "x"]):
+    for command in (["inspect"], ["put", "-t", "T", "-p", "x"]):
         done = cli(*command, "--store", str(root), check=False)
         assert done.returncode == 1 and done.stderr.startswith(f"error: commit-log segment {segment} is 5000 bytes")
         assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
@@ -194,13 +194,13 @@ def test_a_queue_file_cut_short_is_not_the_queue_geometry(tmp_path):
     queue_file = root / "consumequeue" / "T" / "0" / f"{0:020d}"
     os.truncate(queue_file, 4096)
     before = tree(root)
-    for command in (["inspect"], ["put", "-t", "T", "-b", "x"]):
+    for command in (["inspect"], ["put", "-t", "T", "-p", "x"]):
         done = cli(*command, "--store", str(root), check=False)
         assert done.returncode == 1 and done.stderr.startswith(f"error: consume-queue file {queue_file} is 4096 bytes")
         assert "--mapped-file-size-consume-queue" in done.stderr and "Traceback" not in done.stderr
     assert tree(root) == before
-    cli("put", "--store", str(root), "--mapped-file-size-consume-queue", "6000000", "-t", "T", "-q", "1",
-        "-b", "second")
+    cli("put", "--store", str(root), "--mapped-file-size-consume-queue", "6000000", "-t", "T", "-i", "1",
+        "-p", "second")
     with MessageStore.open(root, read_only=True) as store:
         assert [m.body for m in store.get_message("T", 0, 0).messages] == [b"first"]
         assert [m.body for m in store.get_message("T", 1, 0).messages] == [b"second"]
@@ -216,7 +216,7 @@ def test_a_queue_file_size_is_rounded_up_to_whole_entries_as_a_broker_does(tmp_p
     assert StoreConfig.from_broker_conf(conf).mapped_file_size_consume_queue == 1020
     root = tmp_path / "s"
     for option in (["--broker-conf", str(conf)], ["--mapped-file-size-consume-queue", "1001"]):
-        cli("put", "--store", str(root), *option, "-t", "T", "-b", "x")
+        cli("put", "--store", str(root), *option, "-t", "T", "-p", "x")
         assert (root / "consumequeue" / "T" / "0" / f"{0:020d}").stat().st_size == 1020
     with pytest.raises(ConfigError, match="multiple of 20"):  # the Python API takes the size as given
         StoreConfig(mapped_file_size_consume_queue=1001)
@@ -273,7 +273,7 @@ def test_an_explicit_queue_or_index_setting_most_files_disagree_with_is_refused(
         detect_config(root, config.replace(max_hash_slot_num=11, max_index_num=44))
     conf = tmp_path / "broker.conf"
     conf.write_text(f"mappedFileSizeConsumeQueue={config.mapped_file_size_consume_queue * 2}\n")
-    done = cli("put", "--store", str(root), "--broker-conf", str(conf), "-t", "T", "-b", "x", check=False)
+    done = cli("put", "--store", str(root), "--broker-conf", str(conf), "-t", "T", "-p", "x", check=False)
     assert done.returncode == 1 and "consume-queue files" in done.stderr and "Traceback" not in done.stderr
     assert tree(root) == before
     first_queue_file = next(os.path.join(d, sorted(f)[0]) for d, _, f in os.walk(root / "consumequeue") if f)

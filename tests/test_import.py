@@ -362,10 +362,10 @@ def test_a_writing_command_whose_close_fails_prints_its_result_and_exits_3(tmp_p
     """put, topic create/delete and reset-offset applied their change, then a failing close made them exit 1 with
     the close's error alone (no SendResult): a script ran the put again and stored it twice."""
     root = tmp_path / "s"
-    cli("put", "-t", "T", "-b", "first", "--store", str(root), *GEOMETRY)
+    cli("put", "-t", "T", "-p", "first", "--store", str(root), *GEOMETRY)
     (root / "queueEnds.json").unlink()
     (root / "queueEnds.json").mkdir()  # the close cannot replace it
-    for args in (["put", "-t", "T", "-b", "second"], ["topic", "create", "-t", "NewT"],
+    for args in (["put", "-t", "T", "-p", "second"], ["topic", "create", "-t", "NewT"],
                  ["reset-offset", "-g", "G", "-t", "T", "-s", "earliest"], ["topic", "delete", "-t", "NewT"]):
         done = cli(*args, "--store", str(root), *GEOMETRY, check=False)
         assert done.returncode == 3, (args, done.stderr)
@@ -379,7 +379,7 @@ def test_a_writing_command_whose_close_fails_prints_its_result_and_exits_3(tmp_p
     assert (root / "abort").exists()  # the queue ends were not saved: the next open checks the queues
     (root / "queueEnds.json").rmdir()
     assert [m.body for m in stored(root)] == [b"first", b"second"] + [b"imported"] * 3
-    assert "SendResult [sendStatus=PUT_OK" in cli("put", "-t", "T", "-b", "x", "--store", str(root), *GEOMETRY).stdout
+    assert "SendResult [sendStatus=PUT_OK" in cli("put", "-t", "T", "-p", "x", "--store", str(root), *GEOMETRY).stdout
 
 
 def test_a_dataset_rewritten_with_other_rows_is_another_import(tmp_path):

@@ -300,24 +300,28 @@ def main() -> None:
 
 @main.command(epilog="""\b
 Examples:
-  rocketstore put -t TopicTest -b 'hello' -k order-1 --tags TagA
+  rocketstore put -t TopicTest -p 'hello' -k order-1 -c TagA        # mqadmin sendMessage's letters
   echo '{"topic":"TopicTest","body":"hi","keys":["k1","k2"],"properties":{"a":"b"}}' | rocketstore put
 """)
 @store_options
 @click.option("-t", "--topic", help="topic (else JSON lines are read from stdin)")
-@click.option("-b", "--body", help="message body (UTF-8)")
+@click.option("-p", "--body", help="message body (UTF-8; mqadmin sendMessage's -p)")
 @click.option("-k", "--key", "keys", multiple=True, help="a key (repeatable)")
-@click.option("--tags", help="the message tag")
-@click.option("-p", "--property", "props", multiple=True, metavar="NAME=VALUE", help="a user property (repeatable)")
-@click.option("-q", "--queue", "queue_id", type=int, default=0, show_default=True, help="queue id")
+@click.option("-c", "--tags", help="the message tag (mqadmin's -c)")
+@click.option("--property", "props", multiple=True, metavar="NAME=VALUE", help="a user property (repeatable)")
+@click.option("-i", "--queue", "queue_id", type=int, default=0, show_default=True, help="queue id (mqadmin's -i)")
+@click.option("-b", "--broker", hidden=True, help="mqadmin's broker: refused (this writes to --store)")
 @json_option
 @fails_cleanly
-def put(topic, body, keys, tags, props, queue_id, as_json, **kwargs) -> None:
+def put(topic, body, keys, tags, props, queue_id, broker, as_json, **kwargs) -> None:
     """Append messages (from options, or JSON lines on stdin) through the store's single writer."""
+    if broker is not None:  # -b was put's body before it took mqadmin's letters: never take a broker for a body
+        raise click.UsageError("-b/--broker names a broker to mqadmin sendMessage; put writes to the store --store "
+                               "names (the body is -p/--body)")
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     messages = [_message_from_options(topic, body, keys, tags, props, queue_id)] if topic else list(_stdin_messages())
     if not messages:
-        raise Failure("nothing to put: give -t TOPIC -b BODY, or JSON lines on stdin")
+        raise Failure("nothing to put: give -t TOPIC -p BODY, or JSON lines on stdin")
     with writer_store(root, config) as store:
         results = store.put_messages(messages)
         for msg, result in zip(messages, results, strict=True):  # before the close: a failing close still shows the ids
@@ -334,7 +338,7 @@ def put(topic, body, keys, tags, props, queue_id, as_json, **kwargs) -> None:
 
 def _message_from_options(topic, body, keys, tags, props, queue_id) -> Message:
     if body is None:
-        raise Failure("-b/--body is required with -t/--topic")
+        raise Failure("-p/--body is required with -t/--topic")
     properties = {}
     for item in props:
         name, sep, value = item.partition("=")
