@@ -964,3 +964,11 @@ def test_put_takes_mqadmin_sendmessages_letters_and_refuses_its_broker(tmp_path)
     with MessageStore.open(root, read_only=True) as opened:
         (msg,) = opened.iter_messages()
     assert (msg.body, msg.tags, msg.queue_id, msg.keys, msg.properties["a"]) == (b"hello", "TagA", 1, ["k1"], "b")
+
+
+def test_query_by_key_takes_more_than_64_as_the_broker_does(store):
+    root, _results = store
+    many = cli("query-by-key", "--store", str(root), "-t", "Topic0", "-k", "shared", "-m", "100", "--json")
+    assert len(many.stdout.splitlines()) == 60  # Topic0 holds 60 with the key; asked 100, capped at 64
+    assert cli("query-by-key", "--store", str(root), "-t", "Topic0", "-k", "shared", "-m", "0",
+               check=False).returncode == 2

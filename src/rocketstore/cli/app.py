@@ -123,8 +123,10 @@ def store_options(command):
 def key_window_options(max_help: str):
     """-b/--begin, -e/--end and -m/--max of the key lookups (``query_message``'s window and limit)."""
     def apply(command):
-        command = click.option("-m", "--max", "max_num", type=click.IntRange(1, 64), default=64, show_default=True,
-                               help=max_help)(command)
+        command = click.option("-m", "--max", "max_num", type=click.IntRange(1, None), default=64,
+                               callback=lambda _ctx, _param, value: min(value, 64), show_default=True,
+                               help=f"{max_help} (more is taken as 64, the broker's maxMsgsNumBatch, as mqadmin's "
+                               "are)")(command)
         command = click.option("-e", "--end", help="end time, inclusive (epoch ms or ISO-8601; as mqadmin's "
                                "queryMsgByKey)")(command)
         return click.option("-b", "--begin", help="begin time, inclusive (epoch ms or ISO-8601)")(command)
