@@ -972,3 +972,14 @@ def test_query_by_key_takes_more_than_64_as_the_broker_does(store):
     assert len(many.stdout.splitlines()) == 60  # Topic0 holds 60 with the key; asked 100, capped at 64
     assert cli("query-by-key", "--store", str(root), "-t", "Topic0", "-k", "shared", "-m", "0",
                check=False).returncode == 2
+
+
+def test_query_by_id_takes_a_topic_and_query_by_offset_mqadmins_queue_letter(store):
+    root, results = store
+    r = results[11]  # Topic1
+    assert cli("query-by-id", "--store", str(root), "-i", r.msg_id, "-t", "Topic1").returncode == 0
+    other = cli("query-by-id", "--store", str(root), "-i", r.msg_id, "-t", "Topic0", check=False)
+    assert other.returncode == 1 and "of topic Topic1, not Topic0" in other.stderr
+    by_i = cli("query-by-offset", "--store", str(root), "-t", "Topic1", "-i", str(11 % 3), "-o",
+               str(r.queue_offset), "--json").stdout
+    assert json.loads(by_i)["commitLogOffset"] == r.commit_log_offset

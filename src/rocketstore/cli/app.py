@@ -502,10 +502,12 @@ Examples:
 """)
 @store_options
 @click.option("-i", "--msg-id", required=True, help="offset message id(s), comma-separated (a UNIQ_KEY works too)")
+@click.option("-t", "--topic", help="the messages' topic (mqadmin's queryMsgById takes it): one of another topic "
+              "is not found")
 @click.option("--body", is_flag=True, help="print the body")
 @json_option
 @fails_cleanly
-def query_by_id(msg_id, body, as_json, **kwargs) -> None:
+def query_by_id(msg_id, topic, body, as_json, **kwargs) -> None:
     """Messages by message id (like mqadmin queryMsgById)."""
     ids = [part.strip() for part in msg_id.split(",") if part.strip()]
     if not ids:
@@ -515,9 +517,14 @@ def query_by_id(msg_id, body, as_json, **kwargs) -> None:
         found = []
         for one in ids:
             try:
-                found.append(store.view_message_by_id(one))
+                msg = store.view_message_by_id(one)
             except MessageNotFoundError:
                 missing.append(one)
+                continue
+            if topic is not None and msg.topic != topic:
+                missing.append(f"{one} (of topic {msg.topic}, not {topic})")
+                continue
+            found.append(msg)
     _print_messages(found, as_json, body)
     if missing:
         raise Failure(f"message not found: {', '.join(missing)}")
@@ -557,7 +564,7 @@ Examples:
 """)
 @store_options
 @click.option("-t", "--topic", required=True, help="topic")
-@click.option("-q", "--queue", "queue_id", type=int, required=True, help="queue id")
+@click.option("-i", "-q", "--queue", "queue_id", type=int, required=True, help="queue id (mqadmin's -i)")
 @click.option("-o", "--offset", type=int, required=True, help="queue offset")
 @click.option("--body", is_flag=True, help="print the body")
 @json_option
