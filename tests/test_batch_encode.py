@@ -861,3 +861,18 @@ def test_rows_without_a_queue_offset_in_a_table_split_over_segments(tmp_path):
         for q in (0, 1):
             bodies = [m.body[:3] for m in store.get_message("T", q, 0, 100).messages]
             assert bodies == [b"%03d" % i for i in range(n) if i % 2 == q and not flags[i]] + [b"ab"[q:q + 1]]
+
+
+def test_a_prepared_or_rolled_back_record_with_a_delay_stays_in_its_topic(tmp_path):
+    """RocketMQ parks only the NOT and COMMIT transaction types in the delay or timer topic."""
+    config = StoreConfig(max_hash_slot_num=97, max_index_num=400)
+    with MessageStore.open(tmp_path / "s", config) as store:
+        for flag in (0x4, 0xC):
+            store.put_message(Message("T", b"m%d" % flag, properties={"DELAY": "2"}, sys_flag=flag))
+        store.put_batch(pa.table({"topic": ["T", "T"], "body": [b"b4", b"b0"],
+                                  "properties": pa.array([[("DELAY", "2")], [("DELAY", "2")]],
+                                                         pa.map_(pa.string(), pa.string())),
+                                  "sys_flag": pa.array([0x4, 0], pa.int32())}))
+        store.wait_for_dispatch()
+        topics = {m.body: m.topic for m in store.iter_messages()}
+    assert topics == {b"m4": "T", b"m12": "T", b"b4": "T", b"b0": "SCHEDULE_TOPIC_XXXX"}

@@ -983,3 +983,17 @@ def test_query_by_id_takes_a_topic_and_query_by_offset_mqadmins_queue_letter(sto
     by_i = cli("query-by-offset", "--store", str(root), "-t", "Topic1", "-i", str(11 % 3), "-o",
                str(r.queue_offset), "--json").stdout
     assert json.loads(by_i)["commitLogOffset"] == r.commit_log_offset
+
+
+def test_put_refuses_a_body_given_twice(tmp_path):
+    """-p was a property before it was mqadmin's body: `put --body hello -p color=red` kept the last -p as the body."""
+    done = cli("put", "--store", str(tmp_path / "s"), "-t", "T", "--body", "hello", "-p", "color=red", check=False)
+    assert done.returncode == 2 and "more than once" in done.stderr and not (tmp_path / "s").exists()
+
+
+def test_stats_and_export_refuse_a_damaged_log_unless_allowed(store, tmp_path):
+    copy, results = _damage_before_the_end(store, tmp_path)
+    done = cli("stats", "--store", str(copy), "--json", check=False)
+    assert done.returncode == 1 and "damaged at offset" in done.stderr and "--allow-damage" in done.stderr
+    counted = json.loads(cli("stats", "--store", str(copy), "--json", "--allow-damage").stdout)
+    assert counted["messages"] == len(results) - 8  # up to the damage

@@ -1237,3 +1237,17 @@ def test_the_kernels_load_for_a_user_who_can_write_no_cache_directory(tmp_path):
     assert done.returncode == 0 and done.stdout.split() == ["0", "[0,", "0,", "1]"], done.stderr[-3000:]
     private = tmp_path / f"rocketstore-numba-{os.getuid()}"
     assert private.is_dir() and any(private.rglob("*.nbi")) and (private.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_cache_directory_name_taken_by_another_gives_a_fresh_private_one(tmp_path):
+    taken = tmp_path / f"rocketstore-numba-{os.getuid()}"
+    taken.mkdir(mode=0o755)
+    taken.chmod(0o755)  # open to others: another user's (or a link) would be refused the same way
+    env = {**os.environ, "HOME": "/nonexistent", "TMPDIR": str(tmp_path), "XDG_CACHE_HOME": "/nonexistent"}
+    env.pop("NUMBA_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", NO_CACHE_HOME], capture_output=True, text=True, timeout=300,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not any(taken.iterdir())  # never written into
+    fresh = [p for p in tmp_path.iterdir() if p.name.startswith("rocketstore-numba-") and p != taken]
+    assert fresh and (fresh[0].stat().st_mode & 0o777) == 0o700

@@ -348,7 +348,7 @@ class MessageEncoder:
         user = msg.properties
         if user:
             properties = self.properties_for(user, msg.tags, key_list(msg.keys), system=system)
-            topic, queue_id = self.schedule(topic, queue_id, properties)
+            topic, queue_id = self.schedule(topic, queue_id, properties, sys_flag)
             wait_store = properties.get(PropertyName.WAIT, "true").lower() != "false"
         else:
             properties = self._plain_properties(msg.tags, msg.keys)
@@ -659,12 +659,14 @@ class MessageEncoder:
             check_property(PropertyName.KEYS, joined)
         return joined
 
-    def schedule(self, topic: str, queue_id: int, properties: dict[str, str]) -> tuple[str, int]:
+    def schedule(self, topic: str, queue_id: int, properties: dict[str, str], sys_flag: int = 0
+                 ) -> tuple[str, int]:
         """Where a delayed message waits (``CommitLog.asyncPutMessage``, ``HookUtils.handleScheduleMessage``):
         a DELAY level sends it to SCHEDULE_TOPIC_XXXX, queue level-1 (a level past the last is the last); a
         TIMER_DELIVER_MS (or TIMER_DELAY_SEC/MS) in the future to rmq_sys_wheel_timer, queue 0. Its real
-        topic and queue are kept in REAL_TOPIC/REAL_QID. A delivery time already past stores it as it is."""
-        if topic in PARKED_TOPICS:
+        topic and queue are kept in REAL_TOPIC/REAL_QID. A delivery time already past stores it as it is. A
+        prepared or rolled-back transaction record is never parked (RocketMQ parks only the NOT and COMMIT types)."""
+        if topic in PARKED_TOPICS or sys_flag & SysFlag.TRANSACTION_PREPARED_TYPE:  # PREPARED's and ROLLBACK's bit
             return topic, queue_id
         raw = properties.get(PropertyName.DELAY)
         if raw is not None:

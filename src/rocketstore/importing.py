@@ -68,6 +68,21 @@ class ImportReport:
     system_rows: dict[str, int] = field(default_factory=dict)  # rows of the broker's own topics passed over
 
 
+def _note_queue_max(table: pa.Table, queue_max: dict[str, int]) -> None:
+    """Raise ``queue_max`` to each topic's highest queue id in ``table`` (a checked one: no null topic)."""
+    if "queueId" not in table.column_names:
+        topics = pc.unique(table.column("topic").cast(pa.string())).to_pylist()
+        for topic in topics:
+            queue_max.setdefault(topic, 0)
+        return
+    grouped = pa.table({"topic": table.column("topic").cast(pa.string()),
+                        "queue": pc.fill_null(table.column("queueId").cast(pa.int64()), 0)}) \
+        .group_by("topic").aggregate([("queue", "max")])
+    for topic, queue in zip(grouped.column("topic").to_pylist(), grouped.column("queue_max").to_pylist(),
+                            strict=True):
+        queue_max[topic] = max(queue_max.get(topic, 0), queue)
+
+
 def importable(topic: str) -> bool:
     """Whether rows of ``topic`` can be stored: not one of the broker's own queues (``check_sendable``)."""
     try:
@@ -98,9 +113,11 @@ def import_config(root: Path, config: StoreConfig | None, explicit: Iterable[str
     return fresh, (config or StoreConfig()) if fresh else detect_config(root, config, explicit=explicit)
 
 
-def first_bad_row(table: pa.Table, config: StoreConfig) -> tuple[int, str, str] | None:
+def first_bad_row(table: pa.Table, config: StoreConfig, queues: dict[str, int] | None = None
+                  ) -> tuple[int, str, str] | None:
     """What can be checked without the store: null topics and bodies, topic rules, bodies over max_message_size,
-    records that cannot fit a commit-log segment, negative queue ids. The first bad row of ``table`` as (its place
+    records that cannot fit a commit-log segment, negative queue ids, and with ``queues`` (the write queues of
+    the topics the store has: ``existing_queues``) queue ids past them. The first bad row of ``table`` as (its place
     in the table, its kind (a key of ``BAD_ROW_ERRORS``), why), or None."""
     max_body, segment = config.max_message_size, config.mapped_file_size_commit_log
     max_record = min(max_body + 65536, segment - 8)
@@ -126,12 +143,32 @@ def first_bad_row(table: pa.Table, config: StoreConfig) -> tuple[int, str, str] 
     if len(big):
         found.append((int(big[0]), "size", f"a record of at least {bodies[big[0]] + names[big[0]] + 91} bytes "
                                            f"does not fit a commit-log segment of {segment} bytes"))
+    existing = queues or {}
     if "queueId" in table.column_names:
         queues = pc.fill_null(table.column("queueId").cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
         negative = np.flatnonzero(queues < 0)
         if len(negative):
             found.append((int(negative[0]), "queue", f"queueId {queues[negative[0]]} is negative"))
+        for name in topics if existing else ():
+            if name in existing:
+                rows = pc.fill_null(pc.equal(topic.cast(pa.string()), name), False).to_numpy(zero_copy_only=False)
+                past = np.flatnonzero(rows & (queues >= existing[name]))
+                if len(past):
+                    found.append((int(past[0]), "queue", f"queue {queues[past[0]]} does not exist: topic {name} has "
+                                                         f"{existing[name]} write queues in the store"))
     return min(found) if found else None
+
+
+def existing_queues(root: Path) -> dict[str, int]:
+    """The write queue count of each topic the store at ``root`` has (none for a new store): rows past them are
+    refused before the first row is stored (a topic the import makes gets the queues its rows use)."""
+    from .brokerconfig import TopicConfigManager
+
+    if not (root / "config").is_dir():
+        return {}
+    manager = TopicConfigManager(root, read_only=True)
+    manager.load()
+    return {name: manager.get(name).write_queue_nums for name in manager.topics}
 
 
 def bad_row_error(row: int, kind: str, reason: str) -> RocketStoreError:
@@ -183,13 +220,16 @@ def batch_columns(chunk: pa.Table) -> pa.Table:
 
 
 def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *, fresh: bool, source: dict,
-                 skip_rows: int | None, progress: Progress | None = None) -> ImportReport:
+                 skip_rows: int | None, progress: Progress | None = None,
+                 queue_max: dict[str, int] | None = None) -> ImportReport:
     """Store the checked rows of ``source`` (arriving as ``chunks``, in its one order) into the store at ``root``.
 
     The journal decides where to begin unless ``skip_rows`` names it: an unfinished import of the same source goes
     on from the first row the store does not hold; one of another source is refused. Refusals are decided on a
     read-only open, before the writer's: they change no file. A new store's directory is not left behind by an
-    import that stored nothing."""
+    import that stored nothing. ``queue_max``: each topic's highest queue id in the whole dataset: a topic the
+    store lacks is made with the queues they need before the first row is stored (one made from the first table's
+    rows alone refused a later table's higher queue part-way, and a resumed import could not grow it)."""
     report = ImportReport()
     journal = ImportJournal(root)
     unfinished = None if fresh or skip_rows is not None else journal.load()  # a named row replaces it
@@ -210,8 +250,13 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
     before = set(os.listdir(root)) if root.is_dir() else None
     try:
         store = MessageStore.open(root, config)
-        ours: dict[str, bool] = {}  # topic -> whether this import creates it (and may give it more queues)
         try:
+            if queue_max:  # every topic the dataset needs, as many queues as its rows use, before any row is stored
+                try:
+                    store._create_topics(sorted(queue_max.items()))
+                except RocketStoreError as exc:
+                    raise type(exc)(f"{exc} (nothing imported: the topics are made before the first row is stored; "
+                                    "give the topic the queues its rows use: topic create -t TOPIC -w N)") from None
             skip = report.skipped  # rows come in the same order every time: the first skip go by
             for chunk in _stopping_with_the_count(chunks, report):
                 dropped = min(skip, chunk.num_rows)
@@ -227,7 +272,6 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                         source, report.skipped + report.rows, log_end, table.num_rows,
                         table.column("topic")[0].as_py(), ImportProgress.body_crc(table.column("body")[0].as_py())))
                     try:
-                        _grow_topics(store, table, ours)
                         _put(store, table, report, progress)
                     except RocketStoreError:
                         if not report.skipped + report.rows and store.commit_log.max_offset == log_end:
@@ -258,24 +302,6 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                         (shutil.rmtree if (root / name).is_dir() else os.unlink)(root / name)
         raise
     return report
-
-
-def _grow_topics(store: MessageStore, table: pa.Table, ours: dict[str, bool]) -> None:
-    """Give a topic this import created as many queues as the rows need. The first table's put creates a topic
-    with the queues it needs (at least the default 8); a later table of the same topic with a higher queue id was
-    refused, and a topic of more than 8 queues could not be imported at all. A topic that was there before keeps
-    its queues (a row past them is refused: the operator decides)."""
-    if "queue_id" not in table.column_names:
-        return
-    highest = pa.table({"topic": table.column("topic"), "queue": table.column("queue_id")}) \
-        .group_by("topic").aggregate([("queue", "max")])
-    for topic, queue in zip(highest.column("topic").to_pylist(), highest.column("queue_max").to_pylist(),
-                            strict=True):
-        config = store.topic_config.get(topic)
-        if topic not in ours:
-            ours[topic] = config is None
-        if ours[topic] and config is not None and queue is not None and queue >= config.write_queue_nums:
-            store.create_topic(topic, queue + 1)
 
 
 CONTENT = "content"  # a source's digest of its files' sizes and times: whether a finished import is this one
@@ -355,6 +381,8 @@ class ParquetDataset:
 
         self.skip_system = skip_system
         self.system_rows: dict[str, int] = {}  # counted by ``first_bad_row``
+        self.queue_max: dict[str, int] = {}  # each topic's highest queue id, found by ``first_bad_row``
+        self.checked_rows = 0  # the rows ``first_bad_row`` read (without the skipped system rows)
         self.path = Path(path)
         if not self.path.exists():
             raise ConfigError(f"{path} does not exist")
@@ -456,16 +484,19 @@ class ParquetDataset:
                 raise ConfigError(f"cannot read {file}: {one_line(exc)}") from None
         return counts
 
-    def first_bad_row(self, config: StoreConfig) -> tuple[int, str, str] | None:
+    def first_bad_row(self, config: StoreConfig, queues: dict[str, int] | None = None
+                      ) -> tuple[int, str, str] | None:
         """``first_bad_row`` over the whole dataset, its place counted from the dataset's first row."""
         before = 0
         if self.skip_system:
             self.system_rows = self._count_system_rows()
         for table in self.tables(CHECKED_COLUMNS):
-            found = first_bad_row(table, config)
+            found = first_bad_row(table, config, queues)
             if found is not None:
                 return (before + found[0], found[1], found[2])
             before += table.num_rows
+            _note_queue_max(table, self.queue_max)
+        self.checked_rows = before
         return None
 
 
@@ -481,12 +512,13 @@ def import_parquet(path: str | Path, root: str | Path, *, config: StoreConfig | 
     root = Path(root)
     dataset = ParquetDataset(path, skip_system=skip_system)
     fresh, config = import_config(root, config, explicit)
-    bad = dataset.first_bad_row(config)
+    bad = dataset.first_bad_row(config, existing_queues(root))
     if bad is not None:
         raise bad_row_error(*bad)
-    if skip_rows is not None and skip_rows > dataset.rows:
-        raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {dataset.rows} rows")
+    if skip_rows is not None and skip_rows > dataset.checked_rows:
+        raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {dataset.checked_rows} rows"
+                          + (" besides the system topics' it passes over" if skip_system else ""))
     report = store_tables(dataset.tables(), root, config, fresh=fresh, source=dataset.source(), skip_rows=skip_rows,
-                          progress=progress)
+                          progress=progress, queue_max=dataset.queue_max)
     report.system_rows = dataset.system_rows
     return report

@@ -97,6 +97,11 @@ def store_stats(root: str | Path, config: StoreConfig, bucket: str = "minute") -
     topics: Counter[str] = Counter()
     times: Counter[int] = Counter()
     with MessageStore.open(root, config, read_only=True) as store:
+        report = store.recovery
+        if report is not None and report.resumes_at is not None and not config.cut_damaged_log:
+            from .recovery import damaged_log_error  # counts that silently leave out the records after the damage
+
+            raise damaged_log_error(Path(root), report, "would be left out of the counts")
         for batch in scan_dispatch(store.commit_log, max_rows=65536):
             for code, n in zip(*np.unique(batch.topic_code, return_counts=True), strict=True):
                 topics[batch.topics[code]] += int(n)

@@ -73,7 +73,9 @@ def fails_cleanly(command):
             sys.exit(0)
         except DamagedLogError as exc:  # the store's words, and the command line's way on
             text = str(exc)
-            if "--allow-damage" not in text and "onCorrupt" not in text:  # (a scan's says its own way on)
+            if "onCorrupt" in text:  # a scan's: the command line's flag for it
+                text += " (--allow-damage reads up to the damage)"
+            elif "--allow-damage" not in text:
                 text += " (rocketstore verify shows the damage; --allow-damage goes on with the log cut there, as a " \
                         "broker's restart cuts it)"
             raise Failure(text) from None
@@ -307,7 +309,7 @@ Examples:
 """)
 @store_options
 @click.option("-t", "--topic", help="topic (else JSON lines are read from stdin)")
-@click.option("-p", "--body", help="message body (UTF-8; mqadmin sendMessage's -p)")
+@click.option("-p", "--body", multiple=True, help="message body (UTF-8; mqadmin sendMessage's -p)")
 @click.option("-k", "--key", "keys", multiple=True, help="a key (repeatable)")
 @click.option("-c", "--tags", help="the message tag (mqadmin's -c)")
 @click.option("--property", "props", multiple=True, metavar="NAME=VALUE", help="a user property (repeatable)")
@@ -320,6 +322,9 @@ def put(topic, body, keys, tags, props, queue_id, broker, as_json, **kwargs) -> 
     if broker is not None:  # -b was put's body before it took mqadmin's letters: never take a broker for a body
         raise click.UsageError("-b/--broker names a broker to mqadmin sendMessage; put writes to the store --store "
                                "names (the body is -p/--body)")
+    if len(body) > 1:  # -p was a property before it was the body: a second one is no body to keep quietly
+        raise click.UsageError("the body (-p/--body) is given more than once; a property is --property NAME=VALUE")
+    body = body[0] if body else None
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     messages = [_message_from_options(topic, body, keys, tags, props, queue_id)] if topic else list(_stdin_messages())
     if not messages:
@@ -1048,7 +1053,9 @@ def export(master, ship_env, verbose, out, topics, begin, end, overwrite, **kwar
     with progress_bar("export") as progress:
         count = export_parquet(root, out, spark=spark, topics=list(topics) or None, begin=start, end=stop,
                                overwrite=overwrite, progress=progress,
-                               mappedFileSizeCommitLog=config.mapped_file_size_commit_log)
+                               mappedFileSizeCommitLog=config.mapped_file_size_commit_log,
+                               # --allow-damage: the scan reads up to the damage and says what it leaves out
+                               onCorrupt="skip" if config.cut_damaged_log else "fail")
     click.echo(f"exported {count} messages to {out}")
 
 
@@ -1070,7 +1077,8 @@ Examples:
               "on this machine the fastest way)")
 @click.option("--skip-system-topics", is_flag=True, help="pass over rows of the broker's own queues "
               "(SCHEDULE_TOPIC_XXXX, rmq_sys_wheel_timer, RMQ_SYS_TRANS_*: a whole-store export holds them) instead "
-              "of refusing the import; delayed messages still waiting there are not carried over")
+              "of refusing the import; delayed messages still waiting there are not carried over, and row numbers "
+              "(errors, --from-row) count the other rows only")
 @fails_cleanly
 def import_command(master, ship_env, verbose, parquet, from_row, no_spark, skip_system_topics, **kwargs) -> None:
     """Append a Parquet dataset of messages to a store (created if missing), each row exactly once (Spark;

@@ -79,14 +79,16 @@ def _fallback_locator(user: type) -> type:
 
 
 def _private_directory() -> str:
-    """``$TMPDIR/rocketstore-numba-<uid>``, made 0700; "" when it cannot be, or belongs to someone else (a
-    directory another user made there could hand this process machine code)."""
+    """``$TMPDIR/rocketstore-numba-<uid>``, made 0700; when that name is taken by a directory this user does not own
+    alone (another user's could hand this process machine code), a new private one for this process; "" when no
+    directory can be made."""
     path = os.path.join(tempfile.gettempdir(), f"rocketstore-numba-{os.getuid()}")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+            return path
+        # taken by someone else (or a link, or open to others): a fresh one of this process, compiled again
+        return tempfile.mkdtemp(prefix="rocketstore-numba-")
     except OSError:
         return ""
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        return ""
-    return path

@@ -238,7 +238,7 @@ class BatchEncoder:
 
         uniq_raw = self.encoder.uniq_keys.raw_block(n, now)
         props_off, props_data, stored_topic_names, queue_ids, uniq_texts, wait_rows = self._properties(
-            col.get("properties"), tags, keys, uniq_raw, topics_in, topic_codes, queue_ids, copied)
+            col.get("properties"), tags, keys, uniq_raw, topics_in, topic_codes, queue_ids, copied, user_flags)
         props_len = np.diff(props_off)
         bad = _first_true(props_len > MAX_PROPERTIES_LEN)
         if bad is not None:
@@ -416,7 +416,8 @@ class BatchEncoder:
         return _Keys(list_off, key_off, key_data, present)
 
     def _properties(self, column: pa.Array | None, tags: _Texts, keys: _Keys, uniq_raw: np.ndarray,
-                    topics: list[str], topic_codes: np.ndarray, queue_ids: np.ndarray, copied: bool = False):
+                    topics: list[str], topic_codes: np.ndarray, queue_ids: np.ndarray, copied: bool = False,
+                    sys_flags: np.ndarray | None = None):
         """Properties strings per row (Arrow-style offsets and bytes, with room for ``__CRC32#`` if the store
         seals records), plus what user properties can change: stored topic and queue (DELAY), UNIQ_KEY (a
         user's own), whether any row waits for the disk."""
@@ -446,7 +447,8 @@ class BatchEncoder:
             try:
                 props = self.encoder.properties_for(user, tags.text(row), keys.texts(row), uniq_list[row],
                                                     system=copied)
-                topic, queue_id = self.encoder.schedule(names[row], int(queue_ids[row]), props)
+                topic, queue_id = self.encoder.schedule(names[row], int(queue_ids[row]), props,
+                                                        0 if sys_flags is None else int(sys_flags[row]))
             except MessageIllegalError as exc:
                 raise type(exc)(f"row {row}: {exc}") from None
             names[row], queue_ids[row] = topic, queue_id

@@ -32,6 +32,7 @@ from ..importing import (
     IMPORT_COLUMNS,
     ImportReport,
     bad_row_error,
+    existing_queues,
     first_bad_row,
     import_config,
     importable,
@@ -400,7 +401,8 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     by_file = rows is not None
     if rows is None:
         rows = df.select(*columns)
-    total, size = _check_rows(rows, config, by_file)  # before the first row is stored: most bad rows store nothing
+    total, size = _check_rows(rows, config, by_file, existing_queues(root))  # before the first row is stored
+    queue_max = _queue_max(rows)
     if skip_rows is not None and skip_rows > total:
         raise ConfigError(f"cannot import from row {skip_rows} on: the dataset has {total} rows")
     if by_file:  # one range of (file, row) per partition, partitions in order: the rows in name order
@@ -410,9 +412,19 @@ def import_messages(df, root: str | Path, *, config: StoreConfig | None = None, 
     source = {**_source_of(df, total), "reader": "spark", "order": "files" if by_file else "partitions",
               **({"skipSystemTopics": True} if skip_system else {})}
     report = store_tables(_arrow_chunks(rows), root, config, fresh=fresh, source=source, skip_rows=skip_rows,
-                          progress=progress)
+                          progress=progress, queue_max=queue_max)
     report.system_rows = system_rows
     return report
+
+
+def _queue_max(df) -> dict[str, int]:
+    """Each topic's highest queue id (0 without a queueId column): the import makes its topics with them."""
+    from pyspark.sql import functions as F
+
+    if "queueId" not in df.columns:
+        return {r["topic"]: 0 for r in df.select("topic").distinct().collect()}
+    rows = df.groupBy("topic").agg(F.max(F.coalesce(F.col("queueId").cast("long"), F.lit(0))).alias("q")).collect()
+    return {r["topic"]: int(r["q"]) for r in rows}
 
 
 def _with_file_places(df):
@@ -448,7 +460,7 @@ def _source_of(df, rows: int) -> dict:
     return {"first": files[0], "files": len(files), "digest": digest, "rows": rows}
 
 
-def _check_rows(df, config: StoreConfig, by_file: bool) -> tuple[int, int]:
+def _check_rows(df, config: StoreConfig, by_file: bool, queues: dict[str, int] | None = None) -> tuple[int, int]:
     """``first_bad_row`` over every row in one Spark pass, before the first is stored: the first bad row (by its
     place in the order the import stores the rows: name order of files with ``by_file``, else partition order) is
     a typed error; else (the number of rows, their checked columns' bytes)."""
@@ -473,7 +485,7 @@ def _check_rows(df, config: StoreConfig, by_file: bool) -> tuple[int, int]:
                 part = table if mask is None else table.filter(mask)
                 entry = seen.setdefault(name, [0, -1, "", ""])
                 if entry[1] < 0:
-                    found = first_bad_row(part, config)
+                    found = first_bad_row(part, config, queues)
                     if found is not None:
                         place = int(part.column(_ROW_INDEX)[found[0]].as_py()) if by_file else entry[0] + found[0]
                         entry[1:] = [place, found[1], found[2]]
