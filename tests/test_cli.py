@@ -997,3 +997,18 @@ def test_stats_and_export_refuse_a_damaged_log_unless_allowed(store, tmp_path):
     assert done.returncode == 1 and "damaged at offset" in done.stderr and "--allow-damage" in done.stderr
     counted = json.loads(cli("stats", "--store", str(copy), "--json", "--allow-damage").stdout)
     assert counted["messages"] == len(results) - 8  # up to the damage
+
+
+def test_every_json_output_names_the_producers_id_uniqkey(tmp_path):
+    """put's msgId is the UNIQ_KEY (SendResult's), a message's msgId the offset id (MessageExt's): `jq .msgId`
+    piped between commands changed meaning. Both now carry uniqKey."""
+    root = tmp_path / "s"
+    put = json.loads(cli("put", "--store", str(root), "-t", "T", "-p", "x", "-k", "k", "--json").stdout)
+    assert put["uniqKey"] == put["msgId"]
+    by_key = json.loads(cli("query-by-key", "--store", str(root), "-t", "T", "-k", "k", "--json").stdout)
+    assert by_key["uniqKey"] == put["uniqKey"] and by_key["msgId"] == put["offsetMsgId"]
+    (many,) = [json.loads(x) for x in cli("query-by-key", "--store", str(root), "-t", "T", "--keys-file", "-",
+                                            "--json", stdin="k\n").stdout.splitlines()]
+    assert many["uniqKey"] == put["uniqKey"]
+    printed = json.loads(cli("print-msg", "--store", str(root), "-t", "T", "--json").stdout.splitlines()[0])
+    assert printed["uniqKey"] == put["uniqKey"]

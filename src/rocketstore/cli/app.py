@@ -333,7 +333,8 @@ def put(topic, body, keys, tags, props, queue_id, broker, as_json, **kwargs) -> 
         results = store.put_messages(messages)
         for msg, result in zip(messages, results, strict=True):  # before the close: a failing close still shows the ids
             if as_json:
-                emit_json({"status": result.status.value, "msgId": result.uniq_key, "offsetMsgId": result.msg_id,
+                emit_json({"status": result.status.value, "msgId": result.uniq_key, "uniqKey": result.uniq_key,
+                           "offsetMsgId": result.msg_id,
                            "topic": msg.topic, "queueId": msg.queue_id, "queueOffset": result.queue_offset,
                            "commitLogOffset": result.commit_log_offset, "storeTimestamp": result.store_timestamp})
             else:

@@ -109,9 +109,11 @@ def body_text(body: bytes) -> str:
 
 
 def message_json(msg: MessageExt, *, body: bool = True) -> dict:
-    """A message with RocketMQ's ``MessageExt`` field names (body as base64, null when empty)."""
+    """A message with RocketMQ's ``MessageExt`` field names (body as base64, null when empty). ``msgId`` is the
+    offset id, as ``MessageExt.getMsgId`` on the broker's side; ``uniqKey`` the producer's id (what put's ``msgId``
+    and a SendResult's are), so ``jq .uniqKey`` is the same id everywhere."""
     return {
-        "msgId": msg.msg_id, "topic": msg.topic, "queueId": msg.queue_id, "flag": msg.flag,
+        "msgId": msg.msg_id, "uniqKey": msg.uniq_key, "topic": msg.topic, "queueId": msg.queue_id, "flag": msg.flag,
         "queueOffset": msg.queue_offset, "commitLogOffset": msg.commit_log_offset, "sysFlag": msg.sys_flag,
         "bornTimestamp": msg.born_timestamp, "bornHost": str(msg.born_host), "storeTimestamp": msg.store_timestamp,
         "storeHost": str(msg.store_host), "reconsumeTimes": msg.reconsume_times,
@@ -128,9 +130,9 @@ _JSON_OF_COLUMN = {"msgId": "msgId", "topic": "topic", "queueId": "queueId", "fl
                    "storeSize": "storeSize"}
 
 
-_JSON_ORDER = ("msgId", "topic", "queueId", "flag", "queueOffset", "commitLogOffset", "sysFlag", "bornTimestamp",
-               "bornHost", "storeTimestamp", "storeHost", "reconsumeTimes", "preparedTransactionOffset", "bodyCRC",
-               "body", "properties", "storeSize")
+_JSON_ORDER = ("msgId", "uniqKey", "topic", "queueId", "flag", "queueOffset", "commitLogOffset", "sysFlag",
+               "bornTimestamp", "bornHost", "storeTimestamp", "storeHost", "reconsumeTimes",
+               "preparedTransactionOffset", "bodyCRC", "body", "properties", "storeSize")
 
 
 def arrow_message_rows(batch) -> list[dict]:
@@ -160,6 +162,7 @@ def arrow_messages(batch) -> list[dict]:
         columns[name] = batch.column(name).to_pylist()
     columns["body"] = bodies
     columns["properties"] = [dict(p or ()) for p in properties]
+    columns["uniqKey"] = [p.get("UNIQ_KEY") for p in columns["properties"]]
     names = [name for name in _JSON_ORDER if name in columns] + extra
     return [{name: columns[name][i] for name in names} for i in range(n)]
 
