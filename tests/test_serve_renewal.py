@@ -207,6 +207,8 @@ def test_a_client_without_its_telemetry_stream_keeps_what_it_holds_until_it_term
         assert server.service.pop.renewed > 0
         bye = pb.NotifyClientTerminationRequest(group=pb.Resource(name="HG"))
         _as_client(server, "c1", "NotifyClientTermination", bye, pb.NotifyClientTerminationResponse)
+        # the same id heard again before the next renewal pass revives nothing: given back at the termination
+        assert _as_client(server, "c1", "Heartbeat", heartbeat, pb.HeartbeatResponse).status.code == pb.Code.OK
         again = []
         deadline = time.monotonic() + 10
         while not again and time.monotonic() < deadline:
@@ -346,3 +348,30 @@ def test_sends_the_proxy_refuses_are_refused_with_its_codes_and_write_nothing(tm
         assert sum(1 for _ in store.iter_messages()) == 7  # the refused sends wrote nothing
         (spaced,) = store.query_message("Valid", "42")
         assert (spaced.body, spaced.keys, spaced.tags) == (b"spaced", ["order", "42"], "TagB ")
+
+
+def test_a_restarted_server_renews_before_any_receive_and_asks_each_client_once(tmp_path):
+    """A held message whose saved deadline passed while serve was down was visible to any receive until the first
+    renewal pass, a period later (the proxy's first pass runs at once); and a pass asked whether the client is
+    there for every message it held, under each queue's lock."""
+    from rocketstore.server.service import MessagingService
+
+    store, pop = _pop_with_messages(tmp_path, 3, state_path=tmp_path / "store" / "config" / "popState.json")
+    with store:
+        held = pop.receive("G", "T", [0], 3, 60_000, None)
+        pop.mark_renewed("G", "T", held, "c1")
+        asked = []
+        pop.renew(RenewPolicy(), lambda client: asked.append(client) or True)
+        assert asked == ["c1"]  # once for its three messages
+        for flight in pop._queues[("G", "T", 0)].inflight.values():
+            flight.deadline_ms = time.time_ns() // 1_000_000 - 1_000  # passed while serve was down
+        pop.save()
+        service = MessagingService(store, renew_policy=RenewPolicy(period_s=3600))
+        service.start()
+        try:
+            now = time.time_ns() // 1_000_000
+            deadlines = [f.deadline_ms for f in service.pop._queues[("G", "T", 0)].inflight.values()]
+            assert len(deadlines) == 3 and min(deadlines) > now + 50_000  # renewed at the start, not visible
+            assert service.pop.receive("G", "T", [0], 3, 60_000, None) == []
+        finally:
+            service.close()

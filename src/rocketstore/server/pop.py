@@ -395,6 +395,26 @@ class PopGroups:
                     flight.renew = Renewing(client_id, now)
                     self._mark()
 
+    def give_back(self, client_id: str, invisible_ms: int) -> list[tuple[str, str, int]]:
+        """What ``client_id`` held with ``auto_renew``, visible again ``invisible_ms`` from now and renewed no more
+        (it said it terminates: the proxy clears it then, so a later word from the same id revives nothing);
+        (topic, group, when) of each."""
+        now = _now_ms()
+        with self._lock:
+            states = list(self._queues.items())
+        sooner = []
+        for (group, topic, _queue_id), state in states:
+            if not state.inflight:
+                continue
+            with state.lock:
+                for flight in state.inflight.values():
+                    if flight.renew is not None and flight.renew.client == client_id:
+                        flight.deadline_ms = now + invisible_ms
+                        flight.renew = None
+                        sooner.append((topic, group, flight.deadline_ms))
+                        self._mark()
+        return sooner
+
     def renew(self, policy: RenewPolicy, online, now: int | None = None) -> list[tuple[str, str, int]]:
         """One renewal pass (the proxy's ``scheduleRenewTask``): every message received with ``auto_renew`` is
         hidden longer once within ``policy.ahead_ms`` of visible again, given back with the group's retry delay past
@@ -405,6 +425,7 @@ class PopGroups:
         with self._lock:
             states = list(self._queues.items())
         sooner = []
+        present: dict[str, bool] = {}  # asked once per client and pass, not once per message under a queue's lock
         for (group, topic, _queue_id), state in states:
             if not state.inflight:
                 continue
@@ -413,7 +434,10 @@ class PopGroups:
                     renewing = flight.renew
                     if renewing is None:
                         continue
-                    if not online(renewing.client):
+                    there = present.get(renewing.client)
+                    if there is None:
+                        there = present[renewing.client] = online(renewing.client)
+                    if not there:
                         flight.deadline_ms = now + policy.clear_ms
                         flight.renew = None
                     elif flight.deadline_ms - now > policy.ahead_ms:

@@ -284,6 +284,7 @@ class MessagingService:
     def start(self) -> None:
         self._checker.start()
         self._saver.start()
+        self._renew_once()  # before any receive: a held message whose deadline passed while serve was down
         self._renewer.start()
         self.long_polls.start()
 
@@ -307,14 +308,17 @@ class MessagingService:
     def _renew_periodically(self) -> None:
         """``PopGroups.renew`` every ``period_s``: push consumers' messages kept invisible (``renewal.py``)."""
         while not self._closing.wait(self.renew_policy.period_s):
-            try:
-                sooner = self.pop.renew(self.renew_policy, self._online)
-            except Exception:
-                log.exception("renewing the push consumers' messages failed (tried again in %.0f s)",
-                              self.renew_policy.period_s)
-                continue
-            for topic, group, due_ms in sooner:  # receives waiting take them once visible
-                self.long_polls.due(topic, group, due_ms)
+            self._renew_once()
+
+    def _renew_once(self) -> None:
+        try:
+            sooner = self.pop.renew(self.renew_policy, self._online)
+        except Exception:
+            log.exception("renewing the push consumers' messages failed (tried again in %.0f s)",
+                          self.renew_policy.period_s)
+            return
+        for topic, group, due_ms in sooner:  # receives waiting take them once visible
+            self.long_polls.due(topic, group, due_ms)
 
     def save_pop_state(self) -> None:
         """``PopGroups.save``, a failure logged (the periodic saver tries again; a stop's last save is the last)."""
@@ -464,7 +468,9 @@ class MessagingService:
             except Status as exc:
                 return pb.NotifyClientTerminationResponse(status=status(exc.code, str(exc)))
         client_id = _client_id(context)
-        self.clients.terminated(client_id)  # what it held with auto_renew comes back once its stream is closed
+        self.clients.terminated(client_id)
+        for topic, group, due_ms in self.pop.give_back(client_id, self.renew_policy.clear_ms):  # now, as the proxy
+            self.long_polls.due(topic, group, due_ms)
         log.info("client %s terminated", client_id)
         return pb.NotifyClientTerminationResponse(status=status())
 
