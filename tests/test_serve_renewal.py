@@ -7,7 +7,6 @@ minutes), spoken to by the official client and by raw gRPC calls.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
 import time
@@ -35,23 +34,15 @@ from rocketstore.server.pop import PopGroups  # noqa: E402
 from rocketstore.server.protocol import SERVICE, pb  # noqa: E402
 from rocketstore.server.renewal import RETRY_MS, Clients  # noqa: E402
 from serving import CONFIG  # noqa: E402
+from test_serve_robustness import in_process_server  # noqa: E402
 
 FAST = RenewPolicy(invisible_ms=3_000, ahead_ms=1_500, period_s=0.3, steps_ms=(3_000,), clear_ms=500)
 
 
-@contextlib.contextmanager
 def serving(tmp_path: Path, *topics: str, renew_policy: RenewPolicy | None = FAST):
-    store = MessageStore.open(tmp_path / "store", CONFIG)
-    try:
-        for topic in topics:
-            store.create_topic(topic, 2)
-        server = Server(store, "127.0.0.1:0", renew_policy=renew_policy).start()
-        try:
-            yield server, store
-        finally:
-            server.stop()
-    finally:
-        store.close()
+    """An in-process server (``test_serve_robustness.in_process_server``) with ``topics`` of 2 queues and a renewal
+    policy of seconds."""
+    return in_process_server(tmp_path, *((topic, 2) for topic in topics), renew_policy=renew_policy)
 
 
 def client_config(server: Server) -> ClientConfiguration:
