@@ -82,6 +82,25 @@ def test_every_command_has_help_with_examples():
             assert "--master" in text, command
 
 
+
+def test_help_and_usage_errors_answer_without_loading_the_store():
+    """``--help``, a command's ``-h`` and a usage error took 0.9 s, importing numpy, pyarrow and numba for nothing."""
+    script = """if True:
+        import sys
+        from rocketstore.cli.app import main
+        for args in (["--help"], ["put", "-h"], ["query-by-key", "--bogus"], ["print-msg", "-h"]):
+            try:
+                main(args, standalone_mode=True)
+            except SystemExit as exc:
+                assert exc.code in (0, 2), (args, exc.code)
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("numpy", "pyarrow", "numba", "pyspark")
+                       or m in ("rocketstore.store", "rocketstore.reads", "rocketstore.encoder"))
+        print("heavy:", heavy, file=sys.stderr)
+        assert not heavy, heavy
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+
 def test_query_by_key_table_and_json_match_the_library(store):
     root, results = store
     before = tree(root)
