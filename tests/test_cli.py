@@ -405,6 +405,12 @@ def test_dump_log_of_a_missing_path_is_a_usage_error(tmp_path):
     assert done.returncode == 2 and "does not exist" in done.stderr
 
 
+def test_dump_log_refuses_a_negative_start(store):
+    """``--from -5`` started at offset 0 without a word."""
+    done = cli("dump-log", str(store[0] / "commitlog"), "--from", "-5", check=False)
+    assert done.returncode == 2 and "--from" in done.stderr and not done.stdout
+
+
 def test_query_by_offset_never_serves_another_offsets_message(store, tmp_path):
     """A unit that cannot be served (pointing at another queue's record, or into the middle of a record) made
     query-by-offset print the next servable offset's message with exit 0. Then the reader's log lines about

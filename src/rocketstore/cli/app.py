@@ -731,7 +731,8 @@ Examples:
   rocketstore dump-log ~/store/commitlog --from 1073741824 --check-crc --json
 """)
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--from", "from_offset", type=int, default=None, help="start at this commit-log offset")
+@click.option("--from", "from_offset", type=click.IntRange(min=0), default=None,
+              help="start at this commit-log offset (the first record at or after it)")
 @click.option("--check-crc", is_flag=True, help="verify body CRCs")
 @click.option("--decompress", is_flag=True, help="inflate compressed bodies")
 @json_option
