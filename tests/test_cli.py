@@ -220,6 +220,26 @@ def test_print_msg_lines_are_javas_message_ext_to_string(store):
     assert out == expected and len(out) == 60
 
 
+def test_print_msg_takes_mqadmins_charset_and_print_body_letters(tmp_path):
+    """mqadmin printMsg's ``-c GBK`` reads a body in that charset and ``-d true|false`` says whether to print it."""
+    root = tmp_path / "store"
+    with MessageStore.open(root, CONFIG) as s:
+        s.put_message(Message("Gbk", "订单已支付".encode("gbk"), tags="T"))
+        s.wait_for_dispatch()
+
+    def bodies(*args: str) -> list[str]:
+        out = cli("print-msg", "--store", str(root), "-t", "Gbk", *args).stdout.splitlines()
+        return [line.rsplit(" BODY: ", 1)[1] for line in out if line.startswith("MSGID:")]
+
+    assert bodies("-c", "GBK", "-d", "true") == ["订单已支付"]
+    assert bodies("-c", " gbk ", "--body") == ["订单已支付"]
+    assert bodies("-d", "TRUE")[0].startswith("base64:")  # not UTF-8, no charset: base64, as before
+    assert bodies("-d", "false") == bodies("-d", "yes") == bodies() == ["NOT PRINT BODY"]
+    assert bodies("-c", "UTF-8", "-d", "true") == ["订单已支付".encode("gbk").decode("utf-8", "replace")]
+    done = cli("print-msg", "--store", str(root), "-t", "Gbk", "-c", "NoSuchCharset", check=False)
+    assert done.returncode == 2 and "unknown charset 'NoSuchCharset'" in done.stderr and not done.stdout
+
+
 def test_dump_log_json_matches_rocketmqs_decoder(vectors):
     segment = vectors / "v4_commitlog" / "00000000000000000000"
     got = [json.loads(x) for x in cli("dump-log", str(segment), "--json").stdout.splitlines()]

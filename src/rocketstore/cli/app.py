@@ -669,13 +669,19 @@ Examples:
 @click.option("--sql", callback=lambda _ctx, _param, value: _sql_option(value),
               help="an SQL92 filter over the properties instead of tags, e.g. \"region = 'eu' AND amount > 100\"")
 @click.option("--body", is_flag=True, help="print bodies")
+@click.option("-d", "--print-body", "print_body", metavar="true|false",
+              help="mqadmin's letter: 'true' prints bodies as --body does, anything else does not")
+@click.option("-c", "--charset", callback=lambda _ctx, _param, value: _charset_option(value), metavar="NAME",
+              help="read bodies in this charset, e.g. GBK (default: UTF-8, and base64 for a body that is not UTF-8)")
 @json_option
 @fails_cleanly
-def print_msg(topic, begin, end, sub_expression, sql, body, as_json, **kwargs) -> None:
+def print_msg(topic, begin, end, sub_expression, sql, body, print_body, charset, as_json, **kwargs) -> None:
     """Every message of a topic, queue by queue, optionally in a time window (like mqadmin printMsg)."""
     from ..reads import parse_tags
     from ..sqlfilter import select_rows
 
+    if print_body is not None:
+        body = body or print_body.strip().lower() == "true"
     if sql is not None and sub_expression not in ("", "*"):  # " * " is the tag "*", as RocketMQ reads it
         raise click.UsageError("filter by tags (-s) or by --sql, not both")
     start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
@@ -706,9 +712,22 @@ def print_msg(topic, begin, end, sub_expression, sql, body, as_json, **kwargs) -
                             del row["body"]
                     click.echo("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))
                 else:
-                    click.echo("\n".join(java_message_lines(batch, body=body)))
+                    click.echo("\n".join(java_message_lines(batch, body=body, charset=charset)))
             if not as_json:
                 click.echo("-" * 56)
+
+
+def _charset_option(value: str | None) -> str | None:
+    """-c: a charset Python reads (Java's names GBK, UTF-8, ISO-8859-1 are Python's too); an unknown one is a usage
+    error (mqadmin prints nothing for it)."""
+    if value is None:
+        return None
+    import codecs
+
+    try:
+        return codecs.lookup(value.strip()).name
+    except LookupError:
+        raise click.BadParameter(f"unknown charset {value.strip()!r}", param_hint="-c/--charset") from None
 
 
 def _sql_option(value: str | None):

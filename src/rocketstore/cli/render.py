@@ -103,7 +103,11 @@ def message_block(msg: MessageExt, body: bool = False) -> str:
     return "\n".join(f"{label:<20} {value}" for label, value in rows)
 
 
-def body_text(body: bytes) -> str:
+def body_text(body: bytes, charset: str | None = None) -> str:
+    """The body as text: UTF-8, or base64 where it is not; with ``charset`` (mqadmin's ``-c``) decoded as Java's
+    ``new String(body, charset)`` does, bytes that charset cannot read shown as U+FFFD."""
+    if charset is not None:
+        return body.decode(charset, "replace")
     text = body.decode("utf-8", "replace")
     return text if "\ufffd" not in text else "base64:" + base64.b64encode(body).decode()
 
@@ -167,7 +171,7 @@ def arrow_messages(batch) -> list[dict]:
     return [{name: columns[name][i] for name in names} for i in range(n)]
 
 
-def java_message_lines(batch, *, body: bool) -> list[str]:
+def java_message_lines(batch, *, body: bool, charset: str | None = None) -> list[str]:
     """mqadmin printMsg's line for every row of a batch in the Arrow message columns: ``MSGID: <UNIQ_KEY>``, Java's
     ``MessageExt.toString()`` and the body (or ``NOT PRINT BODY``), joined column by column."""
     import pyarrow as pa
@@ -184,7 +188,7 @@ def java_message_lines(batch, *, body: bool) -> list[str]:
     props_text = pc.binary_join(pa.ListArray.from_arrays(props.offsets, pairs), ", ").fill_null("")
     body_len = pc.cast(pc.binary_length(batch.column("body")).fill_null(0), pa.string())
     if body:
-        bodies = pa.array([body_text(b or b"") for b in batch.column("body").to_pylist()], pa.string())
+        bodies = pa.array([body_text(b or b"", charset) for b in batch.column("body").to_pylist()], pa.string())
     else:
         bodies = pa.scalar("NOT PRINT BODY")
     # MSGID is what the client's MessageClientExt.getMsgId() answers: the producer's id (UNIQ_KEY), else the offset
