@@ -61,7 +61,7 @@ from .index import _kernels as _ik
 from .index.bulk import index_key_hashes
 from .index.file import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
 from .index.service import IndexService, build_key, chain_problem_at, index_keys
-from .lifecycle import is_locked
+from .lifecycle import ABORT_FILE, is_locked
 from .mapped.file import MappedFile, parse_segment_name
 from .message import SysFlag
 from .recovery import last_nonzero_end, recovered_log_end
@@ -92,6 +92,12 @@ class VerifyReport:
     index_entries: int = 0
     log_end: int = 0  # the recovered end of the log; on a live store, the end of the snapshot checked
     live: bool = False  # a writer held the store's lock: a snapshot was checked
+    # no writer, but an abort file: the writer died (kill -9, a crash). The records after the newest queue unit
+    # and index entry were not dispatched yet: a writer's next open dispatches them, as a broker's restart does,
+    # so they are counted here and are no problem
+    unclean: bool = False
+    not_dispatched: int = 0  # records past the queues' frontier missing from their queue
+    not_indexed: int = 0  # records past the index's newest entry with keys not indexed
     problem_count: int = 0  # every problem found, also those past ``max_problems``
     not_checked: list[str] = field(default_factory=list)  # a broker's data this store leaves alone (brokerlayout)
     max_problems: int = field(default=10_000, repr=False)
@@ -161,6 +167,7 @@ def verify_store(root: str | Path, config: StoreConfig, *, progress: Progress | 
     snapshot = None
     if report.live:
         snapshot = _Snapshot(report.log_end, min(report.log_end, _queue_frontier(root, config)))
+    report.unclean = not report.live and (root / ABORT_FILE).exists()
     commit_log = CommitLog(root, config, read_only=True)
     commit_log.load()  # every segment, in full: verify looks past the recovered end too
     try:
@@ -381,6 +388,10 @@ def _check_queues(root: Path, config: StoreConfig, records: _Records, report: Ve
     if snapshot:
         missing &= records.phy < _settled(records.phy, snapshot.queue_frontier)
         missing &= records.phy >= _log_start_now(root)  # retention ran since the log was read: its units went too
+    elif report.unclean:  # a dead writer's dispatch lag at the log's end: the next writer's open dispatches it
+        lagging = missing & (records.phy >= _settled(records.phy, _queue_frontier(root, config)))
+        report.not_dispatched = int(np.count_nonzero(lagging))
+        missing &= ~lagging
 
     def make(i: int) -> Problem:
         topic, queue_id = records.queues[records.queue[i]]
@@ -595,8 +606,8 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
             if count:
                 first, last = _entry(index, entries_at, 1), _entry(index, entries_at, count)
                 index_min = first[1] if index_min is None else index_min
-                if snapshot:
-                    index_frontier = last[1]  # the count was read when the file was opened, after the snapshot
+                if snapshot or report.unclean:  # live: the count was read when the file was opened, after the
+                    index_frontier = last[1]  # snapshot; unclean: the newest entry the dead writer made
                 _check_header_times(index, path, first[1], last[1], status[count - 1], records, report)
             report.index_entries += count - int(np.count_nonzero(status == _ik.ENTRY_AFTER_SNAPSHOT))
 
@@ -629,6 +640,9 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
     missing_keys = np.bincount(uncovered >> 32, minlength=len(records.phy))
     rollback = (records.sys_flag & SysFlag.TRANSACTION_MASK) == SysFlag.TRANSACTION_ROLLBACK_TYPE
     want = (missing_keys > 0) & (records.phy >= index_min) & ~rollback & (records.phy < index_frontier)
+    if report.unclean:
+        report.not_indexed = int(np.count_nonzero((missing_keys > 0) & (records.phy >= index_min) & ~rollback
+                                                  & (records.phy >= index_frontier)))
     if snapshot:  # retention ran since the log was read: the index files of what it deleted went too
         want &= records.phy >= _log_start_now(root)
 

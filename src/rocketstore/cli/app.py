@@ -848,6 +848,11 @@ def verify(as_json, **kwargs) -> None:
         if report.live:
             click.echo(f"store is live (locked by a writer): checked the snapshot up to commit-log offset "
                        f"{report.snapshot_end}", err=as_json)
+        if report.unclean:
+            lag = (f": {report.not_dispatched} record(s) at the log's end are not in their queues yet and "
+                   f"{report.not_indexed} not indexed, which a writer's next open dispatches (as a broker's restart "
+                   "does)" if report.not_dispatched or report.not_indexed else "")
+            click.echo(f"store was not closed (abort file, no writer){lag}", err=as_json)
         for note in report.not_checked:
             click.echo(f"not checked: {note}", err=as_json)
         shown = "" if len(report.problems) == report.problem_count else f" (the first {len(report.problems)} listed)"
