@@ -919,6 +919,11 @@ def test_a_log_damaged_before_intact_records_is_refused_unless_allowed(store, tm
             (args, done.stderr)
         assert "Traceback" not in done.stderr
         assert tree(copy) == before, args
+    text = cli("inspect", *store_args).stdout  # it said "closed cleanly", the damage only in log warnings
+    assert "commit log DAMAGED at offset" in text and "intact records from offset" in text, text
+    info = json.loads(cli("inspect", "--json", *store_args).stdout)
+    assert info["recovery"]["resumesAt"] > info["recovery"]["endOffset"] > 0
+    assert tree(copy) == before
     found = cli("query-by-key", "-t", "Topic0", "-k", "shared", "--allow-damage", "--json", *store_args).stdout
     assert 0 < len(found.splitlines()) < 60  # the answers of the log up to the damage
     assert tree(copy) == before
@@ -934,6 +939,12 @@ def test_the_api_can_refuse_to_cut_a_damaged_log(store, tmp_path):
     before = {k: v for k, v in tree(copy).items() if k != "lock"}
     with pytest.raises(DamagedLogError, match=f"damaged at offset {damaged}"):
         MessageStore.open(copy, CONFIG.replace(cut_damaged_log=False))
+    assert {k: v for k, v in tree(copy).items() if k != "lock"} == before
+    with pytest.raises(DamagedLogError, match=f"damaged at offset {damaged}.*read-only"):
+        MessageStore.open(copy, CONFIG.replace(cut_damaged_log=False), read_only=True)
+    with MessageStore.open(copy, CONFIG, read_only=True) as view:  # the default answers up to the damage, and says
+        assert view.recovery.end_offset == damaged < view.recovery.resumes_at
+        assert sum(b.num_rows for b in view.scan_arrow()) == len(results) - 8
     assert {k: v for k, v in tree(copy).items() if k != "lock"} == before
     with MessageStore.open(copy, CONFIG) as opened:  # RocketMQ's way, the default
         assert opened.recovery.end_offset == damaged

@@ -285,6 +285,10 @@ def test_a_consumer_with_bad_arguments_is_a_typed_error_that_writes_no_group(tmp
             store.reset_offset("G", "Orders", "yesterday")
         # a time before every message (mqadmin passes -5 on; the lookup's clamp makes it each queue's start)
         assert store.reset_offset("G", "Orders", -5) == store.reset_offset("G", "Orders", "earliest")
+        # -1 is the broker's "latest" (it reset to each queue's start: a whole topic replayed)
+        store.wait_for_dispatch()
+        assert store.reset_offset("G", "Orders", -1) == store.reset_offset("G", "Orders", "latest") != \
+            store.reset_offset("G", "Orders", "earliest")
 
 
 def test_consumer_details_found_in_review(tmp_path):

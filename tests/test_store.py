@@ -68,6 +68,22 @@ def test_put_then_read_back_every_field(tmp_path, small_config):
     assert msg.born_timestamp <= msg.store_timestamp
 
 
+def test_open_without_a_config_takes_the_geometry_of_the_files(tmp_path, small_config):
+    """``MessageStore.open(root)`` on a store of other sizes than the defaults (a broker's, or one made with a
+    small config) raised CorruptDataError or ConfigError: only the command line read the sizes from the files."""
+    small_config = small_config.replace(max_index_num=4 * 97)  # RocketMQ's 4 entries a slot: readable from a size
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.put_message(Message("T", b"x", keys=["k"]))
+    for read_only in (True, False):
+        with MessageStore.open(tmp_path, read_only=read_only) as store:
+            for name in ("mapped_file_size_commit_log", "mapped_file_size_consume_queue", "max_hash_slot_num",
+                         "max_index_num"):
+                assert getattr(store.config, name) == getattr(small_config, name), name
+            assert [m.body for m in store.query_message("T", "k")] == [b"x"]
+    with MessageStore.open(tmp_path / "new") as store:  # nothing there yet: the defaults
+        assert store.config == StoreConfig()
+
+
 def test_queue_offsets_are_dense_per_queue_and_times_never_go_back(tmp_path, small_config):
     with MessageStore.open(tmp_path, small_config) as store:
         results = put_many(store, 300)

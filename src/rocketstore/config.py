@@ -74,8 +74,10 @@ class StoreConfig:
     max_msgs_num_batch: int = 64  # maxMsgsNumBatch
     default_query_max_num: int = 32  # defaultQueryMaxNum
     recovery_salvage_max_bytes: int = 64 * MIB  # rocketstore: torn-tail bytes kept in recovery/
-    cut_damaged_log: bool = True  # rocketstore: a writer's open ends the log at damage with intact records after it,
-    #                               as RocketMQ's recovery does (False: DamagedLogError, nothing cut; the CLI's way)
+    # rocketstore: a writer's open ends the log at damage with intact records after it, as RocketMQ's recovery does,
+    # and a read-only open answers from the log up to it (``recovery.resumes_at`` says where the intact records
+    # resume); False: both raise DamagedLogError, nothing cut (the CLI's way without --allow-damage)
+    cut_damaged_log: bool = True
 
     # --- topics, consumers, delays
     auto_create_topic_enable: bool = True  # autoCreateTopicEnable

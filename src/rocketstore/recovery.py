@@ -130,6 +130,9 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
     if commit_log.read_only:
         if report.stop_reason:
             _measure_after_end(commit_log, end_file, end_pos, report)
+            if report.resumes_at is not None and not commit_log.config.cut_damaged_log:
+                raise damaged_log_error(root, report, "would be left out of every answer of this read-only open "
+                                        "(cut_damaged_log=True answers from the log up to the damage)")
         _truncate_in_memory(commit_log, report.end_offset)
     else:
         if report.stop_reason and not commit_log.config.cut_damaged_log:
@@ -344,11 +347,12 @@ def _holds_data(path: Path, size: int) -> bool:
 
 
 def recovered_log_end(root: Path, config) -> tuple[int, int]:
-    """(min offset, recovered end) of a store's commit log, computed read-only and in memory."""
+    """(min offset, recovered end) of a store's commit log, computed read-only and in memory (at damage too: the
+    caller reports it)."""
     from .commitlog import CommitLog
     from .lifecycle import ABORT_FILE
 
-    commit_log = CommitLog(root, config, read_only=True)
+    commit_log = CommitLog(root, config.replace(cut_damaged_log=True), read_only=True)
     commit_log.load()
     try:
         checkpoint = StoreCheckpoint.load(root / "checkpoint", read_only=True)

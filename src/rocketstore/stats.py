@@ -96,7 +96,7 @@ def store_stats(root: str | Path, config: StoreConfig, bucket: str = "minute") -
     stats = StoreStats(bucket=bucket)
     topics: Counter[str] = Counter()
     times: Counter[int] = Counter()
-    with MessageStore.open(root, config, read_only=True) as store:
+    with MessageStore.open(root, config.replace(cut_damaged_log=True), read_only=True) as store:
         report = store.recovery
         if report is not None and report.resumes_at is not None and not config.cut_damaged_log:
             from .recovery import damaged_log_error  # counts that silently leave out the records after the damage

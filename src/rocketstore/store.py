@@ -35,7 +35,7 @@ from .codec.batch import validate_records
 from .codec.msgid import create_offset_msg_id
 from .codec.record import read_layout
 from .commitlog import CommitLog
-from .config import FlushDiskType, StoreConfig
+from .config import FlushDiskType, StoreConfig, detect_config
 from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
 from .consumer import Consumer
 from .dispatch import Dispatcher, dispatch_request
@@ -182,16 +182,20 @@ class MessageStore:
 
         A writer takes the ``lock`` file (``StoreLockedError`` if another writer has it), runs
         recovery (abnormal if an ``abort`` file says the last run crashed) and starts flushing.
-        ``index_clock`` (ms) names new index files; it exists so that tests and rebuilds can
-        produce reproducible names.
+        Without ``config``, an existing store opens with the geometry its files have (segment, queue file and
+        index sizes, as the command line reads them: a broker's store need not use the defaults), else with
+        ``StoreConfig()``'s. ``index_clock`` (ms) names new index files; it exists so that tests and rebuilds
+        can produce reproducible names.
         """
         if not isinstance(root, str | os.PathLike):
             raise ConfigError(f"root must be a path (str or os.PathLike), not {root!r}")
         if config is not None and not isinstance(config, StoreConfig):
             raise ConfigError(f"config must be a StoreConfig, not {type(config).__name__}")
         root = Path(root).expanduser()
+        if config is None:
+            config = detect_config(root) if root.is_dir() else StoreConfig()
         for attempt in range(3):
-            store = cls(root, config or StoreConfig(), read_only, index_clock)
+            store = cls(root, config, read_only, index_clock)
             try:
                 store._start()
             except SegmentDeletedError:
@@ -997,11 +1001,14 @@ class MessageStore:
 
     def reset_offset(self, group: str, topic: str, to: str | int) -> dict[int, int]:
         """Point a group at "earliest", "latest" or the first message at or after an epoch-ms time in every
-        queue (``resetOffsetByTime``); returns the new offsets and persists them at once. This process's open
-        consumers of the group read on from there (what they handed out before is not committed)."""
+        queue (``resetOffsetByTime``); returns the new offsets and persists them at once. ``-1`` is "latest", as
+        the broker's resetOffset takes it (an operator's habit; as a time it would mean each queue's start). This
+        process's open consumers of the group read on from there (what they handed out before is not committed)."""
         self._check_open(write=True)
         if to not in ("earliest", "latest") and type(to) is not int:  # before any message: each queue's start
             raise InvalidQueryError(f"reset to 'earliest', 'latest' or an epoch-ms timestamp, not {to!r}")
+        if to == -1:
+            to = "latest"
         checked(group_name, group, "group")  # before anything moves, even for a topic with no queue
         validate_topic(topic)
         queue_ids = set(self.queue_ids(topic))
@@ -1192,8 +1199,10 @@ class MessageStore:
                    include_body: bool = True, *, max_rows: int = 8192, columns: Iterable[str] | None = None):
         """Every message in log order as ``pyarrow.RecordBatch``es (the Spark source's columns, or ``columns``
         only: the others are never built), decoded by the compiled batch codec; read-only opens too. Raises
-        the first ``CorruptDataError`` after yielding everything before it. The store must stay open while
-        the iterator is used."""
+        the first ``CorruptDataError`` after yielding everything before it. The log is what the open recovered:
+        a read-only open of a log damaged before intact records ends it at the damage (``recovery.resumes_at``
+        says where they resume; ``StoreConfig.cut_damaged_log=False`` refuses such a log at the open). The store
+        must stay open while the iterator is used."""
         self._check_open()
         from .codec.batch import message_columns, scan_arrow
 

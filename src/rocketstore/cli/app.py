@@ -239,7 +239,7 @@ def read_only_store(options: dict, reports: tuple[type, ...] = ()) -> Iterator[M
             manager(root, read_only=True).load()
         except RocketStoreError as exc:
             raise Failure(f"cannot report {manager.FILE}: {exc}") from None
-    with MessageStore.open(root, config, read_only=True) as store:
+    with MessageStore.open(root, config.replace(cut_damaged_log=True), read_only=True) as store:
         report = store.recovery
         if report is not None and report.resumes_at is not None and not config.cut_damaged_log:
             raise damaged_log_error(root, report, "would be left out of every answer: --allow-damage answers from "
@@ -298,7 +298,8 @@ def _table(title: str, columns: list[str], rows: list[list]) -> None:
 
 
 @click.group(context_settings=CONTEXT, help="""\
-Inspect, query, verify and repair RocketMQ store directories offline.
+Inspect, query, verify, repair and write RocketMQ store directories offline, or serve
+one to RocketMQ 5's clients (serve).
 
 Every command takes --store DIR (default ~/store, RocketMQ's). Query commands open the store
 read-only and never change a byte, so they are safe on a live broker's files. Times are epoch
@@ -804,6 +805,15 @@ def inspect(as_json, **kwargs) -> None:
         click.echo(json.dumps(info, indent=2, ensure_ascii=False))
         return
     click.echo(f"store {info['root']}: {info['state']}")
+    recovery = info["recovery"]
+    if recovery["resumesAt"] is not None:
+        click.echo(f"commit log DAMAGED at offset {recovery['endOffset']} ({recovery['stopReason']}): "
+                   f"{recovery['bytesAfterEnd']} bytes after it, with intact records from offset "
+                   f"{recovery['resumesAt']} on, are left out below and of every answer (rocketstore verify shows "
+                   "the damage; a writing command refuses the store unless --allow-damage, which cuts them off)")
+    elif recovery["stopReason"]:
+        click.echo(f"commit log ends at offset {recovery['endOffset']} in {recovery['bytesAfterEnd']} bytes that "
+                   f"are no record ({recovery['stopReason']}): a torn tail, which a writer's open cuts")
     unfinished = info["unfinishedImport"]
     if unfinished is not None:
         click.echo(unfinished.get("error") or f"unfinished import of {unfinished['source']}: "

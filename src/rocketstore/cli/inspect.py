@@ -26,7 +26,8 @@ def inspect_store(root: Path, config: StoreConfig) -> dict:
         state = f"not shut down cleanly (abort file, pid {pid}): the next writer runs crash recovery"
     else:
         state = "closed cleanly"
-    with MessageStore.open(root, config, read_only=True) as store:
+    # what the log holds up to damage, and the damage said: inspecting is how an operator sees it
+    with MessageStore.open(root, config.replace(cut_damaged_log=True), read_only=True) as store:
         log = store.commit_log
         segments = [{"name": m.path.name, "start": m.file_from_offset,
                      "end": m.file_from_offset + m.wrote_position,
@@ -57,7 +58,8 @@ def inspect_store(root: Path, config: StoreConfig) -> dict:
             "unfinishedImport": unfinished,
             "root": str(root), "state": state, "locked": locked, "abort": abort.exists(),
             "minOffset": log.min_offset, "maxOffset": log.max_offset,
-            "recovery": {"endOffset": store.recovery.end_offset, "stopReason": store.recovery.stop_reason},
+            "recovery": {"endOffset": store.recovery.end_offset, "stopReason": store.recovery.stop_reason,
+                         "bytesAfterEnd": store.recovery.bytes_after_end, "resumesAt": store.recovery.resumes_at},
             "segments": segments, "queues": queues, "index": index,
             "checkpoint": {"physicMsgTimestamp": _time(cp.physic_msg_timestamp),
                            "logicsMsgTimestamp": _time(cp.logics_msg_timestamp),
