@@ -396,6 +396,41 @@ def test_a_dataset_rewritten_with_other_rows_is_another_import(tmp_path):
         [b"day2-%d" % i for i in range(3)]
 
 
+def test_a_finished_import_grown_by_a_file_is_refused_not_stored_twice(tmp_path):
+    """An incremental export adds a file to the dataset: taken for another import, the rows the finished one
+    stored were all stored a second time (the README review: A 5 -> 10). Files it shares with the finished import,
+    unchanged, now refuse it; --from-row 0 still stores every row, and a dataset of only new files is imported."""
+    write(tmp_path / "d" / "part-0.parquet", topic=["T"] * 3, body=[b"day1-%d" % i for i in range(3)])
+    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    write(tmp_path / "d" / "part-1.parquet", topic=["T"] * 2, body=[b"day2-%d" % i for i in range(2)])
+    before = files_of(tmp_path / "s")
+    with pytest.raises(ConfigError, match="1 of these 2 files are files it imported, unchanged"):
+        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    done = cli("import", "--no-spark", "--parquet", str(tmp_path / "d"), "--store", str(tmp_path / "s"), *GEOMETRY,
+               check=False)
+    assert done.returncode == 1 and "--from-row 0" in done.stderr and "Traceback" not in done.stderr
+    assert files_of(tmp_path / "s") == before
+    assert len(stored(tmp_path / "s")) == 3
+    (tmp_path / "new").mkdir()
+    (tmp_path / "d" / "part-1.parquet").rename(tmp_path / "new" / "part-1.parquet")
+    assert import_parquet(tmp_path / "new", tmp_path / "s", config=CONFIG).rows == 2  # only the new file
+    assert [m.body for m in stored(tmp_path / "s")] == [b"day1-0", b"day1-1", b"day1-2", b"day2-0", b"day2-1"]
+    report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG, skip_rows=0)  # said: all again
+    assert report.rows == 3 and len(stored(tmp_path / "s")) == 8
+
+
+def test_a_journal_an_earlier_version_finished_still_means_nothing_to_import(tmp_path):
+    """Journals written before files were stamped name the same import without the stamps."""
+    write(tmp_path / "d" / "part-0.parquet", topic=["T"] * 3, body=[b"x"] * 3)
+    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    path = tmp_path / "s" / "importProgress.json"
+    data = json.loads(path.read_text())
+    del data["source"]["stamps"], data["crc"]  # as an earlier version wrote it: no stamps (and no seal)
+    path.write_text(json.dumps(data))
+    report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert (report.already_imported, report.rows) == (True, 0)
+
+
 @pytest.mark.parametrize("rows_done", [500, 2500, 99_999])
 def test_a_journal_damaged_into_other_numbers_is_refused_not_trusted(tmp_path, rows_done):
     """A journal whose rows_done was changed (2,500 of a 3,000-row dataset of which 1,000 are stored) still

@@ -229,11 +229,24 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
     read-only open, before the writer's: they change no file. A new store's directory is not left behind by an
     import that stored nothing. ``queue_max``: each topic's highest queue id in the whole dataset: a topic the
     store lacks is made with the queues they need before the first row is stored (one made from the first table's
-    rows alone refused a later table's higher queue part-way, and a resumed import could not grow it)."""
+    rows alone refused a later table's higher queue part-way, and a resumed import could not grow it). A finished
+    import of other files replaces the journal, but one that shares files with this one, unchanged, refuses it
+    unless ``skip_rows`` names where to begin: their rows are stored already."""
     report = ImportReport()
     journal = ImportJournal(root)
     unfinished = None if fresh or skip_rows is not None else journal.load()  # a named row replaces it
+    if unfinished is not None and STAMPS not in unfinished.source \
+            and unfinished.source == {k: v for k, v in source.items() if k != STAMPS}:
+        unfinished = replace(unfinished, source=source)  # a journal an earlier version wrote, of these files
     if unfinished is not None and unfinished.complete and unfinished.source != source:
+        shared = len(set(unfinished.source.get(STAMPS, ())) & set(source.get(STAMPS, ())))
+        if shared:  # a dataset grown by a file (an incremental export), or read by the other reader: taken for
+            # another import, every row the finished one stored was stored a second time
+            raise ConfigError(
+                f"{root} finished an import of {describe_source(unfinished.source)}; {shared} of these "
+                f"{source.get('files', '?')} files are files it imported, unchanged (a file was added or removed "
+                "since, or the dataset is read the other way): run, it would store their rows a second time. "
+                "Import only the new files, or give --from-row 0 to store every row of these files again")
         unfinished = None  # another import finished before (or these files changed since): this one replaces it
     elif unfinished is not None and not unfinished.complete and _by_name(unfinished.source) == _by_name(source):
         unfinished = replace(unfinished, source=source)  # a file fixed since it stopped goes on
@@ -305,11 +318,26 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
 
 
 CONTENT = "content"  # a source's digest of its files' sizes and times: whether a finished import is this one
+STAMPS = "stamps"  # a short hash of each file's name, size and time: which files a finished import read
+
+
+def file_stamp(name: str) -> str:
+    """A dataset file's stamp, the same from either reader (Spark names a local file by a ``file:`` URI): a hash
+    of its path, size and modification time (its name alone when it cannot be read here)."""
+    if name.startswith("file:"):
+        name = urllib.parse.unquote(urllib.parse.urlparse(name).path)
+    name = os.path.normpath(name)
+    try:
+        info = os.stat(name)
+        text = f"{name}\t{info.st_size}\t{info.st_mtime_ns}"
+    except OSError:
+        text = name
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _by_name(source: dict) -> dict:
     """A source without its content digest: an unfinished import goes on after a file was fixed (rewritten)."""
-    return {k: v for k, v in source.items() if k != CONTENT}
+    return {k: v for k, v in source.items() if k not in (CONTENT, STAMPS)}
 
 
 def _stopping_with_the_count(chunks: Iterable[pa.Table], report: ImportReport) -> Iterator[pa.Table]:
@@ -441,7 +469,8 @@ class ParquetDataset:
         digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:32]
         content = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:32]
         return {"reader": "arrow", "first": names[0], "files": len(names), "digest": digest, "rows": self.rows,
-                CONTENT: content, **({"skipSystemTopics": True} if self.skip_system else {})}
+                CONTENT: content, STAMPS: sorted(file_stamp(name) for name in names),
+                **({"skipSystemTopics": True} if self.skip_system else {})}
 
     def tables(self, columns: Iterable[str] | None = None) -> Iterator[pa.Table]:
         """The rows in order as tables of at most ``IMPORT_CHUNK_ROWS`` rows and about ``IMPORT_CHUNK_BYTES``."""

@@ -456,8 +456,11 @@ def _source_of(df, rows: int) -> dict:
     files = sorted(df.inputFiles())
     if not files:
         return {"plan": df.semanticHash(), "rows": rows}
+    from ..importing import STAMPS, file_stamp
+
     digest = hashlib.sha256("\n".join(files).encode()).hexdigest()[:32]
-    return {"first": files[0], "files": len(files), "digest": digest, "rows": rows}
+    return {"first": files[0], "files": len(files), "digest": digest, "rows": rows,
+            STAMPS: sorted(file_stamp(name) for name in files)}
 
 
 def _check_rows(df, config: StoreConfig, by_file: bool, queues: dict[str, int] | None = None) -> tuple[int, int]:
