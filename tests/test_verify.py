@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -523,3 +524,14 @@ def test_a_dead_writers_dispatch_lag_is_no_problem(tmp_path):
     with MessageStore.open(root, CONFIG) as store:  # the next writer's open: dispatched, nothing lagging
         assert store.wait_for_dispatch(timeout=30)
         assert len(store.query_message("T1", "late1")) == 1
+
+
+def test_a_log_with_no_record_left_is_reported_not_an_index_error(tmp_path):
+    """A store whose only segment was emptied while its queues still hold units: verify died with numpy's
+    "index 0 is out of bounds" (the fuzz review); every unit and entry now points where no record starts."""
+    root = tmp_path / "s"
+    write(root, 3)
+    os.truncate(next((root / "commitlog").iterdir()), 0)
+    report = verify_store(root, CONFIG)
+    assert report.records == 0 and report.queue_units == 3 and not report.clean
+    assert all("where no record starts" in p.detail for p in report.problems if p.kind != "commitlog")

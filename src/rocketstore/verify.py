@@ -492,9 +492,12 @@ def _check_queue_file(mapped: MappedFile, queue_number: int, records: _Records, 
     queue_offsets = (mapped.file_from_offset + positions * CQ_UNIT_SIZE) // CQ_UNIT_SIZE
     del units
     at, found = records.find(phys)
-    placed = found & (records.queue[at] == queue_number) & (records.size[at] == sizes) \
-        & (records.queue_offset[at] == queue_offsets)
-    mismatch = placed & (records.tags_code[at] != tags) & (tags > EXT_ADDR_MAX)  # an ext address: not checkable
+    if len(records.phy):
+        placed = found & (records.queue[at] == queue_number) & (records.size[at] == sizes) \
+            & (records.queue_offset[at] == queue_offsets)
+        mismatch = placed & (records.tags_code[at] != tags) & (tags > EXT_ADDR_MAX)  # an ext address: unchecked
+    else:  # no record in the log (an emptied segment): every unit points where none starts
+        placed = mismatch = np.zeros(len(phys), dtype=bool)
     if len(records.legacy_rows) and mismatch.any():  # a timer unit an earlier version wrote with its due time: sound
         rows = np.flatnonzero(mismatch)
         j = np.minimum(np.searchsorted(records.legacy_rows, at[rows]), len(records.legacy_rows) - 1)
