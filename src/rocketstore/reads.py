@@ -68,6 +68,12 @@ class GetMessageResult:
     unreadable: list[int] = field(default_factory=list)
 
 
+def _log_unreadable_candidate(topic: str, key: str, phy: int, exc: CorruptDataError) -> None:
+    """A damaged record an index entry of the key points at: perhaps an answer, left out; said, never silently."""
+    log.error("key %r of %s: skipping the unreadable record at commit-log offset %d an index entry points at: %s",
+              key[:64], topic, phy, exc)
+
+
 _JAVA_TRIM = "".join(map(chr, range(33)))  # String.trim: every character up to the space
 
 
@@ -237,8 +243,11 @@ class StoreReader:
             read = (row < len(record_phy)) & (record_phy[row] == phy) if len(record_phy) else \
                 np.zeros(len(phy), bool)
             restored = []  # units where no record starts, repaired by a writer: (queue offset, message)
-            if self.repair_unit is not None and not read.all():
+            if not read.all():
                 for unread_phy, unread_at in zip(phy[~read].tolist(), queue_offsets[~read].tolist(), strict=True):
+                    if self.repair_unit is None:  # a read-only view: said, as get_message says it (it was silent)
+                        self._log_unreadable(topic, queue_id, unread_at, unread_phy)
+                        continue
                     msg = self._unreadable_unit(topic, queue_id, unread_at, unread_phy)
                     if msg is not None:
                         restored.append((unread_at, msg))
@@ -287,6 +296,16 @@ class StoreReader:
                 or isinstance(exc, SegmentDeletedError):
             return None
         return self.repair_unit(topic, queue_id, queue_offset)
+
+    def _log_unreadable(self, topic: str, queue_id: int, queue_offset: int, phy: int) -> None:
+        """The error get_message logs for a unit whose record cannot be read (not one retention removed)."""
+        if phy < self.commit_log.min_offset:
+            return
+        try:
+            self.commit_log.get_message(phy)
+        except (MessageNotFoundError, CorruptDataError) as exc:
+            log.error("%s-%d offset %d: skipping the unreadable record at commit-log offset %d: %s", topic, queue_id,
+                      queue_offset, phy, exc)
 
     def _unreadable_unit(self, topic: str, queue_id: int, queue_offset: int, phy: int) -> MessageExt | None:
         """``_unit_to_nothing`` for a unit the batch read left out (it cannot say why): asked of the record codec."""
@@ -399,7 +418,10 @@ class StoreReader:
         if len(candidates) == 1:  # the usual answer, checked without the bookkeeping of several
             try:
                 msg = get_message(candidates[0])
-            except (MessageNotFoundError, CorruptDataError):
+            except MessageNotFoundError:  # an entry where no record starts (verify names it): no answer
+                return []
+            except CorruptDataError as exc:
+                _log_unreadable_candidate(topic, key, candidates[0], exc)
                 return []
             return [msg] if _answers(msg, topic, key, begin, end, by_uniq_key) else []
         found: dict[int, MessageExt] = {}
@@ -411,7 +433,10 @@ class StoreReader:
                 continue
             try:
                 msg = get_message(phy)
-            except (MessageNotFoundError, CorruptDataError):
+            except MessageNotFoundError:
+                continue
+            except CorruptDataError as exc:
+                _log_unreadable_candidate(topic, key, phy, exc)
                 continue
             if not _answers(msg, topic, key, begin, end, by_uniq_key):
                 continue
