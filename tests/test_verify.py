@@ -535,3 +535,27 @@ def test_a_log_with_no_record_left_is_reported_not_an_index_error(tmp_path):
     report = verify_store(root, CONFIG)
     assert report.records == 0 and report.queue_units == 3 and not report.clean
     assert all("where no record starts" in p.detail for p in report.problems if p.kind != "commitlog")
+
+
+def test_verify_reads_on_past_damage_in_a_segment(tmp_path):
+    """verify stopped reading a segment at its first damaged record: a second damage after it was never reported,
+    and every unit and index entry of the intact records after it was a problem "where no record starts" (447 for
+    one flipped byte in the fuzz review). It now says the damage and reads on from the next record."""
+    from rocketstore.codec import read_layout
+
+    root = tmp_path / "s"
+    results = write(root, 400)
+    first_segment = root / "commitlog" / f"{0:020d}"
+    data = bytearray(first_segment.read_bytes())
+    in_first = [r for r in results if r.commit_log_offset + 200 < len(data)]
+    victims = [in_first[10], in_first[len(in_first) // 40 * 20 + 5]]  # bodies of 10 and 5 bytes
+    for victim in victims:
+        data[read_layout(bytes(data), victim.commit_log_offset).body_pos] ^= 0x01
+    first_segment.write_bytes(bytes(data))
+    report = verify_store(root, CONFIG)
+    damage = [p for p in report.problems if p.kind == "commitlog"]
+    assert [p.offset for p in damage] == [v.commit_log_offset for v in victims]
+    assert all("CRC" in p.detail for p in damage), [p.detail for p in damage]
+    assert report.records == 398
+    # each damaged record's unit and its two index entries (UNIQ_KEY, key): nothing about intact records
+    assert report.problem_count == 2 + 2 * 3, [str(p) for p in report.problems]

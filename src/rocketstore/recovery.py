@@ -143,7 +143,10 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
         _cut(commit_log, end_file, end_pos, root, report, at_blank=blank)
     commit_log.mapped_files.flushed_where = report.end_offset
     report.seconds = time.monotonic() - started
-    if report.stop_reason or report.cut_bytes or report.salvaged:
+    if commit_log.read_only and report.stop_reason:
+        log.warning("the commit log ends at %d for this read-only open: %s (nothing changed)", report.end_offset,
+                    report.stop_reason)
+    elif report.stop_reason or report.cut_bytes or report.salvaged:
         log.warning("recovery ended the commit log at %d: %s (zeroed %d bytes, kept %s)", report.end_offset,
                     report.stop_reason or "torn tail", report.cut_bytes, report.salvaged)
     return report

@@ -43,7 +43,7 @@ from .brokerlayout import batch_cq_topics, is_lmq
 from .checkpoint import StoreCheckpoint
 from .codec.batch import DispatchBatch, StopKind, as_array, decode_dispatch
 from .codec.properties import PropertyName
-from .codec.record import message_from_layout, read_layout
+from .codec.record import find_record_start, message_from_layout, read_layout
 from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import (
@@ -246,8 +246,14 @@ def _scan_segment(mapped: MappedFile, size: int, last: bool) -> tuple[list[Dispa
                 if not last:
                     problems.append(Problem("commitlog", path, stop.offset,
                                             "segment is followed by another but has no BLANK record"))
-            else:
+            else:  # damage: said, then the records after it are read too (a second damage is found, and the
+                # units and index entries of intact records after it are not reported as pointing at nothing)
                 problems.append(Problem("commitlog", path, stop.offset, stop.error.reason))
+                resume = find_record_start(buf, stop.pos + 1, size, mapped.file_from_offset, mapped.file_size,
+                                           record_limit=mapped.file_size)
+                if resume is not None:
+                    pos = resume
+                    continue
         break
     return batches, problems
 
