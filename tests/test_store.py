@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -82,6 +83,23 @@ def test_open_without_a_config_takes_the_geometry_of_the_files(tmp_path, small_c
             assert [m.body for m in store.query_message("T", "k")] == [b"x"]
     with MessageStore.open(tmp_path / "new") as store:  # nothing there yet: the defaults
         assert store.config == StoreConfig()
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_file_the_open_cannot_read_is_a_typed_error(tmp_path, small_config, read_only):
+    """A consume-queue file or directory that is a symlink loop (or unreadable) made the open raise a bare OSError
+    (the fuzz review): a StoreIOError now, naming the store and the file, with nothing changed."""
+    from rocketstore.errors import StoreIOError
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        store.put_message(Message("T", b"x", keys=["k"]))
+    queue_dir = tmp_path / "consumequeue" / "T" / "0"
+    shutil.rmtree(queue_dir)
+    queue_dir.symlink_to("0")  # itself
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if not p.is_symlink())
+    with pytest.raises(StoreIOError, match=f"cannot open the store {tmp_path}: Too many levels of symbolic links"):
+        MessageStore.open(tmp_path, small_config, read_only=read_only)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if not p.is_symlink()) == before
 
 
 def test_queue_offsets_are_dense_per_queue_and_times_never_go_back(tmp_path, small_config):

@@ -203,6 +203,13 @@ class MessageStore:
                 if not read_only or attempt == 2:
                     raise
                 continue  # a live writer's retention deleted a file this view was reading: open it as it is now
+            except RocketStoreError:
+                store._release()
+                raise
+            except OSError as exc:  # a file the open could not read (a symlink loop, no permission): typed
+                store._release()
+                what = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+                raise StoreIOError(exc.errno, f"cannot open the store {root}: {what}") from exc
             except BaseException:
                 store._release()
                 raise
