@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import json
 import mmap
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -827,3 +829,51 @@ def test_a_record_starting_just_before_a_range_end_is_read_by_that_range(tmp_pat
         r = LogRange(str(tmp_path / "s"), "b", str(segment), 0, 1 << 20, start, stop, end)
         found += [row["commitLogOffset"] for b in read_range(r, options) for row in b.to_pylist()]
     assert found == starts, (cut, starts)
+
+
+def test_a_blank_in_the_middle_of_a_segment_is_damage_not_its_end(tmp_path):
+    """8 bytes that read as a BLANK record (its size the segment's rest) in the middle of a segment hid every
+    record after them: a rebuild left them out of every queue and the index and exited 0, dump-log showed the
+    segment's end (the fuzz review). A BLANK with an intact record after it is damage now; one followed by a torn
+    write's leftovers (no whole record) is still the segment's end."""
+    import struct
+
+    from rocketstore import Message, MessageStore, StoreConfig
+    from rocketstore.codec.batch import StopKind, decode_range
+    from rocketstore.codec.record import BLANK_MAGIC
+
+    config = StoreConfig(mapped_file_size_commit_log=8192, max_hash_slot_num=16, max_index_num=64)
+    root = tmp_path / "s"
+    with MessageStore.open(root, config) as store:
+        results = [store.put_message(Message("T", b"x" * 100, keys=[f"k{i}"])) for i in range(20)]
+    segment = root / "commitlog" / f"{0:020d}"
+    pristine = segment.read_bytes()
+    end = results[-1].commit_log_offset + results[-1].store_size
+    at = results[5].commit_log_offset
+
+    data = bytearray(pristine)
+    data[at:at + 8] = struct.pack(">ii", len(data) - at, BLANK_MAGIC)
+    batch, stop = decode_range(bytes(data), 0, len(data), base=0)
+    assert batch.num_rows == 5 and stop.kind is StopKind.DAMAGE and stop.pos == at
+    assert "intact record after it" in stop.error.reason
+    segment.write_bytes(bytes(data))
+    done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "dump-log", str(segment)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "intact record after it" in done.stdout + done.stderr, done.stdout[-500:]
+    done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "rebuild", "--no-spark", "--store", str(root),
+                           "--mapped-file-size-commit-log", "8192", "--max-hash-slot-num", "16", "--max-index-num",
+                           "64"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1 and "intact record after it" in done.stderr, done.stderr
+    from rocketstore.errors import DamagedLogError  # the open: damage (recovery took the rest for a torn tail)
+
+    with pytest.raises(DamagedLogError, match="intact record after it"):
+        MessageStore.open(root, config.replace(cut_damaged_log=False))
+    assert segment.read_bytes() == bytes(data) and not (root / "recovery").exists()
+    with MessageStore.open(root, config, read_only=True) as view:
+        assert view.recovery.end_offset == at and view.recovery.resumes_at == at + results[5].store_size
+
+    data = bytearray(pristine)  # the real end: a BLANK, then half of a record a torn write left behind
+    data[end:end + 8] = struct.pack(">ii", len(data) - end, BLANK_MAGIC)
+    data[end + 8:end + 8 + 60] = pristine[at:at + 60]
+    batch, stop = decode_range(bytes(data), 0, len(data), base=0)
+    assert batch.num_rows == 20 and stop.kind is StopKind.BLANK and stop.pos == end

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import StoreCheckpoint
-from .codec.batch import validate_records
+from .codec.batch import record_after_blank, validate_records
 from .codec.record import BLANK_MAGIC, BLANK_RECORD_LEN, RecordLayout, find_record_start, read_layout
 from .commitlog import CommitLog
 from .errors import CorruptDataError, DamagedLogError, FlushError, StoreIOError
@@ -188,6 +188,11 @@ def _walk_segments(commit_log: CommitLog, index: int, pos: int, report: Recovery
                 report.stop_reason = None if _is_zero_tail(buf, pos) else str(exc)
                 break
             if layout is None:
+                hidden = record_after_blank(buf, pos, size, mapped.file_from_offset)
+                if hidden is not None:  # 8 bytes that read as a BLANK, hiding the segment's records after them
+                    report.stop_reason = (f"a BLANK record with an intact record after it (at "
+                                          f"{mapped.file_from_offset + hidden}) in {mapped.path}")
+                    break
                 blank = True
                 break
             if visit is not None:

@@ -53,6 +53,13 @@ def dump_records(path: Path, from_offset: int | None = None, *, check_crc: bool 
                     return
                 if layout is None:
                     yield {"kind": "blank", "pos": start + pos, "size": size - pos, "segment": segment.name}
+                    from ..codec.batch import record_after_blank  # numba's load: only once a BLANK is met
+
+                    hidden = record_after_blank(buf, pos, size, start)
+                    if hidden is not None:  # 8 bytes that read as a BLANK, with the segment's records after them
+                        yield {"kind": "error", "pos": start + pos, "segment": segment.name,
+                               "reason": f"a BLANK record with an intact record after it (at {start + hidden})"}
+                        return
                     break
                 try:
                     msg = message_from_layout(buf, pos, layout, decompress=decompress, path=str(segment), base=start)

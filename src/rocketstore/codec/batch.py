@@ -35,7 +35,7 @@ from ..errors import CorruptDataError, InvalidQueryError, OffsetOutOfRangeError,
 from ..message import MessageExt, SysFlag
 from . import _kernels as k
 from .properties import PropertyName
-from .record import MAX_TIME_MS, message_from_layout, read_layout
+from .record import MAX_TIME_MS, find_record_start, message_from_layout, read_layout
 
 if TYPE_CHECKING:
     from ..commitlog import CommitLog
@@ -200,7 +200,33 @@ def _classify(buf, pos: int, start: int, end: int, n: int, limit: int, base: int
         return Stop(StopKind.DAMAGE, pos, base + pos, exc)
     if layout is not None:  # pragma: no cover - the kernel and read_layout disagree: a bug, not data
         raise RuntimeError(f"batch decoder stopped at {base + pos} where read_layout accepts a record")
+    hidden = record_after_blank(buf, pos, limit, base)
+    if hidden is not None:
+        return Stop(StopKind.DAMAGE, pos, base + pos, CorruptDataError(
+            f"a BLANK record with an intact record after it (at {base + hidden}) in its segment", path, base + pos))
     return Stop(StopKind.BLANK, pos, base + pos)
+
+
+def record_after_blank(buf, pos: int, limit: int, base: int, tries: int = 64) -> int | None:
+    """Where an intact record (its CRC too) starts after the BLANK at ``pos``, or None. A segment's closing BLANK
+    is followed by zeros (its writer rolls to the next segment), or by a torn write's leftovers a broker's recovery
+    did not zero: never by a whole record. 8 bytes that read as a BLANK in the middle of a segment hid every record
+    after them, and a rebuild left those out of every queue and the index with exit 0."""
+    tail = np.frombuffer(buf, dtype=np.uint8, count=max(0, limit - pos - 8), offset=min(pos + 8, limit))
+    if not tail.any():
+        return None
+    at = pos + 8
+    for _ in range(tries):
+        at = find_record_start(buf, at, limit, base, limit)
+        if at is None:
+            return None
+        try:
+            if read_layout(buf, at, limit, check_crc=True) is not None:
+                return at
+        except CorruptDataError:
+            pass
+        at += 1
+    return None
 
 
 def _batch(buf, arr: np.ndarray, f: np.ndarray, *, include_body: bool, topics: Collection[str] | None,
