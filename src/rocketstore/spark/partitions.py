@@ -253,11 +253,15 @@ def resolve_roots(paths: str | list[str]) -> list[Path]:
     for item in (i.strip() for i in items):
         if not item:
             continue
-        matches = sorted(glob.glob(os.path.expanduser(item))) if glob.has_magic(item) else [os.path.expanduser(item)]
+        path = os.path.expanduser(item)
+        # a store whose name holds glob characters (broker[c]/store) is itself, not a pattern: a resolved root passed
+        # on (find_keys, the source's options) was globbed again, matched nothing and was skipped without a word
+        literal = not glob.has_magic(item) or os.path.isdir(os.path.join(path, COMMITLOG_DIR))
+        matches = [path] if literal else sorted(glob.glob(path))
         for match in matches:
             root = Path(os.path.abspath(match))  # executors resolve paths in their own working directories
             if not (root / COMMITLOG_DIR).is_dir():
-                if glob.has_magic(item):
+                if not literal:
                     continue
                 raise StoreIOError(2, f"{root} holds no store (no {COMMITLOG_DIR} directory)")
             real = os.path.realpath(root)
