@@ -1198,13 +1198,16 @@ Examples:
               help="the brokers' maxIndexNum (default: from the index files' size)")
 @master_option
 @click.option("-k", "--key", "pairs", multiple=True, metavar="TOPIC:KEY", help="a topic and key (repeatable)")
+@click.option("--allow-damage", is_flag=True,
+              help="answer from a store whose commit log is damaged with intact records after the damage (from the "
+              "log up to it); without it such a store is refused (rocketstore verify shows the damage)")
 @click.option("--keys-file", type=click.File("r", encoding="utf-8"),
               help="many TOPIC:KEY lines ('-': stdin)")
 @key_window_options("most messages per key and store")
 @json_option
 @fails_cleanly
 def find_keys_command(stores, broker_conf, max_hash_slot_num, max_index_num, master, ship_env, verbose, pairs,
-                      keys_file, begin, end, max_num, as_json) -> None:
+                      allow_damage, keys_file, begin, end, max_num, as_json) -> None:
     """Messages by key across many stores, matched exactly, through their indexes (Spark).
 
     Index geometry comes from the files' size when it follows RocketMQ's 4 entries per slot; a broker with other
@@ -1214,12 +1217,12 @@ def find_keys_command(stores, broker_conf, max_hash_slot_num, max_index_num, mas
 
     lines = [*pairs, *(line.strip() for line in (_lines(keys_file) if keys_file else ()) if line.strip())]
     if not lines:
-        raise Failure("give -k/--key TOPIC:KEY or --keys-file")
+        raise click.UsageError("give -k/--key TOPIC:KEY or --keys-file")
     queries = []
     for line in lines:
         topic, sep, key = line.partition(":")
         if not sep or not topic or not key:
-            raise Failure(f"a key is TOPIC:KEY, not {line!r}")
+            raise click.BadParameter(f"a key is TOPIC:KEY, not {line!r}", param_hint="-k/--key")
         queries.append((topic, key))
     roots = [str(root) for root in resolve_roots(list(stores))]  # globs too; a missing store fails before Spark
     start, stop = parse_time(begin, "--begin") or 0, parse_time(end, "--end")
@@ -1227,8 +1230,13 @@ def find_keys_command(stores, broker_conf, max_hash_slot_num, max_index_num, mas
     values.update((k, v) for k, v in (("max_hash_slot_num", max_hash_slot_num), ("max_index_num", max_index_num))
                   if v is not None)
     config = StoreConfig(**values)  # type: ignore[arg-type]  # a setting it names is kept over the files' sizes
+    if not allow_damage:  # before a JVM starts: a damaged store is refused as query-by-key refuses it
+        from ..spark.partitions import ScanOptions, check_log_ends
+
+        check_log_ends(roots, ScanOptions())
     spark = _spark(master, ship_env, verbose)
-    found = find_keys(roots, queries, spark=spark, begin=start, end=stop, max_num=max_num, config=config) \
+    found = find_keys(roots, queries, spark=spark, begin=start, end=stop, max_num=max_num, config=config,
+                      allow_damage=True) \
         .orderBy("queryTopic", "queryKey", "brokerName", "commitLogOffset").toArrow()
     _print_found(found, as_json, many_stores=True)
 

@@ -554,19 +554,24 @@ def _arrow_chunks(df) -> Iterator[pa.Table]:
 
 
 def find_keys(paths, keys, *, spark=None, master: str | None = None, begin: int = 0, end: int | None = None,
-              max_num: int = 64, config: StoreConfig | None = None, partitions: int | None = None):
+              max_num: int = 64, config: StoreConfig | None = None, partitions: int | None = None,
+              allow_damage: bool = False):
     """Messages matching many ``(topic, key)`` pairs across many stores, found through their indexes.
 
     ``keys`` is a list of (topic, key) tuples or a DataFrame with columns ``topic`` and ``key``.
     Matching is exact (topic and key verified on the record). Returns a DataFrame with the
     message columns plus ``queryTopic`` and ``queryKey``. A store named twice (by a glob and its path, through a
-    symbolic link) is searched once, and a pair given twice is looked up once.
+    symbolic link) is searched once, and a pair given twice is looked up once. A store whose commit log is damaged
+    with intact records after the damage is refused (``DamagedLogError``) unless ``allow_damage``: its answers
+    would leave those records out without a word.
     """
-    spark = session(spark, master)
     # each store and each pair once: a store named twice (a glob and its path) or a key given twice answered twice
     unique = {os.path.realpath(r): str(r) for r in reversed(
         resolve_roots(paths if isinstance(paths, str) else ",".join(map(str, paths))))}
     roots = list(reversed(unique.values()))  # the first name of each, in order
+    if not allow_damage:
+        check_log_ends(roots, ScanOptions())
+    spark = session(spark, master)
     if isinstance(keys, list | tuple):
         pairs_given = list(dict.fromkeys((str(t), str(k)) for t, k in keys))
         keys_df = spark.createDataFrame(pairs_given, "topic string, key string")
