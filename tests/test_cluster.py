@@ -150,6 +150,16 @@ def test_an_executor_failure_is_one_line_and_exit_1(cluster, work):
     assert "\tat " not in result.stderr and "Traceback" not in result.stderr
     assert not (root / "x").exists() or not any((root / "x").rglob("*.parquet"))
 
+    # an --out the executors do not share: they wrote the rows on their own disk, and the driver, listing none,
+    # reported "exported 0 messages" with exit 0 (the cluster review); refused now, nothing left at --out
+    result = _run([ROCKETSTORE, "export", "--store", "a", "--broker-conf", "broker.conf", "--out", "hidden/exp",
+                   "--master", started.url], root,
+                  _env(python))
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "that this driver does not see" in errors[0], result.stderr[-3000:]
+    assert not (hidden / "exp").exists()
+
 
 @pytest.mark.slow
 def test_a_shipped_environment_runs_on_a_worker_without_rocketstore(tmp_path, request):

@@ -280,6 +280,13 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
             df.sortWithinPartitions("topic", "date", "commitLogOffset").write.mode("errorifexists") \
                 .partitionBy("topic", "date").parquet(staging)
         count = read_export(spark, staging).count()
+        if not count and not df.isEmpty():
+            # the executors wrote rows the driver does not see: an --out on their own disks, not shared (the job
+            # committed nothing it could list, and "exported 0 messages" was reported with exit 0). An empty
+            # export pays a second pass to tell: rare, where this was silent loss
+            raise StoreIOError(2, f"the executors wrote rows under {out} that this driver does not see: --out "
+                                  "must be a path every executor and the driver share (a shared mount, hdfs://, "
+                                  "s3a://)")
         if not count:  # partitionBy writes no file for no rows: one empty file says what the columns are
             spark.createDataFrame([], df.schema).coalesce(1).write.mode("overwrite").parquet(staging)
         target.replace_with(staging)
