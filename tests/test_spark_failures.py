@@ -351,3 +351,53 @@ def test_an_export_to_an_address_that_is_no_spark_master_fails_in_one_line(tmp_p
     assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
     assert lines[0].startswith(f"error: no Spark master answered at {master}: ")
     assert accepted and not (tmp_path / "out").exists()
+
+
+def test_a_job_waiting_for_executors_is_said_once_not_silent():
+    """With every core of the cluster taken by other applications, a job waited in silence until killed (Spark's
+    warning is below the level a command runs at; the cluster review). The watcher says it once, and again only
+    after executors came and went."""
+    import time as clock
+
+    from rocketstore.spark.session import warn_while_starved
+
+    state = {"stages": [1], "executors": 0}
+
+    class Tracker:
+        def getActiveStageIds(self):
+            return state["stages"]
+
+        def getExecutorInfos(self):
+            return [object()] * (1 + state["executors"])  # the driver is listed too
+
+    class Context:
+        def statusTracker(self):
+            return Tracker()
+
+        class _jsc:
+            @staticmethod
+            def sc():
+                class Sc:
+                    def statusTracker(self):
+                        return Tracker()
+                return Sc()
+
+    class Session:
+        sparkContext = Context()
+
+    said: list[str] = []
+    stop = warn_while_starved(Session(), "spark://127.0.0.1:7077", after=0.2, every=0.02, say=said.append)
+    try:
+        clock.sleep(0.6)
+        assert len(said) == 1 and "no executor has started" in said[0] and "spark://127.0.0.1:7077" in said[0]
+        state["executors"] = 2  # they came: quiet
+        clock.sleep(0.3)
+        state["stages"] = []  # no job: quiet, whatever the executors
+        state["executors"] = 0
+        clock.sleep(0.3)
+        assert len(said) == 1
+        state["stages"] = [2]
+        clock.sleep(0.6)
+        assert len(said) == 2
+    finally:
+        stop.set()

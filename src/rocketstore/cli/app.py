@@ -1037,10 +1037,12 @@ def master_option(command):
 
 
 def _spark(master: str, ship_env: bool, verbose: bool):
-    from ..spark.session import spark_session, stop_quietly
+    from ..spark.session import is_local, spark_session, stop_quietly, warn_while_starved
 
     spark = spark_session(master, ship_env=ship_env, verbose=verbose)
     atexit.register(stop_quietly, spark)  # no daemon traceback under the one-line error
+    if not is_local(master):
+        warn_while_starved(spark, master)
     return spark
 
 

@@ -19,7 +19,9 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 LOG4J2 = """\
 rootLogger.level = {level}
@@ -270,6 +272,40 @@ def check_registered(spark, master: str) -> None:
         with contextlib.suppress(Exception):
             spark.stop()
         raise _unregistered(master)
+
+
+STARVED_AFTER_S = 30.0
+
+
+def warn_while_starved(spark, master: str, *, after: float = STARVED_AFTER_S, every: float = 1.0,
+                       say: Callable[[str], None] | None = None) -> threading.Event:
+    """Say once on stderr when a job has waited ``after`` seconds with no executor: a cluster whose cores or memory
+    other applications hold makes Spark wait for them, and its one warning ("Initial job has not accepted any
+    resources") is below the log level a command runs at, so a job sat silent until killed (the cluster review).
+    Returns the event that stops the watcher (it is a daemon thread: the process's exit ends it too)."""
+    say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+    context = spark.sparkContext
+    stop = threading.Event()
+
+    def executors() -> int:  # the tracker lists the driver too
+        return len(context._jsc.sc().statusTracker().getExecutorInfos()) - 1
+
+    def watch() -> None:
+        waited, said = 0.0, False
+        while not stop.wait(every):
+            with contextlib.suppress(Exception):  # a stopping context: nothing to say
+                if context.statusTracker().getActiveStageIds() and executors() <= 0:
+                    waited += every
+                    if waited >= after and not said:
+                        said = True
+                        say(f"waiting: no executor has started for this application on {master} after "
+                            f"{int(waited)} s; the cluster has no free cores or memory for it (other applications "
+                            "hold them, or --conf asks for more than a worker has), and Spark waits (Ctrl-C stops)")
+                else:
+                    waited, said = 0.0, False
+
+    threading.Thread(target=watch, name="rocketstore-starved", daemon=True).start()
+    return stop
 
 
 def _unregistered(master: str) -> Exception:
