@@ -121,6 +121,9 @@ def test_query_by_key_table_and_json_match_the_library(store):
     window = cli("query-by-key", "--store", str(root), "-t", "Topic0", "-k", "shared", "-b",
                  str(results[-1].store_timestamp + 1), "--json", check=False)
     assert window.stdout == "" and window.returncode == 1  # nothing found: exit 1, as query-by-id
+    for form in (["-k", "no-such-key"], ["--keys-file", "-"]):  # and no table header before it, as mqadmin's
+        none = cli("query-by-key", "--store", str(root), "-t", "Topic0", *form, stdin="no-such-key\n", check=False)
+        assert none.returncode == 1 and none.stdout == "" and "no message of topic" in none.stderr, form
     assert tree(root) == before
 
 
@@ -771,7 +774,7 @@ def test_query_by_key_with_a_keys_file_equals_one_query_per_key(store, tmp_path)
     assert table.stdout.splitlines()[1].split()[0] == "order-9"
     both = cli("query-by-key", "--store", str(root), "-t", "Topic1", "-k", "x", "--keys-file", str(keys_file),
                check=False)
-    assert both.returncode != 0 and "one of" in both.stderr and "Traceback" not in both.stderr
+    assert both.returncode == 2 and "one of" in both.stderr and "Traceback" not in both.stderr  # a usage error
 
 
 def test_a_spark_command_stops_its_session_quietly_before_the_process_exits(monkeypatch):

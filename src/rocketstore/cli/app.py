@@ -453,18 +453,21 @@ Examples:
 def query_by_key(topic, msg_key, keys_file, begin, end, max_num, as_json, **kwargs) -> None:
     """Messages with a key (like mqadmin queryMsgByKey), matched exactly: no hash collisions."""
     if (msg_key is None) == (keys_file is None):
-        raise Failure("give one of -k/--key and --keys-file")
+        raise click.UsageError("give one of -k/--key and --keys-file")
     start, stop = parse_time(begin, "--begin") or 0, parse_time(end, "--end")
     if keys_file is not None:
         keys = [line.strip() for line in _lines(keys_file) if line.strip()]
         with read_only_store(_store_args(kwargs)) as store:
             found = store.query_messages_arrow([(topic, key) for key in keys], max_num, start, stop)
-        _print_found(found, as_json)
-        if not found.num_rows:  # as query-by-id: nothing found is exit 1 (mqadmin: "... but no message.")
+        if not found.num_rows:  # as query-by-id: nothing found is exit 1 (mqadmin: "... but no message."), and
+            # no table header before it (mqadmin throws before printing one)
             raise Failure(f"no message of topic {topic} has any of the {len(keys)} keys")
+        _print_found(found, as_json)
         return
     with read_only_store(_store_args(kwargs)) as store:
         found = store.query_message(topic, msg_key, max_num, start, stop)
+    if not found:
+        raise Failure(f"no message of topic {topic} has the key {msg_key!r}")
     if as_json:
         for msg in found:
             emit_json(message_json(msg))
@@ -472,8 +475,6 @@ def query_by_key(topic, msg_key, keys_file, begin, end, max_num, as_json, **kwar
         click.echo(f"{'#Message ID':<50} {'#QID':>4} {'#Offset':>40}")
         for msg in found:
             click.echo(f"{msg.uniq_key or msg.msg_id:<50} {msg.queue_id:>4} {msg.queue_offset:>40}")
-    if not found:
-        raise Failure(f"no message of topic {topic} has the key {msg_key!r}")
 
 
 def _lines(file) -> list[str]:
@@ -1332,7 +1333,10 @@ def serve(listen, auto_create_topics, max_attempts, sync_flush, fifo_groups, acc
         accounts = Accounts({**pairs, **({access_key: secret_key} if access_key is not None else {})})
     from ..server import parse_listen
 
-    parse_listen(listen)  # before the store opens: a refused serve changes nothing
+    try:
+        parse_listen(listen)  # before the store opens: a refused serve changes nothing
+    except RocketStoreError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
     root, config = config_for(**_store_args(kwargs), must_exist=False)
     if sync_flush:
         config = config.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)

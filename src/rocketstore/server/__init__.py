@@ -104,7 +104,7 @@ class Server:
         self.service.start()
         self._thread.start()
         self._run(self._grpc.start())
-        log.info("listening on %s (store %s)", self.address, self.store.root)
+        log.debug("listening on %s (store %s)", self.address, self.store.root)  # the command line says it
         return self
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
