@@ -108,8 +108,9 @@ def _first_record(mapped: MappedFile, commit_log: CommitLog) -> tuple[int, int] 
 
 def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root: Path, *, abnormal: bool,
                        visit: RecordVisitor | None = None, dispatch_from: int = -1,
-                       visit_from_index: int = 0) -> RecoveryReport:
+                       visit_from_index: int = 0, check_crc: bool | None = None) -> RecoveryReport:
     """Validate the log, fix its end, and call ``visit`` for each record from segment ``visit_from_index``.
+    ``check_crc``: body CRCs too (default ``check_crc_on_recover``).
 
     Segments before the start segment are only read (headers, no CRC) when ``visit`` needs them.
     """
@@ -125,7 +126,7 @@ def recover_commit_log(commit_log: CommitLog, checkpoint: StoreCheckpoint, root:
         for mapped in files[visit_from_index:start]:
             _visit_trusted(mapped, visit)
 
-    end_file, end_pos, blank = _walk_segments(commit_log, start, 0, report, visit)
+    end_file, end_pos, blank = _walk_segments(commit_log, start, 0, report, visit, check_crc)
     report.end_offset = end_file.file_from_offset + end_pos
     if commit_log.read_only:
         if report.stop_reason:
@@ -162,11 +163,11 @@ def damaged_log_error(root: Path, report: RecoveryReport, what: str) -> DamagedL
 
 
 def _walk_segments(commit_log: CommitLog, index: int, pos: int, report: RecoveryReport,
-                   visit: RecordVisitor | None = None) -> tuple[MappedFile, int, bool]:
+                   visit: RecordVisitor | None = None, check_crc: bool | None = None) -> tuple[MappedFile, int, bool]:
     """Validate records from segment ``index`` at ``pos`` on, into the next segments past each closing blank:
     (the segment where the valid records end, the position after the last, whether a blank ended them)."""
     files = commit_log.mapped_files.files
-    check_crc = commit_log.config.check_crc_on_recover
+    check_crc = commit_log.config.check_crc_on_recover if check_crc is None else check_crc
     verify_prop = check_crc and commit_log.config.force_verify_prop_crc
     end_file, end_pos, blank = files[index], pos, False
     for i in range(index, len(files)):
