@@ -66,6 +66,7 @@ def test_concurrent_consumers_never_tear_or_lose_config_files(tmp_path, caplog):
     errors: list[BaseException] = []
     problems: list[str] = []
     reads = [0]
+    done_rounds = [0] * workers
     with MessageStore.open(tmp_path, CONFIG) as store:
         store.create_topic("T", 4)
         store.put_messages([Message("T", f"m{i}".encode(), queue_id=i % 4) for i in range(200)])
@@ -81,6 +82,7 @@ def test_concurrent_consumers_never_tear_or_lose_config_files(tmp_path, caplog):
                         consumer.poll(timeout=0)  # commits the first batch
                     store.commit_offset(group, "T", worker % 4, rounds)
                     rounds += 1
+                    done_rounds[worker] = rounds
             except BaseException as exc:  # every failure of a worker fails the test
                 errors.append(exc)
 
@@ -89,6 +91,9 @@ def test_concurrent_consumers_never_tear_or_lose_config_files(tmp_path, caplog):
         for thread in [*threads, reader]:
             thread.start()
         time.sleep(duration)  # the workload's length, not a synchronisation
+        deadline = time.monotonic() + 60  # and every worker through its 7 groups (a loaded machine: 27 of 28 in 2 s)
+        while min(done_rounds) < 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
         stop.set()
         for thread in [*threads, reader]:
             thread.join()
