@@ -877,3 +877,16 @@ def test_a_blank_in_the_middle_of_a_segment_is_damage_not_its_end(tmp_path):
     data[end + 8:end + 8 + 60] = pristine[at:at + 60]
     batch, stop = decode_range(bytes(data), 0, len(data), base=0)
     assert batch.num_rows == 20 and stop.kind is StopKind.BLANK and stop.pos == end
+
+    # a broker's store after a power loss: its recovery cut at a torn record without zeroing what followed, wrote
+    # on, and closed the segment before records stored earlier (the self-review): the segment's end, not damage
+    data = bytearray(pristine)
+    cut = results[10].commit_log_offset
+    before = results[9].commit_log_offset  # written after the recovery: later than everything left behind
+    data[before + 56:before + 64] = struct.pack(">q", results[-1].store_timestamp + 60_000)
+    data[cut:cut + 8] = struct.pack(">ii", len(data) - cut, BLANK_MAGIC)
+    batch, stop = decode_range(bytes(data), 0, len(data), base=0)
+    assert batch.num_rows == 10 and stop.kind is StopKind.BLANK and stop.pos == cut
+    segment.write_bytes(bytes(data))
+    with MessageStore.open(root, config.replace(cut_damaged_log=False), read_only=True) as view:
+        assert view.recovery.stop_reason is None and view.recovery.end_offset == cut

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import StoreCheckpoint
-from .codec.batch import record_after_blank, validate_records
+from .codec.batch import record_after_blank, store_ts_at, validate_records
 from .codec.record import BLANK_MAGIC, BLANK_RECORD_LEN, RecordLayout, find_record_start, read_layout
 from .commitlog import CommitLog
 from .errors import CorruptDataError, DamagedLogError, FlushError, StoreIOError
@@ -176,12 +176,14 @@ def _walk_segments(commit_log: CommitLog, index: int, pos: int, report: Recovery
         if i > index:
             pos = 0
         end_file, end_pos, blank = mapped, pos, False
+        last = -1  # the start of the segment's last valid record seen
         while True:
             if visit is None and not verify_prop:  # the fast path: validate runs of records in one loop
-                pos, valid, _last = validate_records(buf, pos, size, check_crc=check_crc,
-                                                     base=mapped.file_from_offset)
+                pos, valid, run_last = validate_records(buf, pos, size, check_crc=check_crc,
+                                                        base=mapped.file_from_offset)
                 report.records_checked += valid
                 end_pos = pos
+                last = run_last if run_last >= 0 else last
             try:
                 layout = read_layout(buf, pos, size, check_crc=check_crc, verify_prop_crc=verify_prop,
                                      path=str(mapped.path), base=mapped.file_from_offset, check_offset=True)
@@ -189,7 +191,8 @@ def _walk_segments(commit_log: CommitLog, index: int, pos: int, report: Recovery
                 report.stop_reason = None if _is_zero_tail(buf, pos) else str(exc)
                 break
             if layout is None:
-                hidden = record_after_blank(buf, pos, size, mapped.file_from_offset)
+                hidden = record_after_blank(buf, pos, size, mapped.file_from_offset,
+                                            store_ts_at(buf, last) if last >= 0 else None)
                 if hidden is not None:  # 8 bytes that read as a BLANK, hiding the segment's records after them
                     report.stop_reason = (f"a BLANK record with an intact record after it (at "
                                           f"{mapped.file_from_offset + hidden}) in {mapped.path}")
@@ -199,6 +202,7 @@ def _walk_segments(commit_log: CommitLog, index: int, pos: int, report: Recovery
             if visit is not None:
                 visit(mapped, pos, layout)
             report.records_checked += 1
+            last = pos
             pos += layout.size
             end_pos = pos
         if not blank or i == len(files) - 1:

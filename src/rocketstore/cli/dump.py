@@ -42,6 +42,7 @@ def dump_records(path: Path, from_offset: int | None = None, *, check_crc: bool 
                     yield {"kind": "end", "pos": start + pos, "segment": segment.name}
                     return
                 pos = found
+            last_ts = None  # the store time of the segment's last record shown
             while True:
                 try:
                     layout = read_layout(buf, pos, size, check_crc=check_crc, path=str(segment), base=start)
@@ -55,7 +56,7 @@ def dump_records(path: Path, from_offset: int | None = None, *, check_crc: bool 
                     yield {"kind": "blank", "pos": start + pos, "size": size - pos, "segment": segment.name}
                     from ..codec.batch import record_after_blank  # numba's load: only once a BLANK is met
 
-                    hidden = record_after_blank(buf, pos, size, start)
+                    hidden = record_after_blank(buf, pos, size, start, last_ts)
                     if hidden is not None:  # 8 bytes that read as a BLANK, with the segment's records after them
                         yield {"kind": "error", "pos": start + pos, "segment": segment.name,
                                "reason": f"a BLANK record with an intact record after it (at {start + hidden})"}
@@ -67,4 +68,5 @@ def dump_records(path: Path, from_offset: int | None = None, *, check_crc: bool 
                     yield {"kind": "error", "pos": start + pos, "segment": segment.name, "reason": exc.reason}
                     return
                 yield {"kind": "record", "pos": start + pos, "message": msg, "segment": segment.name}
+                last_ts = msg.store_timestamp
                 pos += layout.size

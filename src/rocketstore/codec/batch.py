@@ -125,7 +125,8 @@ def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True
     try:
         limit = len(arr) if limit is None else min(limit, len(arr))
         f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max_rows, max_bytes)
-        stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, max_bytes)
+        stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, max_bytes,
+                         int(f[k.F_STORE_TS, n - 1]) if n else None)
         f = np.ascontiguousarray(f[:, :n])  # C-contiguous rows: one compiled (and cached) kernel signature
         batch = _batch(buf, arr, f, include_body=include_body, topics=topics, limit=limit,
                        decompress=decompress, broker_name=broker_name, path=path, base=base, names=names)
@@ -189,7 +190,7 @@ def as_array(buf) -> np.ndarray:
 
 
 def _classify(buf, pos: int, start: int, end: int, n: int, limit: int, base: int, check_crc: bool,
-              path: str | None, max_rows: int, max_bytes: int) -> Stop:
+              path: str | None, max_rows: int, max_bytes: int, after_ts: int | None = None) -> Stop:
     if pos >= min(end, limit):  # as iter_layouts and the Spark reader: nothing readable starts here
         return Stop(StopKind.END, pos, base + pos)
     if n >= max_rows or pos - start >= max_bytes:
@@ -200,33 +201,55 @@ def _classify(buf, pos: int, start: int, end: int, n: int, limit: int, base: int
         return Stop(StopKind.DAMAGE, pos, base + pos, exc)
     if layout is not None:  # pragma: no cover - the kernel and read_layout disagree: a bug, not data
         raise RuntimeError(f"batch decoder stopped at {base + pos} where read_layout accepts a record")
-    hidden = record_after_blank(buf, pos, limit, base)
+    hidden = record_after_blank(buf, pos, limit, base, after_ts)
     if hidden is not None:
         return Stop(StopKind.DAMAGE, pos, base + pos, CorruptDataError(
             f"a BLANK record with an intact record after it (at {base + hidden}) in its segment", path, base + pos))
     return Stop(StopKind.BLANK, pos, base + pos)
 
 
-def record_after_blank(buf, pos: int, limit: int, base: int, tries: int = 64) -> int | None:
-    """Where an intact record (its CRC too) starts after the BLANK at ``pos``, or None. A segment's closing BLANK
-    is followed by zeros (its writer rolls to the next segment), or by a torn write's leftovers a broker's recovery
-    did not zero: never by a whole record. 8 bytes that read as a BLANK in the middle of a segment hid every record
-    after them, and a rebuild left those out of every queue and the index with exit 0."""
-    tail = np.frombuffer(buf, dtype=np.uint8, count=max(0, limit - pos - 8), offset=min(pos + 8, limit))
+BLANK_PROBE_BYTES = 8 << 20  # past a BLANK, how far a record it hides may start (a record of up to ~8 MB)
+
+
+def record_after_blank(buf, pos: int, limit: int, base: int, after_ts: int | None, tries: int = 64) -> int | None:
+    """Where an intact record (its CRC too) that goes on from the record before the BLANK at ``pos`` starts
+    (``after_ts``: that record's store time; None, unknown: None), or None. A segment's closing BLANK is followed by
+    zeros (its writer rolls to the next segment), by a torn write's leftovers, or, in a broker's store after a power
+    loss, by older records its recovery cut off and did not zero (stored before the record ahead of the BLANK):
+    never by a record stored after it. 8 bytes that read as a BLANK in the middle of a segment hid every record
+    after them, and a rebuild left those out of every queue and the index with exit 0. Only the first
+    ``BLANK_PROBE_BYTES`` after it are looked at: a BLANK closes a segment early when a batch did not fit, and
+    its zeros (up to the whole segment) must not be read on every scan that crosses it."""
+    if after_ts is None:
+        return None
+    probe_end = min(limit, pos + 8 + BLANK_PROBE_BYTES)
+    tail = np.frombuffer(buf, dtype=np.uint8, count=max(0, probe_end - pos - 8), offset=min(pos + 8, probe_end))
     if not tail.any():
         return None
     at = pos + 8
     for _ in range(tries):
-        at = find_record_start(buf, at, limit, base, limit)
+        at = find_record_start(buf, at, probe_end, base, limit, record_limit=limit)
         if at is None:
             return None
         try:
-            if read_layout(buf, at, limit, check_crc=True) is not None:
+            layout = read_layout(buf, at, limit, check_crc=True)
+            if layout is not None and _store_ts(buf, at, layout.sys_flag) >= after_ts:
                 return at
         except CorruptDataError:
             pass
         at += 1
     return None
+
+
+def _store_ts(buf, pos: int, sys_flag: int) -> int:
+    """STORETIMESTAMP of the record at ``pos`` (after the born host, 8 or 20 bytes)."""
+    at = pos + 56 + (12 if sys_flag & 0x10 else 0)
+    return int.from_bytes(buf[at : at + 8], "big", signed=True)
+
+
+def store_ts_at(buf, pos: int) -> int:
+    """STORETIMESTAMP of the record starting at ``pos`` (validated by the caller)."""
+    return _store_ts(buf, pos, int.from_bytes(buf[pos + 36 : pos + 40], "big", signed=True))
 
 
 def _batch(buf, arr: np.ndarray, f: np.ndarray, *, include_body: bool, topics: Collection[str] | None,
@@ -421,7 +444,8 @@ def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None =
             n, pos = crc_n, crc_pos
             slow = slow[:n]
             slow_count = int(np.count_nonzero(slow))
-        stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, DEFAULT_MAX_BYTES)
+        stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, DEFAULT_MAX_BYTES,
+                         int(d[k.D_STORE_TS, n - 1]) if n else None)
     finally:
         del arr
     # views and Python only from here on the usual path: the dispatcher calls this beside a producer running
@@ -560,7 +584,7 @@ def scan_records(commit_log: CommitLog, begin: int | None = None, end: int | Non
         finally:
             del arr
         stop = _classify(buf, stop_pos, pos, seg_end, n, limit, mapped.file_from_offset, check_crc, str(mapped.path),
-                         max_rows, DEFAULT_MAX_BYTES)
+                         max_rows, DEFAULT_MAX_BYTES, int(f[k.F_STORE_TS, n - 1]) if n else None)
         return RecordRun(mapped, f[k.F_POS, :n].tolist(), f[k.F_PHY_OFFSET, :n].tolist(), limit), stop
 
     return _walk_log(commit_log, begin, end, decode)
