@@ -406,6 +406,9 @@ def test_a_finished_import_grown_by_a_file_is_refused_not_stored_twice(tmp_path)
     before = files_of(tmp_path / "s")
     with pytest.raises(ConfigError, match="1 of these 2 files are files it imported, unchanged"):
         import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    (tmp_path / "link").symlink_to(tmp_path / "d")  # the same files by another name (relative, a link): the same
+    with pytest.raises(ConfigError, match="1 of these 2 files are files it imported, unchanged"):
+        import_parquet(tmp_path / "link", tmp_path / "s", config=CONFIG)
     done = cli("import", "--no-spark", "--parquet", str(tmp_path / "d"), "--store", str(tmp_path / "s"), *GEOMETRY,
                check=False)
     assert done.returncode == 1 and "--from-row 0" in done.stderr and "Traceback" not in done.stderr
@@ -417,6 +420,8 @@ def test_a_finished_import_grown_by_a_file_is_refused_not_stored_twice(tmp_path)
     assert [m.body for m in stored(tmp_path / "s")] == [b"day1-0", b"day1-1", b"day1-2", b"day2-0", b"day2-1"]
     report = import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG, skip_rows=0)  # said: all again
     assert report.rows == 3 and len(stored(tmp_path / "s")) == 8
+    journal = json.loads((tmp_path / "s" / "importProgress.json").read_text())
+    assert journal["complete"] and journal["source"]["stamps"]  # the stamps, written once the import is complete
 
 
 def test_a_journal_an_earlier_version_finished_still_means_nothing_to_import(tmp_path):

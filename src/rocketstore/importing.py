@@ -271,6 +271,7 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                     raise type(exc)(f"{exc} (nothing imported: the topics are made before the first row is stored; "
                                     "give the topic the queues its rows use: topic create -t TOPIC -w N)") from None
             skip = report.skipped  # rows come in the same order every time: the first skip go by
+            pending = {k: v for k, v in source.items() if k != STAMPS}
             for chunk in _stopping_with_the_count(chunks, report):
                 dropped = min(skip, chunk.num_rows)
                 skip -= dropped
@@ -281,8 +282,8 @@ def store_tables(chunks: Iterable[pa.Table], root: Path, config: StoreConfig, *,
                         raise _with_the_count(exc, report) from exc
                     store.flush()  # the rows the journal counts are on the disk before it says so (power loss)
                     log_end = store.commit_log.max_offset
-                    journal.record(ImportProgress(
-                        source, report.skipped + report.rows, log_end, table.num_rows,
+                    journal.record(ImportProgress(  # the files' stamps only once complete: a journal of 10,000
+                        pending, report.skipped + report.rows, log_end, table.num_rows,  # files is written often
                         table.column("topic")[0].as_py(), ImportProgress.body_crc(table.column("body")[0].as_py())))
                     try:
                         _put(store, table, report, progress)
@@ -326,7 +327,8 @@ def file_stamp(name: str) -> str:
     of its path, size and modification time (its name alone when it cannot be read here)."""
     if name.startswith("file:"):
         name = urllib.parse.unquote(urllib.parse.urlparse(name).path)
-    name = os.path.normpath(name)
+    if "://" not in name:  # one local file however it was named (relative, absolute, through a symlink)
+        name = os.path.realpath(name)
     try:
         info = os.stat(name)
         text = f"{name}\t{info.st_size}\t{info.st_mtime_ns}"
