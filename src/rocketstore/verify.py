@@ -98,6 +98,7 @@ class VerifyReport:
     unclean: bool = False
     not_dispatched: int = 0  # records past the queues' frontier missing from their queue
     not_indexed: int = 0  # records past the index's newest entry with keys not indexed
+    unfinished_bytes: int = 0  # unclean: bytes of an append the dead writer did not finish, after the log's end
     problem_count: int = 0  # every problem found, also those past ``max_problems``
     not_checked: list[str] = field(default_factory=list)  # a broker's data this store leaves alone (brokerlayout)
     max_problems: int = field(default=10_000, repr=False)
@@ -204,10 +205,11 @@ def _check_log(commit_log: CommitLog, config: StoreConfig, report: VerifyReport,
         for n, mapped in enumerate(files):
             size = mapped.file_size if stop_at is None else min(mapped.file_size,
                                                                   max(0, stop_at - mapped.file_from_offset))
-            pending.append((mapped, pool.submit(_scan_segment, mapped, size, n == len(files) - 1)))
+            pending.append((mapped, pool.submit(_scan_segment, mapped, size, n == len(files) - 1, report.unclean)))
             while pending and (len(pending) > workers or n == len(files) - 1):
                 segment, future = pending.popleft()
-                batches, problems = future.result()
+                batches, problems, unfinished = future.result()
+                report.unfinished_bytes += unfinished
                 for batch in batches:
                     collected.add(batch, segment, report)
                 for problem in problems:
@@ -218,11 +220,15 @@ def _check_log(commit_log: CommitLog, config: StoreConfig, report: VerifyReport,
     return collected.records(report)
 
 
-def _scan_segment(mapped: MappedFile, size: int, last: bool) -> tuple[list[DispatchBatch], list[Problem]]:
-    """One segment's records up to ``size`` and what is wrong with its bytes (runs on a worker thread)."""
+def _scan_segment(mapped: MappedFile, size: int, last: bool, unclean: bool = False
+                  ) -> tuple[list[DispatchBatch], list[Problem], int]:
+    """One segment's records up to ``size``, what is wrong with its bytes, and (``unclean``: the writer died) the
+    bytes after the end of the log in the last segment: an append it had not finished (it writes a record's
+    first 8 bytes last), which a writer's open zeroes, not damage. Runs on a worker thread."""
     buf, pos, path = mapped.buffer, 0, str(mapped.path)
     batches: list[DispatchBatch] = []
     problems: list[Problem] = []
+    unfinished = 0
     while pos < size:
         batch, stop = decode_dispatch(buf, pos, size, base=mapped.file_from_offset, limit=mapped.file_size,
                                       path=path, check_crc=True, max_rows=VERIFY_ROWS, slow_topics=PARKED_TOPICS)
@@ -240,7 +246,9 @@ def _scan_segment(mapped: MappedFile, size: int, last: bool) -> tuple[list[Dispa
             assert stop.error is not None
             if bytes(buf[stop.pos : stop.pos + 8]) == bytes(8):
                 tail = last_nonzero_end(mapped, stop.pos) - stop.pos
-                if tail:
+                if tail and last and unclean:
+                    unfinished = tail
+                elif tail:
                     problems.append(Problem("commitlog", path, stop.offset + tail - 1,
                                             "non-zero bytes after the end of the log"))
                 if not last:
@@ -255,7 +263,7 @@ def _scan_segment(mapped: MappedFile, size: int, last: bool) -> tuple[list[Dispa
                     pos = resume
                     continue
         break
-    return batches, problems
+    return batches, problems, unfinished
 
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
@@ -658,11 +666,13 @@ def _check_index(root: Path, config: StoreConfig, records: _Records, report: Ver
     if snapshot:  # retention ran since the log was read: the index files of what it deleted went too
         want &= records.phy >= _log_start_now(root)
     lost = want & (records.phy < index_min)
-    if lost.any():
+    if lost.any():  # one problem for them all, not one per record
         report.add(Problem("index", str(root / "index"), index_min,
                            f"{int(np.count_nonzero(lost))} record(s) with keys from commit-log offset {log_min} on "
-                           f"are older than the oldest index file's first entry ({index_min}): index files were "
-                           "lost, and their keys are found by no query (rocketstore rebuild indexes them again)"))
+                           f"are older than the oldest index file's first entry ({index_min}): no index file covers "
+                           "them (lost, or never written: indexing off then), so no query finds their keys "
+                           "(rocketstore rebuild indexes them)"))
+        want &= ~lost
 
     def make(i: int) -> Problem:
         phy = int(records.phy[i])

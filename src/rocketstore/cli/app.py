@@ -863,6 +863,9 @@ def verify(as_json, **kwargs) -> None:
             lag = (f": {report.not_dispatched} record(s) at the log's end are not in their queues yet and "
                    f"{report.not_indexed} not indexed, which a writer's next open dispatches (as a broker's restart "
                    "does)" if report.not_dispatched or report.not_indexed else "")
+            if report.unfinished_bytes:
+                lag += (f"{';' if lag else ':'} {report.unfinished_bytes} bytes after the log's end are an append "
+                        "the writer did not finish, which a writer's next open zeroes (kept in recovery/)")
             click.echo(f"store was not closed (abort file, no writer){lag}", err=as_json)
         for note in report.not_checked:
             click.echo(f"not checked: {note}", err=as_json)
