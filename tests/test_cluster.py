@@ -157,7 +157,7 @@ def test_an_executor_failure_is_one_line_and_exit_1(cluster, work):
                   _env(python))
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "that this driver does not see" in errors[0], result.stderr[-3000:]
+    assert len(errors) == 1 and "of which this driver sees 0" in errors[0], result.stderr[-3000:]
     assert not (hidden / "exp").exists()
 
 

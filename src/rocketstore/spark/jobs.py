@@ -259,6 +259,7 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
     ``out`` must be missing or empty unless ``overwrite``; the export is written to a hidden sibling directory and
     renamed to ``out`` only when complete, so a failed export leaves ``out`` as it was (an earlier export
     included). An export matching nothing writes one empty Parquet file with the columns."""
+    from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     spark = session(spark, master)
@@ -272,21 +273,23 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
     check_log_ends(_path_list(paths), ScanOptions.from_options(_option_strings(scan)))
     df = read_store(spark, paths, **scan).withColumn("date", F.to_date("storeTimestamp"))
     staging = target.sibling()
+    written = Observation("rocketstore-export")
     try:
         with report_progress(spark, progress, "exporting to Parquet"):
             # Spark sorts each task's rows by the partition columns before writing; a sort that spills merges
             # its runs in no set order for equal keys: the log offset makes the order total, so every part file
             # holds its topic and day in log order (what an import's name order relies on)
-            df.sortWithinPartitions("topic", "date", "commitLogOffset").write.mode("errorifexists") \
+            df.observe(written, F.count(F.lit(1)).alias("rows")) \
+                .sortWithinPartitions("topic", "date", "commitLogOffset").write.mode("errorifexists") \
                 .partitionBy("topic", "date").parquet(staging)
         count = read_export(spark, staging).count()
-        if not count and not df.isEmpty():
+        if count != written.get["rows"]:
             # the executors wrote rows the driver does not see: an --out on their own disks, not shared (the job
-            # committed nothing it could list, and "exported 0 messages" was reported with exit 0). An empty
-            # export pays a second pass to tell: rare, where this was silent loss
-            raise StoreIOError(2, f"the executors wrote rows under {out} that this driver does not see: --out "
-                                  "must be a path every executor and the driver share (a shared mount, hdfs://, "
-                                  "s3a://)")
+            # committed what it could list: "exported 0 messages", or only the driver host's executor's share,
+            # with exit 0). The rows written are counted in the same pass (an observed metric)
+            raise StoreIOError(2, f"the executors wrote {written.get['rows']} rows under {out}, of which this "
+                                  f"driver sees {count}: --out must be a path every executor and the driver share "
+                                  "(a shared mount, hdfs://, s3a://)")
         if not count:  # partitionBy writes no file for no rows: one empty file says what the columns are
             spark.createDataFrame([], df.schema).coalesce(1).write.mode("overwrite").parquet(staging)
         target.replace_with(staging)
