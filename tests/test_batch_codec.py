@@ -856,6 +856,15 @@ def test_a_blank_in_the_middle_of_a_segment_is_damage_not_its_end(tmp_path):
     batch, stop = decode_range(bytes(data), 0, len(data), base=0)
     assert batch.num_rows == 5 and stop.kind is StopKind.DAMAGE and stop.pos == at
     assert "intact record after it" in stop.error.reason
+    for max_rows in (2, 3, 5):  # a batch that ends right at the BLANK (5) too: the next would not know the record
+        pos, rows = 0, 0  # before it (the second review: the BLANK was taken for the segment's end)
+        while True:
+            batch, stop = decode_range(bytes(data), pos, len(data), base=0, max_rows=max_rows)
+            rows += batch.num_rows
+            if stop.kind is not StopKind.LIMIT:
+                break
+            pos = stop.pos
+        assert (rows, stop.kind, stop.pos) == (5, StopKind.DAMAGE, at), max_rows
     segment.write_bytes(bytes(data))
     done = subprocess.run([sys.executable, "-m", "rocketstore.cli.app", "dump-log", str(segment)],
                           capture_output=True, text=True, timeout=120, check=False)

@@ -35,7 +35,7 @@ from ..errors import CorruptDataError, InvalidQueryError, OffsetOutOfRangeError,
 from ..message import MessageExt, SysFlag
 from . import _kernels as k
 from .properties import PropertyName
-from .record import MAX_TIME_MS, find_record_start, message_from_layout, read_layout
+from .record import BLANK_MAGIC, MAX_TIME_MS, find_record_start, message_from_layout, read_layout
 
 if TYPE_CHECKING:
     from ..commitlog import CommitLog
@@ -193,7 +193,10 @@ def _classify(buf, pos: int, start: int, end: int, n: int, limit: int, base: int
               path: str | None, max_rows: int, max_bytes: int, after_ts: int | None = None) -> Stop:
     if pos >= min(end, limit):  # as iter_layouts and the Spark reader: nothing readable starts here
         return Stop(StopKind.END, pos, base + pos)
-    if n >= max_rows or pos - start >= max_bytes:
+    if (n >= max_rows or pos - start >= max_bytes) and not (
+            n and pos + 8 <= limit and int.from_bytes(buf[pos + 4 : pos + 8], "big", signed=True) == BLANK_MAGIC):
+        # (a BLANK right at the limit is classified now, while the record before it is known: the next call would
+        # start on it without one, and take a BLANK hiding records for the segment's end)
         return Stop(StopKind.LIMIT, pos, base + pos)
     try:
         layout = read_layout(buf, pos, limit, check_crc=check_crc, path=path, base=base)
