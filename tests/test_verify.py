@@ -595,3 +595,25 @@ def test_a_dead_writers_unfinished_append_is_no_problem(tmp_path):
     assert report.clean and report.unfinished_bytes == 200, report.problems[:3]  # from the end to the last byte
     (root / "abort").unlink()  # a closed store has no unfinished append: bytes after its end are a problem
     assert not verify_store(root, CONFIG).clean
+
+
+def test_a_zeroed_header_before_puts_stored_apart_is_damage_not_an_unfinished_append(tmp_path):
+    """An append's records share one store time; zeros before records stored at other times are no unfinished
+    append but acknowledged puts lost from the log (the second review: 20 such puts were called one append)."""
+    import time
+
+    root = tmp_path / "s"
+    with MessageStore.open(root, CONFIG) as store:
+        results = []
+        for i in range(5):
+            results.append(store.put_message(Message("T0", b"m%d" % i, keys=[f"k{i}"])))
+            time.sleep(0.003)
+    segment = sorted((root / "commitlog").iterdir())[-1]
+    data = bytearray(segment.read_bytes())
+    at = results[2].commit_log_offset - int(segment.name)
+    data[at:at + 8] = bytes(8)
+    segment.write_bytes(bytes(data))
+    (root / "abort").write_text("12345")
+    report = verify_store(root, CONFIG)
+    assert report.unfinished_bytes == 0 and not report.clean
+    assert any("non-zero bytes after the end of the log" in p.detail for p in report.problems), report.problems

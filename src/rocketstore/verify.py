@@ -41,7 +41,7 @@ import numpy as np
 from .brokerconfig import TopicConfigManager
 from .brokerlayout import batch_cq_topics, is_lmq
 from .checkpoint import StoreCheckpoint
-from .codec.batch import DispatchBatch, StopKind, as_array, decode_dispatch
+from .codec.batch import DispatchBatch, StopKind, as_array, decode_dispatch, store_ts_at
 from .codec.properties import PropertyName
 from .codec.record import find_record_start, message_from_layout, read_layout
 from .commitlog import CommitLog
@@ -246,7 +246,7 @@ def _scan_segment(mapped: MappedFile, size: int, last: bool, unclean: bool = Fal
             assert stop.error is not None
             if bytes(buf[stop.pos : stop.pos + 8]) == bytes(8):
                 tail = last_nonzero_end(mapped, stop.pos) - stop.pos
-                if tail and last and unclean:
+                if tail and last and unclean and _one_append(buf, stop.pos, stop.pos + tail, mapped.file_from_offset):
                     unfinished = tail
                 elif tail:
                     problems.append(Problem("commitlog", path, stop.offset + tail - 1,
@@ -264,6 +264,26 @@ def _scan_segment(mapped: MappedFile, size: int, last: bool, unclean: bool = Fal
                     continue
         break
     return batches, problems, unfinished
+
+
+def _one_append(buf, pos: int, end: int, base: int) -> bool:
+    """Whether the bytes from ``pos`` (a zero size) to ``end`` can be one append its writer did not finish: it
+    writes an append's first 8 bytes last, and every record of one append has the same store time. Records
+    after it stored at other times were acknowledged one by one, and the zeros before them are damage."""
+    stamps: set[int] = set()
+    at = find_record_start(buf, pos + 1, end, base, len(buf), record_limit=len(buf))
+    while at is not None and at < end:
+        try:
+            layout = read_layout(buf, at, len(buf))
+        except CorruptDataError:
+            return False
+        if layout is None:
+            break
+        stamps.add(store_ts_at(buf, at))
+        if len(stamps) > 1:
+            return False
+        at += layout.size
+    return True
 
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
