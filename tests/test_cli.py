@@ -414,6 +414,23 @@ def test_a_broker_conf_names_the_store_unless_store_is_given(store, tmp_path):
     assert done.returncode == 1 and "elsewhere holds no store" in done.stderr  # --store wins
 
 
+def test_the_store_can_come_from_the_environment(store, tmp_path):
+    """$ROCKETSTORE_STORE names the store for every command of a session (as NAMESRV_ADDR does for mqadmin);
+    --store still wins."""
+    from click.testing import CliRunner
+
+    from rocketstore.cli.app import main
+
+    root, results = store
+    runner = CliRunner()
+    env = {"ROCKETSTORE_STORE": str(root), "COLUMNS": "200"}
+    done = runner.invoke(main, ["query-by-key", "-t", "Topic1", "-k", "order-7", "--json"], env=env)
+    assert done.exit_code == 0 and json.loads(done.stdout)["commitLogOffset"] == results[7].commit_log_offset
+    done = runner.invoke(main, ["inspect", "--store", str(tmp_path / "elsewhere")], env=env)
+    assert done.exit_code == 1 and "elsewhere holds no store" in done.output
+    assert "ROCKETSTORE_STORE" in runner.invoke(main, ["inspect", "-h"]).output
+
+
 def test_writer_lock_is_reported(store, tmp_path):
     root = tmp_path / "locked"
     with MessageStore.open(root, CONFIG) as writer:

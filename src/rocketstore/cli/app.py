@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 # answer without them (0.9 s -> 0.2 s here).
 
 DEFAULT_STORE = "~/store"
+STORE_ENV = "ROCKETSTORE_STORE"  # an operator's store for every command of a session, as mqadmin's NAMESRV_ADDR
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
@@ -122,8 +123,8 @@ def store_options(command):
                            "answer from the log up to it, and a writing command cuts the log there as a broker's "
                            "restart does (the cut bytes kept in recovery/); without it such a store is refused "
                            "(rocketstore verify shows the damage)")(command)
-    return click.option("--store", "store_dir", default=DEFAULT_STORE, show_default=True,
-                        help="the store root (RocketMQ's storePathRootDir)")(command)
+    return click.option("--store", "store_dir", default=DEFAULT_STORE, show_default=True, envvar=STORE_ENV,
+                        help=f"the store root (RocketMQ's storePathRootDir; ${STORE_ENV} when not given)")(command)
 
 
 def key_window_options(max_help: str):
