@@ -1102,6 +1102,34 @@ def test_a_handle_from_before_a_crash_never_acts_on_a_later_delivery(tmp_path):
         again.ack("G", "T", renewed)
 
 
+def test_an_ack_after_the_invisible_time_is_refused_and_the_message_comes_again(tmp_path, monkeypatch):
+    """The proxy refuses an ack or invisible-time change once the handle's invisible time has passed
+    (``validateReceiptHandle``). Accepting it let a slow consumer ack a message that was visible again and could
+    already be in another consumer's hands (a later receive would have seen it gone)."""
+    from rocketstore.server import pop as pop_module
+    from rocketstore.server.pop import InvalidReceiptHandleError, PopGroups
+
+    clock = [1_000_000]
+    monkeypatch.setattr(pop_module, "_now_ms", lambda: clock[0])
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        for body in (b"m0", b"m1"):
+            store.put_message(Message("T", body, queue_id=0))
+        store.wait_for_dispatch()
+        pop = PopGroups(store)
+        first, second = pop.receive("G", "T", [0], 2, 10_000, None)
+        clock[0] += 9_999
+        pop.ack("G", "T", first.receipt_handle)  # a millisecond before: still its own
+        clock[0] += 1
+        with pytest.raises(InvalidReceiptHandleError, match="expired"):
+            pop.ack("G", "T", second.receipt_handle)
+        with pytest.raises(InvalidReceiptHandleError, match="expired"):
+            pop.change_invisible("G", "T", second.receipt_handle, 60_000)
+        [again] = pop.receive("G", "T", [0], 2, 10_000, None)
+        assert (again.message.body, again.attempt) == (b"m1", 2)
+        pop.ack("G", "T", again.receipt_handle)
+        assert pop.in_flight() == 0
+
+
 def test_the_saved_consumer_state_is_readable_by_its_owner_alone(tmp_path):
     """popState.json holds the key that signs receipt handles: anyone who reads it can forge acks. It is written
     0600, also over a temporary file a crash left with a wider mode."""

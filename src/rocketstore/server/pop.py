@@ -367,18 +367,28 @@ class PopGroups:
                                             "acknowledged")
         return flight
 
+    @staticmethod
+    def _unexpired(flight: InFlight, now: int) -> InFlight:
+        """The proxy's ``validateReceiptHandle``: once a message is visible again, the consumer that held it has lost
+        it (another may receive it any moment), so its ack or invisible-time change is refused, not half-honoured."""
+        if flight.deadline_ms <= now:
+            raise InvalidReceiptHandleError("receipt handle is expired: the message's invisible time has passed and "
+                                            "it will be delivered again")
+        return flight
+
     def ack(self, group: str, topic: str, handle: str) -> None:
         queue_id, offset, delivery, state = self._handled(group, topic, handle)
         with state.lock:
-            self._in_flight(state, offset, delivery)
+            self._unexpired(self._in_flight(state, offset, delivery), _now_ms())
             self._finish(group, topic, queue_id, state, offset)
 
     def change_invisible(self, group: str, topic: str, handle: str, invisible_ms: int) -> str:
         """Make the message invisible for ``invisible_ms`` from now; returns its new receipt handle."""
         queue_id, offset, delivery, state = self._handled(group, topic, handle)
         with state.lock:
-            flight = self._in_flight(state, offset, delivery)
-            flight.deadline_ms = _now_ms() + invisible_ms
+            now = _now_ms()
+            flight = self._unexpired(self._in_flight(state, offset, delivery), now)
+            flight.deadline_ms = now + invisible_ms
             flight.delivery = next(self._deliveries)
             flight.renew = None  # the client decides now (a nack's backoff): the proxy stops renewing it too
             self._mark()
