@@ -660,3 +660,34 @@ def test_a_second_writer_refused_in_this_process_leaves_the_first_ones_record_lo
         probe = subprocess.run([sys.executable, "-c", broker, str(tmp_path / "lock")], capture_output=True,
                                text=True, timeout=60, check=False)
         assert probe.returncode != 0 and "held" not in probe.stdout, "a broker took the lock of an open store"
+
+
+@pytest.mark.parametrize("victim", ["rocketstore-flush", "rocketstore-dispatch", "rocketstore-warm",
+                                    "rocketstore-schedule", "rocketstore-maintenance"])
+def test_an_open_that_cannot_start_a_thread_fails_typed_and_leaves_nothing_running(tmp_path, monkeypatch, victim):
+    """CPython raises RuntimeError("can't start new thread") at a thread or memory limit. The open raised it
+    untyped, left the threads it had started running over a half-closed store, and when the warmer was the one
+    that failed, its cleanup raised again and kept the store locked for the rest of the process (the review)."""
+    import threading
+
+    root = tmp_path / "s"
+    config = StoreConfig(mapped_file_size_commit_log=1 << 20, enable_schedule_message=True)
+    with MessageStore.open(root, config) as store:
+        store.put_message(message(0))
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == victim:
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    before = {t.ident for t in threading.enumerate()}
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(StoreIOError, match=f"cannot start the {victim} thread") as failed:
+        MessageStore.open(root, config)
+    assert failed.value.errno == errno.EAGAIN
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("rocketstore")]
+    assert left == []
+    with MessageStore.open(root, config) as store:  # not locked, and the message is there
+        assert [m.body for m in store.get_message("T", 0, 0).messages] == [message(0).body]

@@ -924,3 +924,39 @@ def test_delete_when_that_never_matches_is_refused(when):
 
     with pytest.raises(ConfigError, match="delete_when"):
         StoreConfig(delete_when=when)
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+@pytest.mark.parametrize("call", ["get_message", "query_message", "query_messages_arrow", "query_message_by_uniq_key",
+                                  "view_message_by_id", "look_message_by_offset", "get_offset_in_queue_by_time"])
+def test_a_read_racing_close_raises_store_closed(tmp_path, small_config, monkeypatch, read_only, call):
+    """A read in one thread while another closed the store met the unmapped files and raised numpy's or mmap's
+    ValueError ("mmap closed or invalid"): a read-only close unmaps at once (the concurrency review). Here the close
+    lands inside the call, just before the read touches the files."""
+    with MessageStore.open(tmp_path, small_config) as writer:
+        results = put_many(writer, 40, size=200)
+        writer.wait_for_dispatch()
+    store = MessageStore.open(tmp_path, small_config, read_only=read_only)
+    first = results[0]
+    calls = {"get_message": lambda: store.get_message("Topic0", 0, 0),
+             "query_message": lambda: store.query_message("Topic0", "key-0"),
+             "query_messages_arrow": lambda: store.query_messages_arrow([("Topic0", "key-0")]),
+             "query_message_by_uniq_key": lambda: store.query_message_by_uniq_key("Topic0", first.uniq_key),
+             "view_message_by_id": lambda: store.view_message_by_id(first.msg_id),
+             "look_message_by_offset": lambda: store.look_message_by_offset(first.commit_log_offset),
+             "get_offset_in_queue_by_time": lambda: store.get_offset_in_queue_by_time("Topic0", 0,
+                                                                                      first.store_timestamp)}
+    calls[call]()  # answers while open
+    target = store.commit_log if call == "look_message_by_offset" else store.reader
+    inner = {"look_message_by_offset": "get_message", "get_message": "get_message", "query_message": "query_message",
+             "query_messages_arrow": "query_many", "query_message_by_uniq_key": "query_by_uniq_key",
+             "view_message_by_id": "view_message_by_id", "get_offset_in_queue_by_time": "offset_by_time"}[call]
+    real = getattr(target, inner)
+
+    def closing_first(*args, **kwargs):
+        store.close()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, inner, closing_first)
+    with pytest.raises(StoreClosedError, match="was closed while"):
+        calls[call]()

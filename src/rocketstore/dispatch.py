@@ -35,6 +35,7 @@ from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC
 from .errors import CorruptDataError, DispatchFailedError, StoreIOError
 from .health import StoreHealth
 from .index.service import IndexRequest, IndexService
+from .lifecycle import start_thread
 from .mapped.file import reading
 from .message import SysFlag
 
@@ -285,8 +286,7 @@ class Dispatcher:
 
     def start(self) -> None:
         load_dispatch_kernels()
-        self._thread = threading.Thread(target=self._run, name="rocketstore-dispatch", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "rocketstore-dispatch")
 
     def wake(self) -> None:
         if not self._work.is_set():  # set() takes a lock and notifies; every put calls this
@@ -348,15 +348,19 @@ class Dispatcher:
     def behind_bytes(self) -> int:
         return max(0, self.commit_log.max_offset - self.reput_from_offset)
 
-    def shutdown(self) -> None:
-        """Stop the thread and catch up. If catching up fails (a full disk), DispatchFailedError: the store's
-        abort file stays and the next open re-dispatches (queues and index are derived data)."""
+    def halt(self) -> None:
+        """Stop the thread without catching up (an open that failed: the next open re-dispatches)."""
         self._stop.set()
         self._work.set()
         self._urgent.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def shutdown(self) -> None:
+        """Stop the thread and catch up. If catching up fails (a full disk), DispatchFailedError: the store's
+        abort file stays and the next open re-dispatches (queues and index are derived data)."""
+        self.halt()
         try:
             self.dispatch_available()
         except (StoreIOError, CorruptDataError, OSError) as exc:

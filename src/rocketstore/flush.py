@@ -25,6 +25,7 @@ from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig
 from .errors import StoreIOError
 from .health import StoreHealth
+from .lifecycle import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,7 @@ class CommitLogFlusher:
     def start(self) -> None:
         if self.sync:
             return  # SYNC_FLUSH writers flush themselves (group commit)
-        self._thread = threading.Thread(target=self._run, name="rocketstore-flush", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "rocketstore-flush")
 
     def _run(self) -> None:
         interval = self.config.flush_interval_commit_log / 1000
@@ -117,10 +117,14 @@ class CommitLogFlusher:
             if thorough:
                 last_thorough = now
 
-    def shutdown(self) -> None:
-        """Stop the thread and flush everything (clean shutdown); raises if any flush ever failed."""
+    def halt(self) -> None:
+        """Stop the thread without a last flush (an open that failed: the next open recovers)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def shutdown(self) -> None:
+        """Stop the thread and flush everything (clean shutdown); raises if any flush ever failed."""
+        self.halt()
         self.flush(0)

@@ -1,5 +1,6 @@
 """The files that say a store is in use: ``lock`` (one writer), ``abort`` (running, or crashed) and
-``redispatch`` (an open's catch-up of the consume queues and index was under way).
+``redispatch`` (an open's catch-up of the consume queues and index was under way); and starting the store's
+threads.
 
 ``lock`` holds an exclusive POSIX record lock on byte 0, the lock a RocketMQ broker takes with
 ``FileChannel.tryLock``, so rocketstore and a broker keep each other out. POSIX locks belong to
@@ -16,6 +17,7 @@ import os
 import shutil
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import StoreIOError, StoreLockedError
@@ -208,3 +210,15 @@ def _fsync_dir(directory: Path) -> None:
     from .mapped.file import fsync_dir
 
     fsync_dir(directory)
+
+
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """A started daemon thread of the store. CPython's "can't start new thread" (EAGAIN: a thread or memory limit)
+    becomes a ``StoreIOError``, so an open that cannot start its services fails typed (and then stops the ones it
+    did start)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError as exc:
+        raise StoreIOError(errno.EAGAIN, f"cannot start the {name} thread: {exc}") from exc
+    return thread

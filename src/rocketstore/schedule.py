@@ -37,6 +37,7 @@ from .brokerconfig import DelayOffsetManager, TimerOffsetManager
 from .codec.properties import PropertyName
 from .encoder import SCHEDULE_TOPIC, TIMER_TOPIC, java_integer
 from .errors import MessageIllegalError, RocketStoreError
+from .lifecycle import start_thread
 from .message import Message, MessageExt, SysFlag
 
 log = logging.getLogger(__name__)
@@ -219,8 +220,7 @@ class ScheduleMessageService:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="rocketstore-schedule", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "rocketstore-schedule")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -280,3 +280,5 @@ class ScheduleMessageService:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    halt = shutdown  # nothing is left to write after the thread stops

@@ -68,7 +68,7 @@ from .errors import (
 from .flush import CommitLogFlusher
 from .health import StoreHealth
 from .index.service import IndexService, check_geometry
-from .lifecycle import AbortFile, RedispatchMarker, StoreLock, is_locked
+from .lifecycle import AbortFile, RedispatchMarker, StoreLock, is_locked, start_thread
 from .mapped.file import STAGING_DIR
 from .message import Message, MessageExt, PutBatchResult, PutMessageResult, PutMessageStatus, PutResults, SysFlag
 from .reads import GetMessageResult, StoreReader, check_int, check_str
@@ -131,6 +131,26 @@ def _holds_files(path: Path) -> bool:
     except OSError:
         return True  # unreadable: not known to be empty
 
+
+
+def _closed_under(read: Callable) -> Callable:
+    """A read racing ``close()`` meets unmapped files ("mmap closed or invalid") or none at all (a closed index
+    holds no file: "no message"). Either way its answer cannot be trusted: once the store is closed, the read
+    raises ``StoreClosedError``, as a call after ``close()`` does."""
+
+    @functools.wraps(read)
+    def guarded(self, *args, **kwargs):
+        try:
+            answer = read(self, *args, **kwargs)
+        except Exception as exc:
+            if self._closed and not isinstance(exc, StoreClosedError):
+                raise StoreClosedError(f"store {self.root} was closed while {read.__name__} ran") from exc
+            raise
+        if self._closed:
+            raise StoreClosedError(f"store {self.root} was closed while {read.__name__} ran")
+        return answer
+
+    return guarded
 
 class MessageStore:
     """A RocketMQ-format message store in a directory. Use ``MessageStore.open``."""
@@ -199,19 +219,19 @@ class MessageStore:
             try:
                 store._start()
             except SegmentDeletedError:
-                store._release()
+                store._abandon()
                 if not read_only or attempt == 2:
                     raise
                 continue  # a live writer's retention deleted a file this view was reading: open it as it is now
             except RocketStoreError:
-                store._release()
+                store._abandon()
                 raise
             except OSError as exc:  # a file the open could not read (a symlink loop, no permission): typed
-                store._release()
+                store._abandon()
                 what = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
                 raise StoreIOError(exc.errno, f"cannot open the store {root}: {what}") from exc
             except BaseException:
-                store._release()
+                store._abandon()
                 raise
             return store
         raise AssertionError("unreachable")
@@ -333,9 +353,7 @@ class MessageStore:
             if self.config.enable_schedule_message:
                 self.schedule = ScheduleMessageService(self, self.delay_offsets, timer_offsets=self.timer_offsets)
                 self.schedule.start()
-            self._maintenance = threading.Thread(target=self._maintain, name="rocketstore-maintenance",
-                                                 daemon=True)
-            self._maintenance.start()
+            self._maintenance = start_thread(self._maintain, "rocketstore-maintenance")
 
     TAIL_INDEX_MAX = 64 << 20  # bytes of log a read-only open indexes in memory at most
 
@@ -770,14 +788,39 @@ class MessageStore:
                           "; ".join(str(e) for e in errors))
                 raise errors[0]
 
+    def _abandon(self) -> None:
+        """A failed open: stop the threads ``_start`` had started, writing nothing more (the abort file stays, so the
+        next open recovers), then release the files and the lock. A thread left running held the half-open store's
+        mappings, and an exception here left the lock held for the rest of the process."""
+        self._closed = True
+        self._stop.set()
+        try:
+            if self._maintenance is not None:
+                self._maintenance.join()
+            for service in (self.schedule, self.flusher, self.dispatcher):
+                if service is not None:
+                    try:
+                        service.halt()
+                    except Exception:  # the open's own error is the one to raise
+                        log.exception("stopping %s after a failed open", type(service).__name__)
+        finally:
+            self._release()
+
     def _release(self) -> None:
-        if self.index is not None:
-            self.index.close()
-        self.queues.close()
-        self.commit_log.close()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        """Unmap everything and release the lock; the lock goes even when closing a file fails."""
+        try:
+            try:
+                if self.index is not None:
+                    self.index.close()
+            finally:
+                try:
+                    self.queues.close()
+                finally:
+                    self.commit_log.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def __enter__(self) -> MessageStore:
         return self
@@ -1062,6 +1105,7 @@ class MessageStore:
             else self.commit_log.max_offset
         return self.dispatcher.wait_dispatched(target, timeout)
 
+    @_closed_under
     def get_message(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
                     tags: str | Iterable[str] | None = None, *, sql: str | SqlFilter | None = None
                     ) -> GetMessageResult:
@@ -1074,6 +1118,7 @@ class MessageStore:
         self._check_open()
         return self._reader().get_message(topic, queue_id, offset, max_msgs, tags, sql=sql)
 
+    @_closed_under
     def get_offset_in_queue_by_time(self, topic: str, queue_id: int, timestamp: int,
                                     boundary: str = "lower") -> int:
         """The queue offset of the first ("lower") or last ("upper") message stored at ``timestamp``,
@@ -1100,6 +1145,7 @@ class MessageStore:
         queue = self.queues.get(topic, queue_id)
         return queue.max_offset_in_queue if queue else 0
 
+    @_closed_under
     def get_earliest_message_time(self, topic: str | None = None, queue_id: int | None = None) -> int:
         """Store time of the oldest message of a queue, of a topic (its queues' oldest), or of the whole store; -1 if
         there is none. A queue id needs its topic (it answered the whole store's time); a topic alone answered its
@@ -1126,8 +1172,17 @@ class MessageStore:
         """
         if self._closed:  # _check_open, inline: a key lookup is a few microseconds
             self._check_open()
-        return self.reader.query_message(topic, key, max_num, begin, end)  # type: ignore[union-attr]
+        try:  # _closed_under, inline: a key lookup is a few microseconds
+            found = self.reader.query_message(topic, key, max_num, begin, end)  # type: ignore[union-attr]
+        except Exception as exc:
+            if self._closed and not isinstance(exc, StoreClosedError):
+                raise StoreClosedError(f"store {self.root} was closed while query_message ran") from exc
+            raise
+        if self._closed:
+            raise StoreClosedError(f"store {self.root} was closed while query_message ran")
+        return found
 
+    @_closed_under
     def query_messages_arrow(self, queries: Sequence[tuple[str, str]], max_num: int = 64, begin: int = 0,
                              end: int | None = None, *, include_body: bool = True, broker_name: str | None = None):
         """``query_message`` for many ``(topic, key)`` pairs in one call, as a ``pyarrow.RecordBatch`` (the
@@ -1139,12 +1194,14 @@ class MessageStore:
         return self._reader().query_many(queries, max_num, begin, end, include_body=include_body,
                                          broker_name=broker_name)
 
+    @_closed_under
     def query_message_by_uniq_key(self, topic: str, uniq_key: str) -> list[MessageExt]:
         """Messages of ``topic`` whose UNIQ_KEY (the producer's msgId) is ``uniq_key``; a producer
         retry can store one twice."""
         self._check_open()
         return self._reader().query_by_uniq_key(topic, uniq_key)
 
+    @_closed_under
     def view_message_by_id(self, msg_id: str) -> MessageExt:
         """The message with this offset msgId (or UNIQ_KEY). Raises ``MessageNotFoundError`` or
         ``InvalidMessageIdError``."""
@@ -1177,6 +1234,7 @@ class MessageStore:
                                         immediately=immediately,
                                         dispatched=None if dispatcher is None else dispatcher.reput_from_offset)
 
+    @_closed_under
     def look_message_by_offset(self, phy_offset: int, *, decompress: bool = False) -> MessageExt:
         """The message whose record starts at ``phy_offset`` (``lookMessageByOffset``).
 

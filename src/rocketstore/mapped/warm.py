@@ -23,6 +23,7 @@ import errno
 import logging
 import threading
 
+from ..lifecycle import start_thread
 from .file import COPY_LIMIT, WARMED_COPY_LIMIT
 from .file_queue import MappedFileQueue
 
@@ -48,8 +49,7 @@ class WriteAheadWarmer:
         if self.ahead > 0 and self._thread is None:
             # a copy larger than half the lead would reach pages the warmer may not have faulted in yet
             self.files.set_copy_limit(max(COPY_LIMIT, min(WARMED_COPY_LIMIT, self.ahead // 2)))
-            self._thread = threading.Thread(target=self._run, name="rocketstore-warm", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._run, "rocketstore-warm")
 
     def nudge(self, end: int) -> None:
         """An append ended at log offset ``end``: wake the thread once half the warmed lead is used up."""
