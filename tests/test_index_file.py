@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,45 @@ def test_a_kernel_without_populate_advice_still_creates_the_file(tmp_path, monke
     assert index.put_key("T#k", 100, 1_700_000_000_000)
     assert index.select_phy_offsets("T#k", 10, 0, 2_000_000_000_000) == [100]
     index.close()
+
+
+@pytest.mark.parametrize("unnamed", [True, False])
+def test_a_continuing_file_has_its_inherited_header_the_moment_it_has_a_name(tmp_path, monkeypatch, unnamed):
+    """A roll's new file got the offset and time it continues from after it was linked into index/: a kill in
+    between (the 20 MB slot prefault widened it to milliseconds) left a newest file starting at offset 0, and the
+    next open indexed the whole log into it again (about 4 entries per message instead of 2, seen in crash loops)."""
+    import os
+
+    from rocketstore.mapped import file as mapped_file
+
+    seen: list[bytes] = []
+
+    def header_of(path) -> bytes:
+        with open(path, "rb") as f:
+            return f.read(40)
+
+    if unnamed:
+        real_link = mapped_file._link_open_file
+
+        def link(fd, path):
+            real_link(fd, path)
+            seen.append(header_of(path))
+
+        monkeypatch.setattr(mapped_file, "_link_open_file", link)
+    else:
+        monkeypatch.setattr(mapped_file, "_create_unnamed", lambda *args: False)  # a file system without O_TMPFILE
+        real_rename = os.rename
+
+        def rename(src, dst):
+            real_rename(src, dst)
+            seen.append(header_of(dst))
+
+        monkeypatch.setattr(mapped_file.os, "rename", rename)
+    index = IndexFile.create(tmp_path / "20261127000000000", 97, 500, 123_456, 1_700_000_000_000,
+                             staging=tmp_path / "staging")
+    try:
+        assert seen == [struct.pack(">qqqqii", 1_700_000_000_000, 1_700_000_000_000, 123_456, 123_456, 0, 0)]
+        assert (index.begin_phy_offset, index.end_phy_offset) == (123_456, 123_456)
+        assert (index.begin_timestamp, index.end_timestamp) == (1_700_000_000_000, 1_700_000_000_000)
+    finally:
+        index.close()

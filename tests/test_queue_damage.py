@@ -357,3 +357,27 @@ def test_a_live_writers_unit_without_its_size_yet_is_not_called_damage(tmp_path,
         with MessageStore.open(tmp_path, CONFIG, read_only=True) as reader:
             assert every_body(reader, "B") == [f"B-{i}".encode() for i in range(7)]
         assert "has units after it" not in caplog.text
+
+
+def test_a_run_of_units_a_kill_left_without_sizes_is_no_damage(tmp_path, caplog):
+    """``put_queue_units`` writes a run's offsets and tags, then its sizes: a writer SIGKILLed in between leaves units
+    with an offset and size 0 after the last whole one. That is a torn tail, not a hole: the next open ended the
+    queue there and re-dispatched, but logged it as damage (ERROR) and counted a repaired unit."""
+    with MessageStore.open(tmp_path, CONFIG) as writer:
+        for i in range(10):
+            writer.put_message(Message("B", f"B-{i}".encode(), queue_id=0))
+        writer.wait_for_dispatch()
+    path = tmp_path / "consumequeue" / "B" / "0" / f"{0:020d}"
+    with open(path, "r+b") as f:  # units 7, 8 and 9: offsets and tags written, the kill before their sizes
+        for unit in (7, 8, 9):
+            f.seek(unit * 20 + 8)
+            f.write(bytes(4))
+    (tmp_path / "abort").write_text("999999")  # the kill, in a run opened after a clean close at 7 units
+    (tmp_path / "queueEnds.json").write_text('{"version": 1, "ends": {"B": {"0": 7}}}')
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as reader:
+        assert every_body(reader, "B") == [f"B-{i}".encode() for i in range(7)]
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert store.queue_units_repaired == 0
+        store.wait_for_dispatch()
+        assert every_body(store, "B") == [f"B-{i}".encode() for i in range(10)]
+    assert "damage" not in caplog.text

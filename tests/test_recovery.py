@@ -528,3 +528,34 @@ def test_delivery_offsets_past_their_queues_go_back_at_a_writer_open(tmp_path, s
         assert got == want
         with store.consumer("G", "Fresh") as consumer:
             assert [m.body for m in consumer.poll(timeout=2)] == [b"f0"]
+
+
+def test_a_roll_killed_before_the_new_index_files_header_is_written_indexes_nothing_twice(tmp_path, small_config):
+    """A SIGKILL between the rolled index file's creation (zeros, linked into index/) and the header it inherits
+    left a newest file whose endPhyOffset is 0: the next open dispatched the whole log into it again (2 -> ~4
+    entries per message, 3.995 seen) and, until then, a time-bounded key lookup stopped at its begin time 0."""
+    from rocketstore.index.file import index_file_size
+    from rocketstore.index.service import index_file_name, index_name_ms
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        n = 0
+        while not (len(store.index.files) >= 2 and store.index.files[-1].is_write_full()):
+            store.put_message(Message("T", b"x" * 60, keys=[f"k{n}"]))
+            store.wait_for_dispatch()
+            n += 1
+        newest = store.index.files[-1].path.name
+    # what the kill leaves: the next file made and named, zero-filled, its inherited header never written
+    zero = tmp_path / "index" / index_file_name(index_name_ms(newest) + 1)
+    zero.write_bytes(bytes(index_file_size(small_config.max_hash_slot_num, small_config.max_index_num)))
+    crash(tmp_path)
+    start = int(time.time() * 1000) - 3_600_000
+    with MessageStore.open(tmp_path, small_config, read_only=True) as reader:
+        assert [m.keys for m in reader.query_message("T", "k0", begin=start)] == [["k0"]]
+    with MessageStore.open(tmp_path, small_config) as store:
+        entries = sum(index.index_count - 1 for index in store.index.files)  # UNIQ_KEY and one key each
+        assert 2 * n <= entries <= 2 * n + 2  # (+2: an abnormal open puts the last indexed record's keys again)
+        assert [m.keys for m in store.query_message("T", "k0", begin=start)] == [["k0"]]
+        store.put_message(Message("T", b"y", keys=["after"]))
+        store.wait_for_dispatch()
+        assert [m.keys for m in store.query_message("T", "after")] == [["after"]]
+        assert sum(index.index_count - 1 for index in store.index.files) == entries + 2

@@ -63,13 +63,22 @@ StoreTimeLookup = Callable[[int, int], int]
 
 
 HOLE_LOOKAHEAD = 64 << 10  # bytes after a queue's first invalid unit searched for more units (a damaged page)
-_ZEROS = bytes(HOLE_LOOKAHEAD)
 
 
 def _units_follow(buf, start: int, limit: int) -> bool:
-    """Whether any byte of the ``HOLE_LOOKAHEAD`` after ``start`` is not zero: units written past an invalid one."""
+    """Whether a unit with a size is written in the ``HOLE_LOOKAHEAD`` after ``start``: units past an invalid one.
+    Not any non-zero byte: ``put_queue_units`` writes a run's offsets and tags first and its sizes after, in order,
+    so a writer killed in between leaves units with offsets and no size after the first invalid one, and every
+    such open called the queue damaged (an ERROR, and a re-dispatch it did not need beyond the queue's end)."""
     end = min(limit, start + HOLE_LOOKAHEAD)
-    return start < end and buf[start:end] != _ZEROS[: end - start]
+    count = (end - start) // CQ_UNIT_SIZE if start < end else 0
+    if count == 0:
+        return False
+    units = np.frombuffer(buf, dtype=UNIT_DTYPE, count=count, offset=start)
+    try:
+        return bool(np.any(units["size"] != 0))
+    finally:
+        del units  # no export may outlive the call: the mapping may close
 
 
 def _valid_run(buf, count: int) -> tuple[int, int | None]:

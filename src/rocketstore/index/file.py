@@ -86,7 +86,9 @@ class IndexFile:
     @classmethod
     def create(cls, path: str | Path, hash_slot_num: int, index_num: int, end_phy_offset: int = 0,
                end_timestamp: int = 0, *, preallocate: bool = False, staging: Path | None = None) -> IndexFile:
-        """A new zero-filled file; a file that continues a full one inherits its end offset and time.
+        """A new zero-filled file; a file that continues a full one inherits its end offset and time, written
+        before the file gets its name: a roll killed before the header was written left a newest file that said it
+        started at offset 0, and the next open indexed the whole log into it again (every key twice).
 
         ``preallocate`` reserves the blocks up front, so a full disk fails here and not later as a
         SIGBUS on a write into the mapping.
@@ -94,8 +96,10 @@ class IndexFile:
         cls._check_geometry(hash_slot_num, index_num)
         path = Path(path)
         size = index_file_size(hash_slot_num, index_num)
+        begin_phy, begin_ts = max(0, end_phy_offset), max(0, end_timestamp)
+        head = _HEADER.pack(begin_ts, begin_ts, begin_phy, begin_phy, 0, 0) if begin_phy or begin_ts else b""
         try:
-            create_file_atomically(path, size, preallocate=preallocate, staging=staging)
+            create_file_atomically(path, size, preallocate=preallocate, staging=staging, head=head)
             fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
             try:
                 mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
@@ -106,14 +110,7 @@ class IndexFile:
             raise StoreIOError(exc.errno, f"cannot create index file {path}: {exc.strerror}") from exc
         if preallocate:
             _populate(mm, INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE)
-        index = cls(path, hash_slot_num, index_num, mm, fd, read_only=False)
-        if end_phy_offset > 0:
-            index._set_i64(_BEGIN_PHY, end_phy_offset)
-            index._set_i64(_END_PHY, end_phy_offset)
-        if end_timestamp > 0:
-            index._set_i64(_BEGIN_TS, end_timestamp)
-            index._set_i64(_END_TS, end_timestamp)
-        return index
+        return cls(path, hash_slot_num, index_num, mm, fd, read_only=False)
 
     @classmethod
     def open(cls, path: str | Path, hash_slot_num: int, index_num: int, *, read_only: bool = False) -> IndexFile:

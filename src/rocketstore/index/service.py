@@ -174,6 +174,20 @@ class IndexService:
                     return
                 self.damaged.append(name)
                 self.load_errors[name] = exc
+        if len(self.files) > 1 and self.files[-1].index_count <= 1 \
+                and self.files[-1].end_phy_offset < self.files[-2].end_phy_offset:
+            # a roll killed between linking its new file (zeros) and writing the offset and time it inherits: its
+            # header says it starts at offset 0 and time 0, so an open's dispatch indexed the whole log again into
+            # it (every key twice) and a time-bounded lookup stopped at it. Nothing was ever put in it: it goes, as
+            # an empty newest file does (a reader only stops using it); the next put rolls again
+            stale = self.files[-1]
+            self.files = self.files[:-1]
+            if self.read_only:
+                stale.close()
+            else:
+                stale.destroy()
+                log.info("deleted the newest index file %s: made by a roll, never written (its header is zero)",
+                         stale.path.name)
         if not self.read_only and self.files and self.config.preallocate:  # the one file a writer stores into
             reserve_blocks(self.files[-1].path, index_file_size(self.hash_slot_num, self.index_num))
 

@@ -647,7 +647,7 @@ def fsync_file(fd: int, path: Path) -> None:
 _NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.EACCES, errno.EPERM)
 
 
-def _create_unnamed(path: Path, size: int, preallocate: bool, flags: int) -> bool:
+def _create_unnamed(path: Path, size: int, preallocate: bool, flags: int, head: bytes) -> bool:
     """The O_TMPFILE way; False (and nothing created) where the file system or /proc cannot do it."""
     tmpfile = getattr(os, "O_TMPFILE", 0)
     if not tmpfile:
@@ -660,6 +660,8 @@ def _create_unnamed(path: Path, size: int, preallocate: bool, flags: int) -> boo
         raise
     try:
         allocate(fd, size, preallocate)
+        if head:
+            pwrite_all(fd, head)
         fsync_file(fd, path)
         try:
             _link_open_file(fd, path)
@@ -675,8 +677,10 @@ def _create_unnamed(path: Path, size: int, preallocate: bool, flags: int) -> boo
     return True
 
 
-def create_file_atomically(path: Path, size: int, *, preallocate: bool, staging: Path | None = None) -> None:
-    """Create ``path`` zero-filled with ``size`` bytes, fsynced, so that no other name ever appears beside it.
+def create_file_atomically(path: Path, size: int, *, preallocate: bool, staging: Path | None = None,
+                           head: bytes = b"") -> None:
+    """Create ``path`` zero-filled with ``size`` bytes (``head`` at its start), fsynced, so that no other name ever
+    appears beside it, and no process killed or machine stopped ever leaves it without its ``head``.
 
     RocketMQ parses every name in ``commitlog/``, ``consumequeue/<topic>/<queue>/`` and ``index/`` as a
     number or an index file, so a ``<name>.tmp`` left there by a kill stops a broker from loading the
@@ -685,7 +689,7 @@ def create_file_atomically(path: Path, size: int, *, preallocate: bool, staging:
     file system) and renamed. The directory entry is fsynced either way.
     """
     flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
-    if _create_unnamed(path, size, preallocate, flags):
+    if _create_unnamed(path, size, preallocate, flags, head):
         fsync_dir(path.parent)
         return
     where = staging if staging is not None else path.parent
@@ -695,6 +699,8 @@ def create_file_atomically(path: Path, size: int, *, preallocate: bool, staging:
         fd = os.open(tmp, flags | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             allocate(fd, size, preallocate)
+            if head:
+                pwrite_all(fd, head)
             fsync_file(fd, path)
         finally:
             os.close(fd)
