@@ -691,3 +691,55 @@ def test_an_open_that_cannot_start_a_thread_fails_typed_and_leaves_nothing_runni
     assert left == []
     with MessageStore.open(root, config) as store:  # not locked, and the message is there
         assert [m.body for m in store.get_message("T", 0, 0).messages] == [message(0).body]
+
+
+@pytest.mark.parametrize("command", ["topic create", "topic delete", "reset-offset"])
+def test_a_config_change_whose_directory_fsync_failed_exits_3_as_stored(tmp_path, failing_dir_fsync, command):
+    """The file was renamed into place with the change and only its directory's fsync failed: the commands exited 1
+    ("nothing changed") while topics.json or consumerOffset.json had the change (the ops review)."""
+    from test_cli import cli
+
+    with MessageStore.open(tmp_path, SYNC) as store:
+        store.put_message(message(0))
+        store.commit_offset("g", "T", 0, 1)
+    args = {"topic create": ["topic", "create", "-t", "NewTopic", "-w", "3"],
+            "topic delete": ["topic", "delete", "-t", "T"],
+            "reset-offset": ["reset-offset", "-g", "g", "-t", "T", "-s", "earliest"]}[command]
+    failing_dir_fsync.add("config")
+    done = cli(*args, "--store", str(tmp_path), "--max-hash-slot-num", "97", "--max-index-num", "400", check=False)
+    failing_dir_fsync.clear()
+    assert done.returncode == 3, done.stderr
+    assert "the change is in config/" in done.stderr and "Traceback" not in done.stderr
+    with MessageStore.open(tmp_path, SYNC, read_only=True) as store:
+        if command == "topic create":
+            assert store.topic_config.get("NewTopic").write_queue_nums == 3
+        elif command == "topic delete":
+            assert store.topic_config.get("T") is None
+        else:
+            assert store.query_offset("g", "T", 0) == 0
+
+
+def test_a_reset_whose_write_failed_is_not_written_later(tmp_path, monkeypatch):
+    """reset_offset raised when consumerOffset.json could not be written, but the reset stayed in memory and the
+    store's close (or the next persist) wrote it: the command said it failed, the store did it anyway (the ops
+    review). The group's previous offsets come back instead."""
+    from rocketstore import brokerconfig
+
+    with MessageStore.open(tmp_path, SYNC) as store:
+        for i in range(4):
+            store.put_message(message(i))
+        store.commit_offset("g", "T", 0, 2)
+        store.commit_offset("g", "T", 1, 1)
+        store.consumer_offsets.persist()
+        real = brokerconfig.persist_text
+
+        def failing(path, text, schema=brokerconfig.free):
+            raise StoreIOError(errno.EIO, f"cannot write {path}: Input/output error")
+
+        monkeypatch.setattr(brokerconfig, "persist_text", failing)
+        with pytest.raises(StoreIOError, match="cannot write"):
+            store.reset_offset("g", "T", "earliest")
+        assert (store.query_offset("g", "T", 0), store.query_offset("g", "T", 1)) == (2, 1)
+        monkeypatch.setattr(brokerconfig, "persist_text", real)
+    with MessageStore.open(tmp_path, SYNC, read_only=True) as store:
+        assert (store.query_offset("g", "T", 0), store.query_offset("g", "T", 1)) == (2, 1)

@@ -6,6 +6,7 @@ The crash loop (SIGKILL at random moments) is tests/test_crash.py.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -707,3 +708,39 @@ def test_verify_finds_index_header_times_that_hide_keys_from_time_windows(tmp_pa
             assert [m.commit_log_offset for m in store.query_message(f"T{i % 3}", f"k{i}", begin=window[0],
                                                                      end=window[1])] == [results[i].commit_log_offset]
     assert verify_store(tmp_path / "s", CONFIG).clean
+
+
+def test_a_rebuild_swap_that_fails_is_typed_said_by_read_only_views_and_finished_by_the_next_open(
+        tmp_path, monkeypatch, caplog):
+    """A rename of the swap that failed raised a bare OSError from ``rebuild`` (the ops review); and until a writer
+    finished the swap, a read-only open served a store with no queues and verify counted every message missing
+    from its queue, with no word of the pending swap."""
+    from rocketstore import swap
+    from rocketstore.rebuild import rebuild
+
+    root = tmp_path / "s"
+    results = build(root, 60)
+    real_rename = os.rename
+    calls = []
+
+    def rename(src, dst):  # the old consumequeue/ goes aside, then the new one fails to go in
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(swap.os, "rename", rename)
+    with pytest.raises(StoreIOError, match=r"cannot finish the rebuild swap .* next writer's open"):
+        rebuild(root, config=CONFIG)
+    monkeypatch.setattr(swap.os, "rename", real_rename)
+    report = verify_store(root, CONFIG)
+    assert report.pending_swap is not None and "rebuild-" in report.pending_swap
+    with caplog.at_level(logging.WARNING), MessageStore.open(root, CONFIG, read_only=True):
+        pass
+    assert "a rebuild stopped while swapping" in caplog.text
+    with MessageStore.open(root, CONFIG) as store:  # the writer's open finishes the swap
+        assert [m.body for m in store.get_message("T0", 0, 0, 100).messages] == \
+            [body_of(i) for i in range(0, 60, 6)]
+        assert [m.commit_log_offset for m in store.query_message("T1", "k1")] == [results[1].commit_log_offset]
+    report = verify_store(root, CONFIG)
+    assert report.clean and report.pending_swap is None

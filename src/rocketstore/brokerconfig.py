@@ -682,6 +682,27 @@ class ConsumerOffsetManager(OffsetTable):
             self.table.setdefault(key, {})[queue_id] = offset
             self.dirty = True
 
+    def reset(self, group: str, topic: str, offsets: dict[int, int]) -> None:
+        """Commit a reset's offset of every queue and write the file at once. A write that fails puts the group's
+        previous offsets back: left in memory, the store's close (or the next persist) wrote the reset that the
+        command had reported failed. A directory fsync that fails (``FlushError``) keeps it: the file has it."""
+        key = f"{topic}{TOPIC_GROUP_SEPARATOR}{group}"
+        with self._lock:
+            before = dict(self.table[key]) if key in self.table else None
+        for queue_id, offset in offsets.items():
+            self.commit(group, topic, queue_id, offset)
+        try:
+            self.persist(force=True)
+        except FlushError:
+            raise
+        except BaseException:
+            with self._lock:
+                if before is None:
+                    self.table.pop(key, None)
+                else:
+                    self.table[key] = before
+            raise
+
     def query(self, group: str, topic: str, queue_id: int) -> int:
         """The committed offset, or -1 when the group never committed one for this queue."""
         return self.table.get(f"{topic}{TOPIC_GROUP_SEPARATOR}{group}", {}).get(queue_id, -1)

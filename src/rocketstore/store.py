@@ -76,7 +76,7 @@ from .recovery import RecoveryReport, recover_commit_log
 from .retention import RetentionReport, delete_expired_files
 from .schedule import ScheduleMessageService
 from .sqlfilter import SqlFilter
-from .swap import finish_staged
+from .swap import finish_staged, pending_swap
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,11 @@ class MessageStore:
             if not (self.root / "commitlog").is_dir():
                 raise StoreNotFoundError(f"{self.root} holds no store (no commitlog directory)")
             check_geometry(self.root / "index", self.config.max_hash_slot_num, self.config.max_index_num)
+            staged = pending_swap(self.root / STAGING_DIR)
+            if staged is not None:
+                log.warning("a rebuild stopped while swapping its new consume queues and index in (%s): the next "
+                            "writer's open finishes the swap; until then this read-only view serves the files as "
+                            "they are (queues or index may be missing)", staged)
         else:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -1078,9 +1083,8 @@ class MessageStore:
                 offsets[queue_id] = self.get_max_offset_in_queue(topic, queue_id)
             else:
                 offsets[queue_id] = self.get_offset_in_queue_by_time(topic, queue_id, int(to))
-            self.consumer_offsets.commit(group, topic, queue_id, offsets[queue_id])
+        self.consumer_offsets.reset(group, topic, offsets)
         self._offset_resets[(group, topic)] += 1  # again: a consumer that followed the first saw the old offsets
-        self.consumer_offsets.persist(force=True)
         return offsets
 
     def flush(self) -> int:

@@ -57,7 +57,30 @@ def mark_complete(build: Path, root: Path, names: list[str], aside: Path) -> Non
 
 def swap_in(build: Path, root: Path) -> list[str]:
     """Finish the swap ``build``'s marker describes (idempotent); returns where old directories went. The staging
-    directory goes last."""
+    directory goes last. A rename or marker that fails is a ``StoreIOError``; the marker stays, so the next writer's
+    open (or rebuild) finishes the swap."""
+    try:
+        return _swap_in(build, root)
+    except StoreIOError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise StoreIOError(getattr(exc, "errno", None) or errno.EIO,
+                           f"cannot finish the rebuild swap of {build}: {exc}; the rebuilt set is complete, and the "
+                           "next writer's open (or rebuild) finishes the swap") from exc
+
+
+def pending_swap(staging: Path) -> Path | None:
+    """A complete rebuild whose swap a kill or a failure interrupted (its marker written), if any. Until a writer's
+    open finishes it, the store's queues or index may be missing: read-only views and verify say why."""
+    try:
+        builds = sorted(e.path for e in os.scandir(staging) if e.name.startswith(REBUILD_PREFIX)
+                        and e.is_dir(follow_symlinks=False))
+    except OSError:
+        return None
+    return next((Path(b) for b in builds if os.path.exists(os.path.join(b, SWAP_FILE))), None)
+
+
+def _swap_in(build: Path, root: Path) -> list[str]:
     names, aside_name = _read_marker(build / SWAP_FILE)
     aside = root / aside_name
     moved = []
@@ -116,11 +139,7 @@ def finish_staged(staging: Path, root: Path) -> None:
     for entry in entries:
         build = Path(entry.path)
         if (build / SWAP_FILE).exists():
-            try:
-                swap_in(build, root)
-            except (OSError, ValueError, KeyError) as exc:
-                raise StoreIOError(getattr(exc, "errno", None) or errno.EIO,
-                                   f"cannot finish the rebuild swap of {build}: {exc}") from exc
+            swap_in(build, root)
         else:
             with contextlib.suppress(OSError):
                 shutil.rmtree(build)

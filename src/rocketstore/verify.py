@@ -62,9 +62,10 @@ from .index.bulk import index_key_hashes
 from .index.file import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
 from .index.service import IndexService, build_key, chain_problem_at, index_keys
 from .lifecycle import ABORT_FILE, is_locked
-from .mapped.file import MappedFile, parse_segment_name
+from .mapped.file import STAGING_DIR, MappedFile, parse_segment_name
 from .message import SysFlag
 from .recovery import last_nonzero_end, recovered_log_end
+from .swap import pending_swap
 
 Progress = Callable[[str, int, int], None]
 _NOT_LIVE = 1 << 62  # a frontier past any offset: on a dead store every record must be in place
@@ -99,6 +100,7 @@ class VerifyReport:
     not_dispatched: int = 0  # records past the queues' frontier missing from their queue
     not_indexed: int = 0  # records past the index's newest entry with keys not indexed
     unfinished_bytes: int = 0  # unclean: bytes of an append the dead writer did not finish, after the log's end
+    pending_swap: str | None = None  # a rebuild whose swap was interrupted: the queues and index checked are the old
     problem_count: int = 0  # every problem found, also those past ``max_problems``
     not_checked: list[str] = field(default_factory=list)  # a broker's data this store leaves alone (brokerlayout)
     max_problems: int = field(default=10_000, repr=False)
@@ -169,6 +171,8 @@ def verify_store(root: str | Path, config: StoreConfig, *, progress: Progress | 
     if report.live:
         snapshot = _Snapshot(report.log_end, min(report.log_end, _queue_frontier(root, config)))
     report.unclean = not report.live and (root / ABORT_FILE).exists()
+    staged = pending_swap(root / STAGING_DIR)
+    report.pending_swap = None if staged is None else str(staged)
     commit_log = CommitLog(root, config, read_only=True)
     commit_log.load()  # every segment, in full: verify looks past the recovered end too
     try:

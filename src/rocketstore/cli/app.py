@@ -211,6 +211,26 @@ class ChangedButNotClosed(Failure):
     exit_code = 3
 
 
+class ChangedButNotSynced(Failure):
+    """A config file was replaced with the change, and only the fsync of its directory failed: exit code 3, as a
+    change that is stored (exit 1 said nothing changed, while the file had the new topic or offsets)."""
+
+    exit_code = 3
+
+
+@contextlib.contextmanager
+def config_change(name: str) -> Iterator[None]:
+    """A command's change to ``config/<name>``: a failed directory fsync after it (``FlushError``) is said as
+    stored, exit 3."""
+    from ..errors import FlushError
+
+    try:
+        yield
+    except FlushError as exc:
+        raise ChangedButNotSynced(f"the change is in config/{name}, but syncing its directory failed ({exc}): it may "
+                                  "not survive a power loss until the file is written again") from None
+
+
 def _remove_what_was_added(root: Path, existed: bool, before: set[str]) -> None:
     if not root.is_dir() or any((root / "commitlog").glob("[0-9]*")):
         return
@@ -868,6 +888,10 @@ def verify(as_json, **kwargs) -> None:
                 lag += (f"{';' if lag else ':'} {report.unfinished_bytes} bytes after the log's end are an append "
                         "the writer did not finish, which a writer's next open zeroes (kept in recovery/)")
             click.echo(f"store was not closed (abort file, no writer){lag}", err=as_json)
+        if report.pending_swap:
+            click.echo(f"a rebuild stopped while swapping its new consume queues and index in ({report.pending_swap}):"
+                       " a writer's next open (or rebuild) finishes the swap; the queues and index checked here are "
+                       "what is in place until then", err=as_json)
         for note in report.not_checked:
             click.echo(f"not checked: {note}", err=as_json)
         shown = "" if len(report.problems) == report.problem_count else f" (the first {len(report.problems)} listed)"
@@ -930,7 +954,7 @@ def topic_list(as_json, **kwargs) -> None:
 def topic_create(name, write_queues, read_queues, **kwargs) -> None:
     """Create or update a topic."""
     root, config = config_for(**_store_args(kwargs), must_exist=False)
-    with writer_store(root, config) as store:
+    with writer_store(root, config) as store, config_change("topics.json"):
         store.create_topic(name, write_queues, read_queues=read_queues)
         click.echo(f"create topic {name}: {write_queues} write queues, {read_queues or write_queues} read queues")
 
@@ -942,7 +966,7 @@ def topic_create(name, write_queues, read_queues, **kwargs) -> None:
 def topic_delete(name, **kwargs) -> None:
     """Remove a topic from config/topics.json (its messages stay until retention removes them)."""
     root, config = config_for(**_store_args(kwargs))
-    with writer_store(root, config) as store:
+    with writer_store(root, config) as store, config_change("topics.json"):
         if not store.delete_topic(name):
             raise Failure(f"topic {name} is not configured")
         click.echo(f"delete topic {name}")
@@ -1023,7 +1047,8 @@ def reset_offset(group, topic_name, timestamp, **kwargs) -> None:
     with writer_store(root, config) as store:
         if not store.queue_ids(topic_name) and store.topic_config.get(topic_name) is None:
             raise Failure(f"topic {topic_name} does not exist in this store")
-        offsets = store.reset_offset(group, topic_name, target)
+        with config_change("consumerOffset.json"):
+            offsets = store.reset_offset(group, topic_name, target)
         click.echo(f"{'#QID':<6}{'#Offset':>12}")
         for queue_id, offset in offsets.items():
             click.echo(f"{queue_id:<6}{offset:>12}")
