@@ -213,3 +213,27 @@ def test_a_continuing_file_has_its_inherited_header_the_moment_it_has_a_name(tmp
         assert (index.begin_timestamp, index.end_timestamp) == (1_700_000_000_000, 1_700_000_000_000)
     finally:
         index.close()
+
+
+def test_an_open_index_file_holds_one_descriptor_and_none_once_closed(tmp_path):
+    """Each index file held its own descriptor beside the one its mapping keeps: two per file. A store with many small
+    index files reached EMFILE at 20,000 descriptors in the crash review."""
+    import os
+
+    def held(path) -> int:
+        return sum(1 for fd in os.listdir("/proc/self/fd") if _link(fd) == str(path))
+
+    def _link(fd: str) -> str:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return ""
+
+    made = IndexFile.create(tmp_path / "20261127000000000", 97, 500)
+    assert held(made.path) == 1
+    made.close()
+    assert held(made.path) == 0
+    opened = IndexFile.open(made.path, 97, 500, read_only=True)
+    assert held(made.path) == 1
+    opened.close()
+    assert held(made.path) == 0

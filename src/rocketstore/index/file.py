@@ -59,14 +59,12 @@ def index_file_size(hash_slot_num: int, index_num: int) -> int:
 class IndexFile:
     """A mapped index file. Create with ``IndexFile.create``, reopen with ``IndexFile.open``."""
 
-    def __init__(self, path: Path, hash_slot_num: int, index_num: int, mm: mmap.mmap, fd: int,
-                 read_only: bool) -> None:
+    def __init__(self, path: Path, hash_slot_num: int, index_num: int, mm: mmap.mmap, read_only: bool) -> None:
         self.path = Path(path)
         self.hash_slot_num = hash_slot_num
         self.index_num = index_num
         self.read_only = read_only
         self._mm: mmap.mmap | None = mm
-        self._fd = fd
         self._array = None  # the mapping as a read-only numpy array, made on the first compiled walk
         self._entries_at = INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE
         (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
@@ -103,14 +101,13 @@ class IndexFile:
             fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
             try:
                 mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
-            except BaseException:
-                os.close(fd)
-                raise
+            finally:
+                os.close(fd)  # the mapping holds its own descriptor: one per index file, not two
         except OSError as exc:
             raise StoreIOError(exc.errno, f"cannot create index file {path}: {exc.strerror}") from exc
         if preallocate:
             _populate(mm, INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE)
-        return cls(path, hash_slot_num, index_num, mm, fd, read_only=False)
+        return cls(path, hash_slot_num, index_num, mm, read_only=False)
 
     @classmethod
     def open(cls, path: str | Path, hash_slot_num: int, index_num: int, *, read_only: bool = False) -> IndexFile:
@@ -128,10 +125,9 @@ class IndexFile:
                 raise CorruptDataError(f"index file is {actual} bytes; {hash_slot_num} slots and {index_num} "
                                        f"entries need {size}", str(path))
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(path, hash_slot_num, index_num, mm, fd, read_only)
+        finally:
+            os.close(fd)  # the mapping holds its own descriptor: one per index file, not two
+        return cls(path, hash_slot_num, index_num, mm, read_only)
 
     # --- header -------------------------------------------------------------------------------
 
@@ -270,8 +266,8 @@ class IndexFile:
 
     def close(self) -> None:
         self._array = None  # the view would keep the mapping from closing
-        close_mapping(self._mm, self._fd)
-        self._mm, self._fd = None, -1
+        close_mapping(self._mm, -1)
+        self._mm = None
 
     def destroy(self) -> None:
         self.close()
