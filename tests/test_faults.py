@@ -743,3 +743,38 @@ def test_a_reset_whose_write_failed_is_not_written_later(tmp_path, monkeypatch):
         monkeypatch.setattr(brokerconfig, "persist_text", real)
     with MessageStore.open(tmp_path, SYNC, read_only=True) as store:
         assert (store.query_offset("g", "T", 0), store.query_offset("g", "T", 1)) == (2, 1)
+
+
+def test_a_segment_retention_cannot_unlink_is_a_typed_error_and_deleted_on_the_next_pass(tmp_path, monkeypatch):
+    """One failed unlink raised a bare OSError and stopped the loop: every later doomed segment stayed mapped and on
+    disk, out of the log and never deleted again, and the queues' and index's files of the range were never cleaned
+    (the consumer-and-faults review). The other segments go; the failed one is unlinked by the next pass."""
+    from pathlib import Path as _Path
+
+    config = StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 20)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(300):
+            store.put_message(Message("T", b"body-%04d" % i, queue_id=0))
+        store.wait_for_dispatch()
+        segments = sorted((tmp_path / "commitlog").iterdir())
+        queue_files = len(list((tmp_path / "consumequeue" / "T" / "0").iterdir()))
+        victim = segments[1]
+        real_unlink = _Path.unlink
+        refused = []
+
+        def unlink(self, missing_ok=False):
+            if self == victim and not refused:
+                refused.append(self)
+                raise OSError(errno.EIO, "Input/output error")
+            return real_unlink(self, missing_ok=missing_ok)
+
+        monkeypatch.setattr(_Path, "unlink", unlink)
+        far = 10 ** 13
+        with pytest.raises(StoreIOError, match=r"cannot delete .*1 of \d+ files"):
+            store.delete_expired_files(now_ms=far, immediately=True)
+        on_disk = sorted((tmp_path / "commitlog").iterdir())
+        assert on_disk == [victim, segments[-1]]  # every other doomed segment went
+        assert len(list((tmp_path / "consumequeue" / "T" / "0").iterdir())) < queue_files  # queues followed
+        store.delete_expired_files(now_ms=far, immediately=True)  # the next pass unlinks it
+        assert sorted((tmp_path / "commitlog").iterdir()) == [segments[-1]]
+        assert store.get_message("T", 0, store.get_min_offset_in_queue("T", 0), 1).messages

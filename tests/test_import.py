@@ -572,3 +572,36 @@ def test_topics_are_made_for_the_whole_dataset_before_a_row_is_stored_and_a_resu
         assert store.topic_config.get("T").write_queue_nums == 13
         assert sorted((m.topic, m.queue_id) for m in store.iter_messages()) == sorted(
             [("T", q) for q in (0, 1, 2, 3, 11, 12)] + [("U", 20)])
+
+
+def test_a_disk_failure_mid_batch_does_not_say_its_rows_are_not_stored(tmp_path, monkeypatch):
+    """A table over several segments is one append per segment: a disk failure at the second kept the first's rows.
+    The error said the whole batch was not stored and named --from-row at its first row, which stored those rows
+    twice (216 duplicates in the consumer-and-faults review). It says some may be stored and to run the same import
+    again, which goes on from the first row the store does not hold."""
+    import errno as _errno
+
+    from rocketstore.errors import StoreIOError
+
+    rows = [f"row {i}".encode() for i in range(200)]
+    for n in range(2):
+        write(tmp_path / "d" / f"part-{n}.parquet", topic=["Imp"] * 100, body=rows[n * 100:n * 100 + 100])
+    monkeypatch.setattr(importing, "IMPORT_CHUNK_ROWS", 64)
+    real_put, calls = MessageStore.put_batch, []
+
+    def half_then_fail(store, table, **options):
+        calls.append(table.num_rows)
+        if len(calls) == 2:  # the first 10 rows reach the log, then the disk fails
+            real_put(store, table.slice(0, 10), **options)
+            raise StoreIOError(_errno.EIO, "fsync of directory commitlog failed: Input/output error")
+        return real_put(store, table, **options)
+
+    monkeypatch.setattr(MessageStore, "put_batch", half_then_fail)
+    with pytest.raises(StoreIOError) as failed:
+        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    text = str(failed.value)
+    assert "some of these rows may be stored" in text and "without --from-row" in text and "not stored" not in text
+    assert failed.value.errno == _errno.EIO
+    monkeypatch.setattr(MessageStore, "put_batch", real_put)
+    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert [m.body for m in stored(tmp_path / "s")] == rows  # each row once

@@ -14,6 +14,7 @@ first: an export -> import round trip through its plain order reordered queues).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -38,6 +39,7 @@ from .errors import (
     MessageTooLargeError,
     RocketStoreError,
     StoredButNotClosedError,
+    StoreIOError,
 )
 from .importjournal import ImportJournal, ImportProgress, describe_source, rows_stored
 from .message import SysFlag
@@ -373,6 +375,11 @@ def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: P
         first = report.skipped + report.rows  # rows are named by their place in the dataset
         where = (f"row {first + int(found[1])}: {text[found.end():]}" if found else
                  f"rows {first}..{first + table.num_rows - 1}: {text}")
+        if isinstance(exc, StoreIOError):  # the disk, not a row: a table over several segments may have kept a prefix
+            where = f"rows {first}..{first + table.num_rows - 1}: {exc.strerror or text}"
+            raise type(exc)(exc.errno or errno.EIO, f"{where} (some of these rows may be stored: run the same import "
+                            "again, without --from-row, and it goes on from the first row the store does not "
+                            "hold)") from exc
         if not first:
             raise type(exc)(f"{where} (nothing imported)") from exc
         raise type(exc)(f"{where} (rows {first}..{first + table.num_rows - 1} not stored, the {first} before them "

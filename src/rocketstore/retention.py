@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import ConsumeQueueTable
+from .errors import StoreIOError
 from .index.service import IndexService
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
     past ``dispatched`` (the dispatcher's read position; the caller holds dispatch paused) are kept."""
     now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     report = RetentionReport()
+    still = commit_log.mapped_files.retry_undeleted()
+    if still is not None:  # said, and the pass goes on: the segments it deletes now are others
+        log.error("retention could not delete a segment it had given up on again: %s", still)
     if not commit_log.mapped_files.files:
         return report
     ratio = disk_used_ratio(commit_log.directory) if used_ratio is None else used_ratio
@@ -75,7 +79,12 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
         if not doomed:
             return report
         report.commit_log_files = [m.path.name for m in files[:doomed]]
-        commit_log.mapped_files.delete_first(doomed)
+        try:
+            commit_log.mapped_files.delete_first(doomed)
+        except StoreIOError as exc:  # the log starts after them all the same: queues and index follow, then it says
+            failed = exc
+        else:
+            failed = None
     new_min = commit_log.min_offset
     for queue in list(queues.queues.values()):
         with queue.lock:
@@ -83,4 +92,6 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
     if index is not None:
         report.index_files = index.delete_expired(new_min)
     log.info("retention deleted %s (disk %.0f%% used)", report.commit_log_files, ratio)
+    if failed is not None:
+        raise failed
     return report

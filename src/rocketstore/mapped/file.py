@@ -292,8 +292,12 @@ class MappedFile:
         with self._budget.map_lock if self._budget is not None else contextlib.nullcontext():
             self._deleted = True  # before the unmap: a reader that fails on the closed mapping learns why
             self.close()
-        with contextlib.suppress(FileNotFoundError):
+        try:
             self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot delete {self.path}: {exc.strerror}") from exc
 
     def __repr__(self) -> str:
         return f"MappedFile({self.path.name}, wrote={self.wrote_position}, flushed={self.flushed_position})"

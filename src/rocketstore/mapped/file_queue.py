@@ -31,6 +31,7 @@ class MappedFileQueue:
         self.foreign: list[str] = []  # names in the directory that are not segments (not loaded)
         self._starts: list[int] = []
         self.flushed_where = 0
+        self.undeleted: list[Path] = []  # segments retention gave up but could not unlink: tried again
         self.copy_limit = COPY_LIMIT  # each file's (MappedFile.write): raised while a warmer works ahead
 
     def set_copy_limit(self, limit: int) -> None:
@@ -230,16 +231,45 @@ class MappedFileQueue:
         self.flushed_where = min(self.flushed_where, offset) if self.flushed_where else offset
 
     def delete_first(self, count: int) -> list[MappedFile]:
-        """Remove the ``count`` oldest segments (retention); never the last one."""
+        """Remove the ``count`` oldest segments (retention); never the last one. A segment whose unlink fails stays
+        out of the log (readers find it being removed, as in RocketMQ) and is unlinked again by the next pass
+        (``retry_undeleted``); the others go all the same, and the first failure is raised after them. One failed
+        unlink used to stop the loop, leaving every later segment mapped and on disk, never deleted again."""
         count = min(count, len(self.files) - 1)
         gone = self.files[:count]
         self.files = self.files[count:]  # out of the lists first: a read that starts now never meets them
         self._starts = self._starts[count:]
+        failed: list[StoreIOError] = []
         for mapped in gone:
-            mapped.destroy()
+            try:
+                mapped.destroy()
+            except StoreIOError as exc:
+                self.undeleted.append(mapped.path)
+                failed.append(exc)
         if gone:
             fsync_dir(self.directory)
+        if failed:
+            raise StoreIOError(failed[0].errno, f"{failed[0]} ({len(failed)} of {len(gone)} files; retention "
+                                                "deletes them again on its next pass)")
         return gone
+
+    def retry_undeleted(self) -> StoreIOError | None:
+        """Unlink the segments an earlier retention pass could not; the error of one that still fails, if any."""
+        left = []
+        error = None
+        for path in self.undeleted:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                left.append(path)
+                error = error or StoreIOError(exc.errno, f"cannot delete {path}: {exc.strerror}")
+        done = len(self.undeleted) - len(left)
+        self.undeleted = left
+        if done:
+            fsync_dir(self.directory)
+        return error
 
     def destroy(self) -> None:
         for mapped in self.files:
