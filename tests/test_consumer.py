@@ -241,6 +241,35 @@ def test_a_reset_is_not_undone_by_an_open_consumers_next_commit(tmp_path):
             assert [store.query_offset("G", "Orders", q) for q in range(4)] == [10, 10, 10, 10]
 
 
+def test_a_reset_in_another_thread_between_a_commits_check_and_its_write_is_not_undone(tmp_path):
+    """The consumer checked for a reset and then committed; a reset from another thread landing between the two was
+    overwritten by the old positions, and persisted (30 of 200 rounds in the consumer-and-faults review's race). The
+    check and the write are one step now: the reset waits for the commit and wins."""
+    import threading
+
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        fill(store, 40)
+        store.wait_for_dispatch()
+        with store.consumer("G", "Orders", auto_commit=False) as consumer:
+            assert len(consumer.poll(timeout=1, max_msgs=100)) == 40
+            real_follow = consumer._follow_reset
+            resets: list[dict] = []
+            reset = threading.Thread(target=lambda: resets.append(store.reset_offset("G", "Orders", "earliest")))
+
+            def follow_then_reset():
+                real_follow()
+                reset.start()
+                reset.join(0.5)  # without the fix the reset finishes here, before the commit writes
+
+            consumer._follow_reset = follow_then_reset
+            consumer.commit()
+            reset.join(10)
+            assert len(resets) == 1 and set(resets[0].values()) == {0}
+            assert [store.query_offset("G", "Orders", q) for q in range(4)] == [0, 0, 0, 0]
+    with MessageStore.open(tmp_path, CONFIG, read_only=True) as store:
+        assert [store.query_offset("G", "Orders", q) for q in range(4)] == [0, 0, 0, 0]
+
+
 def test_an_unreadable_record_is_skipped_in_the_open(tmp_path, caplog):
     """A record whose body fails its CRC is skipped by reads (RocketMQ skips what it cannot read), but no longer
     silently: the result and the consumer name it, and it is logged as an error."""

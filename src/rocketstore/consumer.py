@@ -188,12 +188,13 @@ class Consumer:
     def _commit_processed(self) -> None:
         if self.store.read_only:
             raise ReadOnlyStoreError("a read-only store cannot commit consumer offsets")
-        self._follow_reset()
-        if not self._processed:
-            return
-        self.store._check_open(write=True)
-        for queue_id, offset in self._processed.items():
-            self.store.consumer_offsets.commit(self.group, self.topic, queue_id, offset)
+        with self.store.offsets_lock:  # no reset between the check and the commit
+            self._follow_reset()
+            if not self._processed:
+                return
+            self.store._check_open(write=True)
+            for queue_id, offset in self._processed.items():
+                self.store.consumer_offsets.commit(self.group, self.topic, queue_id, offset)
         self._processed.clear()
 
     def seek(self, queue_id: int, offset: int) -> None:

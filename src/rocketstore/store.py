@@ -179,6 +179,9 @@ class MessageStore:
         self.schedule: ScheduleMessageService | None = None
         self._topic_lock = threading.Lock()
         self._offset_resets: dict[tuple[str, str], int] = {}
+        # a reset and a consumer's commit, each whole: a commit that checked for resets before one and wrote after it
+        # undid the reset for good
+        self.offsets_lock = threading.Lock()
         self.index: IndexService | None = None
         self.flusher: CommitLogFlusher | None = None
         self.dispatcher: Dispatcher | None = None
@@ -1075,16 +1078,17 @@ class MessageStore:
         if config is not None:
             queue_ids.update(range(config.read_queue_nums))
         offsets = {}
-        self._offset_resets[(group, topic)] = self._offset_resets.get((group, topic), 0) + 1
-        for queue_id in sorted(queue_ids):
-            if to == "earliest":
-                offsets[queue_id] = self.get_min_offset_in_queue(topic, queue_id)
-            elif to == "latest":
-                offsets[queue_id] = self.get_max_offset_in_queue(topic, queue_id)
-            else:
-                offsets[queue_id] = self.get_offset_in_queue_by_time(topic, queue_id, int(to))
-        self.consumer_offsets.reset(group, topic, offsets)
-        self._offset_resets[(group, topic)] += 1  # again: a consumer that followed the first saw the old offsets
+        with self.offsets_lock:  # a consumer's commit lands wholly before the reset (overwritten) or after (follows)
+            self._offset_resets[(group, topic)] = self._offset_resets.get((group, topic), 0) + 1
+            for queue_id in sorted(queue_ids):
+                if to == "earliest":
+                    offsets[queue_id] = self.get_min_offset_in_queue(topic, queue_id)
+                elif to == "latest":
+                    offsets[queue_id] = self.get_max_offset_in_queue(topic, queue_id)
+                else:
+                    offsets[queue_id] = self.get_offset_in_queue_by_time(topic, queue_id, int(to))
+            self.consumer_offsets.reset(group, topic, offsets)
+            self._offset_resets[(group, topic)] += 1  # again: a consumer that followed the first saw the old offsets
         return offsets
 
     def flush(self) -> int:
