@@ -778,3 +778,30 @@ def test_a_segment_retention_cannot_unlink_is_a_typed_error_and_deleted_on_the_n
         store.delete_expired_files(now_ms=far, immediately=True)  # the next pass unlinks it
         assert sorted((tmp_path / "commitlog").iterdir()) == [segments[-1]]
         assert store.get_message("T", 0, store.get_min_offset_in_queue("T", 0), 1).messages
+
+
+def test_a_queue_file_retention_cannot_unlink_keeps_no_other_queue_from_being_cleaned(tmp_path, monkeypatch):
+    """A consume-queue file whose unlink failed stopped the pass at that queue: the queues after it kept their
+    files of the deleted range until another segment expired. Every queue is cleaned; the first error is raised."""
+    from pathlib import Path as _Path
+
+    config = StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 20)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(300):
+            store.put_message(Message("T", b"body-%04d" % i, queue_id=i % 2))
+        store.wait_for_dispatch()
+        queue0 = tmp_path / "consumequeue" / "T" / "0"
+        queue1 = tmp_path / "consumequeue" / "T" / "1"
+        before0, before1 = sorted(queue0.iterdir()), sorted(queue1.iterdir())
+        real_unlink = _Path.unlink
+
+        def unlink(self, missing_ok=False):
+            if self == before0[0]:
+                raise OSError(errno.EIO, "Input/output error")
+            return real_unlink(self, missing_ok=missing_ok)
+
+        monkeypatch.setattr(_Path, "unlink", unlink)
+        with pytest.raises(StoreIOError, match="cannot delete"):
+            store.delete_expired_files(now_ms=10 ** 13, immediately=True)
+        assert before0[0] in sorted(queue0.iterdir()) and len(list(queue0.iterdir())) < len(before0)
+        assert len(list(queue1.iterdir())) < len(before1)

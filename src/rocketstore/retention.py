@@ -86,11 +86,17 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
         else:
             failed = None
     new_min = commit_log.min_offset
-    for queue in list(queues.queues.values()):
-        with queue.lock:
-            report.consume_queue_files += queue.delete_files_before(new_min)
+    for queue in list(queues.queues.values()):  # one queue's file that cannot go does not keep the others
+        try:
+            with queue.lock:
+                report.consume_queue_files += queue.delete_files_before(new_min)
+        except StoreIOError as exc:
+            failed = failed or exc
     if index is not None:
-        report.index_files = index.delete_expired(new_min)
+        try:
+            report.index_files = index.delete_expired(new_min)
+        except StoreIOError as exc:
+            failed = failed or exc
     log.info("retention deleted %s (disk %.0f%% used)", report.commit_log_files, ratio)
     if failed is not None:
         raise failed
