@@ -375,7 +375,8 @@ def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: P
         first = report.skipped + report.rows  # rows are named by their place in the dataset
         where = (f"row {first + int(found[1])}: {text[found.end():]}" if found else
                  f"rows {first}..{first + table.num_rows - 1}: {text}")
-        if isinstance(exc, StoreIOError):  # the disk, not a row: a table over several segments may have kept a prefix
+        if isinstance(exc, StoreIOError) and not isinstance(exc, StoredButNotClosedError):  # the disk, not a row: a
+            # table over several segments may have kept a prefix
             where = f"rows {first}..{first + table.num_rows - 1}: {exc.strerror or text}"
             raise type(exc)(exc.errno or errno.EIO, f"{where} (some of these rows may be stored: run the same import "
                             "again, without --from-row, and it goes on from the first row the store does not "

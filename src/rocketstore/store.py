@@ -132,7 +132,6 @@ def _holds_files(path: Path) -> bool:
         return True  # unreadable: not known to be empty
 
 
-
 def _closed_under(read: Callable) -> Callable:
     """A read racing ``close()`` meets unmapped files ("mmap closed or invalid") or none at all (a closed index
     holds no file: "no message"). Either way its answer cannot be trusted: once the store is closed, the read
@@ -151,6 +150,7 @@ def _closed_under(read: Callable) -> Callable:
         return answer
 
     return guarded
+
 
 class MessageStore:
     """A RocketMQ-format message store in a directory. Use ``MessageStore.open``."""
