@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -805,3 +806,45 @@ def test_a_queue_file_retention_cannot_unlink_keeps_no_other_queue_from_being_cl
             store.delete_expired_files(now_ms=10 ** 13, immediately=True)
         assert before0[0] in sorted(queue0.iterdir()) and len(list(queue0.iterdir())) < len(before0)
         assert len(list(queue1.iterdir())) < len(before1)
+        monkeypatch.setattr(_Path, "unlink", real_unlink)
+        store.delete_expired_files(now_ms=10 ** 13, immediately=True)  # the next pass unlinks it: it waited for
+        assert before0[0] not in sorted(queue0.iterdir())  # the next open before
+        assert store.get_message("T", 0, store.get_min_offset_in_queue("T", 0), 1).messages
+
+
+def test_an_index_file_retention_cannot_unlink_is_typed_and_deleted_on_the_next_pass(tmp_path, monkeypatch, caplog):
+    """An index file whose unlink failed raised a bare OSError, and the doomed files after it were neither closed
+    nor unlinked: out of the index, mapped, on disk until the next open. The others go, the error is typed, and
+    the next pass unlinks the file."""
+    from pathlib import Path as _Path
+
+    config = StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 20,
+                         max_hash_slot_num=97, max_index_num=20)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(80):
+            store.put_message(Message("T", b"z" * 200, keys=[f"k{i}"]))
+        store.wait_for_dispatch()
+        before = sorted((tmp_path / "index").iterdir())
+        assert len(before) >= 4
+        real_unlink = _Path.unlink
+        failing = {before[0]}
+
+        def unlink(self, missing_ok=False):
+            if self in failing:
+                raise OSError(errno.EIO, "Input/output error")
+            return real_unlink(self, missing_ok=missing_ok)
+
+        monkeypatch.setattr(_Path, "unlink", unlink)
+        far = 10 ** 13
+        with pytest.raises(StoreIOError, match=r"cannot delete .*1 of \d+ index files"):
+            store.delete_expired_files(now_ms=far, immediately=True)
+        after = sorted((tmp_path / "index").iterdir())
+        assert before[0] in after and before[1] not in after  # the files after the failed one went all the same
+        assert before[0] not in [f.path for f in store.index.files]
+        with caplog.at_level(logging.ERROR, logger="rocketstore.retention"):  # still failing: said, the pass goes on
+            store.delete_expired_files(now_ms=far, immediately=True)
+        assert "could not delete a file it had given up on" in caplog.text and before[0].name in caplog.text
+        failing.clear()
+        store.delete_expired_files(now_ms=far, immediately=True)
+        assert before[0] not in sorted((tmp_path / "index").iterdir())
+        assert store.query_message("T", "k79")

@@ -43,6 +43,20 @@ def disk_used_ratio(path: str | os.PathLike) -> float:
     return 100.0 * used / usable if usable > 0 else 0.0
 
 
+def _retry_undeleted(commit_log: CommitLog, queues: ConsumeQueueTable, index: IndexService | None) -> None:
+    """Unlink again the files earlier passes gave up on but could not delete: segments, queue files, index files.
+    A failure again is said and the pass goes on (the files it deletes now are others)."""
+    retries = [commit_log.mapped_files.retry_undeleted]
+    retries += [queue.mapped_files.retry_undeleted for queue in list(queues.queues.values())
+                if queue.mapped_files.undeleted]
+    if index is not None:
+        retries.append(index.retry_undeleted)
+    for retry in retries:
+        still = retry()
+        if still is not None:
+            log.error("retention could not delete a file it had given up on, again: %s", still)
+
+
 def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index: IndexService | None,
                          config: StoreConfig, *, now_ms: int | None = None, immediately: bool = False,
                          used_ratio: float | None = None, dispatched: int | None = None) -> RetentionReport:
@@ -50,9 +64,7 @@ def delete_expired_files(commit_log: CommitLog, queues: ConsumeQueueTable, index
     past ``dispatched`` (the dispatcher's read position; the caller holds dispatch paused) are kept."""
     now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     report = RetentionReport()
-    still = commit_log.mapped_files.retry_undeleted()
-    if still is not None:  # said, and the pass goes on: the segments it deletes now are others
-        log.error("retention could not delete a segment it had given up on again: %s", still)
+    _retry_undeleted(commit_log, queues, index)
     if not commit_log.mapped_files.files:
         return report
     ratio = disk_used_ratio(commit_log.directory) if used_ratio is None else used_ratio

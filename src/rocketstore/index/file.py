@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from ..codec.hashing import index_key_hash
 from ..errors import CorruptDataError, FlushError, StoreIOError
-from ..mapped.file import close_mapping, create_file_atomically, msync
+from ..mapped.file import close_mapping, create_file_atomically, msync, unlink_path
 
 INDEX_HEADER_SIZE = 40
 HASH_SLOT_SIZE = 4
@@ -271,7 +271,7 @@ class IndexFile:
 
     def destroy(self) -> None:
         self.close()
-        self.path.unlink(missing_ok=True)
+        unlink_path(self.path)
 
     def __repr__(self) -> str:
         return (f"IndexFile({self.path.name}, entries={self.index_count - 1}/{self.index_num - 1}, "

@@ -34,7 +34,7 @@ from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..errors import ConfigError, CorruptDataError, StoreIOError
-from ..mapped.file import STAGING_DIR, reserve_blocks, unused_path
+from ..mapped.file import STAGING_DIR, reserve_blocks, unlink_again, unused_path
 from ..message import SysFlag
 from . import _kernels as _ik
 from .bulk import key_candidates, put_hashes
@@ -139,6 +139,7 @@ class IndexService:
         self.set_aside: str | None = None  # where a damaged index was moved
         self.damaged: list[str] = []  # files a read-only open found damaged and skips
         self.load_errors: dict[str, CorruptDataError] = {}  # of those, the ones ``load`` could not map, by name
+        self.undeleted: list[Path] = []  # files retention gave up but could not unlink: tried again by the next pass
         # read-only: keys of the records past the files' last entry, held in memory (``add_tail``)
         self.tail: dict[int, list[tuple[int, int]]] = {}
 
@@ -468,7 +469,9 @@ class IndexService:
             return durable
 
     def delete_expired(self, min_log_offset: int) -> int:
-        """``deleteExpiredFile``: drop the oldest files whose entries all point below the log start."""
+        """``deleteExpiredFile``: drop the oldest files whose entries all point below the log start. A file whose
+        unlink fails stays out of the index and is unlinked again by the next pass (``retry_undeleted``); the
+        others go all the same, and the first failure is raised after them."""
         with self.lock:
             doomed = 0
             for index in self.files[:-1]:
@@ -477,9 +480,23 @@ class IndexService:
                 else:
                     break
             gone, self.files = self.files[:doomed], self.files[doomed:]  # out of the tuple first: a query that
-            for index in gone:  # meets a closed file it took before then finds it gone, and skips it
-                index.destroy()
+            failed: list[StoreIOError] = []  # meets a closed file it took before then finds it gone, and skips it
+            for index in gone:
+                try:
+                    index.destroy()
+                except StoreIOError as exc:
+                    self.undeleted.append(index.path)
+                    failed.append(exc)
+            if failed:
+                raise StoreIOError(failed[0].errno, f"{failed[0]} ({len(failed)} of {len(gone)} index files; "
+                                                    "retention deletes them again on its next pass)")
             return doomed
+
+    def retry_undeleted(self) -> StoreIOError | None:
+        """Unlink the files an earlier pass could not; the error of one that still fails, if any."""
+        with self.lock:
+            self.undeleted, error = unlink_again(self.undeleted, self.directory)
+            return error
 
     def close(self) -> None:
         with self.lock:

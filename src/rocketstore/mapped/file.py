@@ -292,12 +292,7 @@ class MappedFile:
         with self._budget.map_lock if self._budget is not None else contextlib.nullcontext():
             self._deleted = True  # before the unmap: a reader that fails on the closed mapping learns why
             self.close()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise StoreIOError(exc.errno, f"cannot delete {self.path}: {exc.strerror}") from exc
+        unlink_path(self.path)
 
     def __repr__(self) -> str:
         return f"MappedFile({self.path.name}, wrote={self.wrote_position}, flushed={self.flushed_position})"
@@ -571,6 +566,33 @@ def fsync_dir(directory: Path) -> None:
         raise FlushError(exc.errno, f"fsync of directory {directory} failed: {exc.strerror}") from exc
     finally:
         os.close(fd)
+
+
+def unlink_path(path: Path) -> None:
+    """Unlink a store file retention is done with; a failure is a ``StoreIOError`` naming it (gone already is fine)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise StoreIOError(exc.errno, f"cannot delete {path}: {exc.strerror}") from exc
+
+
+def unlink_again(paths: list[Path], directory: Path) -> tuple[list[Path], StoreIOError | None]:
+    """Unlink the files an earlier retention pass gave up on but could not delete: those still left, and the first
+    error. Each kind of file keeps such a list; without it a file whose unlink failed once stayed on disk until the
+    next open loaded it again."""
+    left: list[Path] = []
+    error = None
+    for path in paths:
+        try:
+            unlink_path(path)
+        except StoreIOError as exc:
+            left.append(path)
+            error = error or exc
+    if len(left) < len(paths):
+        fsync_dir(directory)
+    return left, error
 
 
 def replace_file(path: Path, data: bytes, *, private: bool = False) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CorruptDataError, FlushError, StoreIOError
-from .file import COPY_LIMIT, FileBudget, MappedFile, fsync_dir, parse_segment_name, segment_name
+from .file import COPY_LIMIT, FileBudget, MappedFile, fsync_dir, parse_segment_name, segment_name, unlink_again
 
 
 class MappedFileQueue:
@@ -255,20 +255,7 @@ class MappedFileQueue:
 
     def retry_undeleted(self) -> StoreIOError | None:
         """Unlink the segments an earlier retention pass could not; the error of one that still fails, if any."""
-        left = []
-        error = None
-        for path in self.undeleted:
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                left.append(path)
-                error = error or StoreIOError(exc.errno, f"cannot delete {path}: {exc.strerror}")
-        done = len(self.undeleted) - len(left)
-        self.undeleted = left
-        if done:
-            fsync_dir(self.directory)
+        self.undeleted, error = unlink_again(self.undeleted, self.directory)
         return error
 
     def destroy(self) -> None:
