@@ -116,3 +116,61 @@ def test_a_delayed_or_flagged_half_is_refused_or_cleaned_and_system_topics_take_
         store.wait_for_dispatch()
         assert sorted(visible(store, "Orders")) == [b"B", b"C"]
         assert store.look_message_by_offset(committed.commit_log_offset).topic == "Orders"
+
+
+def test_check_counts_survive_a_restart(tmp_path):
+    """The counts lived in memory only: each restart began them at 0 again, so a half whose producer was gone was
+    checked 15 more times after every restart and never parked."""
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("Orders", 1)
+        log = TransactionLog(store, check_after_ms=1_000, max_checks=3)
+        half, _tid = log.prepare(Message("Orders", b"lost producer"))
+        other, other_id = log.prepare(Message("Orders", b"ended later"))
+        start = other.store_timestamp
+        assert len(log.due_for_check(now_ms=start + 1_000)) == 2
+        assert len(log.due_for_check(now_ms=start + 2_000)) == 2
+        log.end(other_id, other.uniq_key, "Orders", commit=False)
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        log = TransactionLog(store, check_after_ms=1_000, max_checks=3)
+        assert log.open_count() == 1 and log.checks.table == {half.commit_log_offset: 2}  # the ended one forgotten
+        assert len(log.due_for_check(now_ms=start + 3_000)) == 1  # the third check
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        log = TransactionLog(store, check_after_ms=1_000, max_checks=3)
+        assert log.due_for_check(now_ms=start + 4_000) == [] and log.open_count() == 0  # parked, not checked again
+        store.wait_for_dispatch()
+        assert visible(store, CHECK_MAX_TOPIC) == [b"lost producer"]
+        assert log.checks.table == {}
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert TransactionLog(store).open_count() == 0
+
+
+def test_torn_or_unwritable_check_counts_cost_checks_not_transactions(tmp_path, monkeypatch, caplog):
+    from rocketstore import brokerconfig
+    from rocketstore.errors import StoreIOError
+
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("Orders", 1)
+        log = TransactionLog(store, check_after_ms=1_000)
+        half, tid = log.prepare(Message("Orders", b"x"))
+        start = half.store_timestamp
+
+        def refuse(*_args, **_kwargs):
+            raise StoreIOError(28, "No space left on device")
+
+        monkeypatch.setattr(brokerconfig, "persist_text", refuse)
+        with caplog.at_level("ERROR", logger="rocketstore.transaction"):
+            assert len(log.due_for_check(now_ms=start + 1_000)) == 1  # the check goes on
+        assert "cannot record the transaction check counts" in caplog.text and log.checks.dirty
+        monkeypatch.undo()
+        assert len(log.due_for_check(now_ms=start + 2_000)) == 1
+        assert not log.checks.dirty  # the next round wrote both
+    counts = tmp_path / "config" / "transactionChecks.json"
+    assert counts.exists()
+    for name in ("transactionChecks.json", "transactionChecks.json.bak"):
+        (tmp_path / "config" / name).write_text('{"offsetTable":{"1')  # torn, backup too
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        log = TransactionLog(store, check_after_ms=1_000)
+        assert log.open_count() == 1 and log.checks.table == {}  # counted from 0 again, the half still open
+        log.end(tid, half.uniq_key, "Orders", commit=True)
+        store.wait_for_dispatch()
+        assert visible(store, "Orders") == [b"x"]

@@ -302,6 +302,7 @@ def offset_runs(value: object, where: str) -> list[list[int]]:
 
 
 TIMER_OFFSETS_SCHEMA = record({"offsetTable": mapping(int_key(0, 0), _OFFSET), "deliveredAbove": offset_runs})
+TRANSACTION_CHECKS_SCHEMA = record({"offsetTable": mapping(int_key(0, _I64_MAX), integer(1, _I32_MAX))})
 
 
 # --- reading and writing a file ------------------------------------------------------------------------
@@ -736,6 +737,32 @@ class DelayOffsetManager(OffsetTable):
         with self._lock:
             self.table[level] = offset
             self.dirty = True
+
+
+class TransactionCheckCounts(OffsetTable):
+    """transactionChecks.json (rocketstore's own file): how many times each open half message (by commit-log
+    offset) has been checked. RocketMQ keeps the count in a property of a copy of the half it stores again at every
+    check; kept in memory alone, every restart began each open transaction's count at 0 again, so a half whose
+    producer was gone was checked 15 more times after each restart and never parked."""
+
+    FILE = "transactionChecks.json"
+    SCHEMA = staticmethod(TRANSACTION_CHECKS_SCHEMA)
+
+    def get(self, phy: int) -> int:
+        return int(self.table.get(phy, 0))
+
+    def set(self, phy: int, checks: int) -> None:
+        with self._lock:
+            self.table[phy] = checks
+            self.dirty = True
+
+    def keep_only(self, open_halves: set[int]) -> None:
+        """Forget the counts of halves that are no longer open (ended, parked, or removed by retention)."""
+        with self._lock:
+            gone = [phy for phy in self.table if phy not in open_halves]
+            for phy in gone:
+                del self.table[phy]
+            self.dirty = self.dirty or bool(gone)
 
 
 class TimerOffsetManager(DelayOffsetManager):

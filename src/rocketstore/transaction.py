@@ -10,7 +10,8 @@ leaves the half open; the producer is asked again and a second commit stores a s
 
 An open half older than the check delay is offered for a check (the server asks a producer of its topic
 through the telemetry stream); after ``max_checks`` unanswered checks it is copied to
-``TRANS_CHECK_MAX_TIME_TOPIC`` and closed, as RocketMQ does, so nothing is lost silently.
+``TRANS_CHECK_MAX_TIME_TOPIC`` and closed, as RocketMQ does, so nothing is lost silently. The counts survive
+restarts in ``config/transactionChecks.json`` (written after each round of checks).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .brokerconfig import TransactionCheckCounts
 from .codec.msgid import decode_offset_msg_id
 from .codec.properties import PropertyName
 from .encoder import check_sendable, validate_topic
-from .errors import InvalidMessageIdError, InvalidPropertyError, InvalidQueueError, RocketStoreError
+from .errors import InvalidMessageIdError, InvalidPropertyError, InvalidQueueError, RocketStoreError, StoreIOError
 from .message import Message, MessageExt, PutMessageResult, SysFlag
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class TransactionLog:
         self.max_checks = max_checks
         self._lock = threading.Lock()
         self._open: dict[int, OpenHalf] = {}
+        self.checks = TransactionCheckCounts(store.root, read_only=store.read_only)
         self.committed = 0
         self.rolled_back = 0
         self._load()
@@ -82,6 +85,10 @@ class TransactionLog:
         for msg in self._read_all(HALF_TOPIC):
             if msg.queue_offset not in ended:
                 self._open[msg.commit_log_offset] = self._entry(msg)
+        self.checks.load(empty_if_bad=True)  # counts lost to a torn file and its backup: checked again, not lost
+        for entry in self._open.values():
+            entry.checks = self.checks.get(entry.phy)
+        self.checks.keep_only(set(self._open))
 
     def _read_all(self, topic: str):
         if topic not in self.store.topics():
@@ -183,6 +190,7 @@ class TransactionLog:
             for entry in due:
                 entry.next_check_ms = now + self.check_after_ms
                 entry.checks += 1
+                self.checks.set(entry.phy, entry.checks)
         out = []
         for entry in due:
             try:
@@ -197,7 +205,19 @@ class TransactionLog:
             view = committed_copy(half)
             out.append((half.replace(topic=view.topic, queue_id=view.queue_id, properties=view.properties),
                         half.msg_id))
+        with self._lock:
+            self.checks.keep_only(set(self._open))  # ended and parked halves' counts go
+        if self.checks.dirty:
+            self._persist_checks()
         return out
+
+    def _persist_checks(self) -> None:
+        """A count that cannot be written stays in memory and is written with the next round: a restart before
+        then checks those halves once more (said, not raised: the checks themselves go on)."""
+        try:
+            self.checks.persist()
+        except StoreIOError as exc:
+            log.error("cannot record the transaction check counts (a restart would check again): %s", exc)
 
     def _give_up(self, entry: OpenHalf, half: MessageExt | None) -> None:
         with self._lock:
