@@ -26,6 +26,7 @@ from rocketstore.checkpoint import StoreCheckpoint
 from rocketstore.errors import StoreFailedError, StoreIOError
 from rocketstore.mapped import file as mapped_file
 from rocketstore.mapped.file_queue import MappedFileQueue
+from rocketstore.verify import verify_store
 
 SYNC = StoreConfig(flush_disk_type=FlushDiskType.SYNC_FLUSH, mapped_file_size_commit_log=65536,
                    mapped_file_size_consume_queue=20 * 50, max_hash_slot_num=97, max_index_num=400)
@@ -848,3 +849,82 @@ def test_an_index_file_retention_cannot_unlink_is_typed_and_deleted_on_the_next_
         store.delete_expired_files(now_ms=far, immediately=True)
         assert before[0] not in sorted((tmp_path / "index").iterdir())
         assert store.query_message("T", "k79")
+
+
+def _table(rows: int, start: int = 0):
+    import pyarrow as pa
+
+    return pa.table({"topic": ["Big"] * rows, "body": [b"b%06d" % i + b"x" * 150 for i in range(start, start + rows)],
+                     "keys": [[f"k{i}"] for i in range(start, start + rows)], "queue_id": [i % 3 for i in range(rows)]})
+
+
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_a_table_larger_than_a_segment_is_refused_whole_when_the_disk_cannot_hold_it(tmp_path, monkeypatch,
+                                                                                      preallocate):
+    """A table written in parts (larger than a segment) whose next segment could not be created raised after a
+    segment's worth of rows were stored and visible: a caller that put the table again stored them twice (the
+    full-disk review). Every block it needs is reserved before its first row: a full disk refuses it whole."""
+    config = ASYNC.replace(preallocate=preallocate)
+    with MessageStore.open(tmp_path, config) as store:
+        store.put_batch(_table(10))
+        store.wait_for_dispatch()
+        before = (store.max_phy_offset, sorted((tmp_path / "commitlog").iterdir()),
+                  [store.get_max_offset_in_queue("Big", q) for q in range(3)])
+        real, calls = mapped_file.allocate, [0]
+
+        def allocate(fd, size, prealloc):
+            calls[0] += size == config.mapped_file_size_commit_log
+            if calls[0] == 3:  # the third segment the table needs
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, size, prealloc)
+
+        monkeypatch.setattr(mapped_file, "allocate", allocate)
+        table = _table(2000, start=10)  # ~370 KB: six 64 KiB segments
+        with pytest.raises(StoreIOError, match="No space left"):
+            store.put_batch(table)
+        assert calls[0] == 3
+        store.wait_for_dispatch()
+        assert (store.max_phy_offset, sorted((tmp_path / "commitlog").iterdir()),
+                [store.get_max_offset_in_queue("Big", q) for q in range(3)]) == before
+        assert not store.query_message("Big", "k10")
+        monkeypatch.setattr(mapped_file, "allocate", real)
+        result = store.put_batch(table)  # room again: the same table goes in whole, once
+        assert len(result) == 2000
+        store.wait_for_dispatch()
+        assert len(list((tmp_path / "commitlog").iterdir())) >= 6
+        assert [m.body[:7] for m in store.query_message("Big", "k10")] == [b"b000010"]
+    assert list((tmp_path / mapped_file.STAGING_DIR).glob("*.tmp")) == []
+    with MessageStore.open(tmp_path, config, read_only=True) as store:
+        assert sum(store.get_max_offset_in_queue("Big", q) for q in range(3)) == 2010
+        assert verify_store(tmp_path, config).clean
+
+
+@pytest.mark.parametrize("tmpfile", [True, False])
+def test_spare_segments_leave_nothing_behind_a_kill(tmp_path, tmpfile):
+    """Spares are nameless (O_TMPFILE) or ``.tmp`` files in staging: a kill between the reservation and the rolls
+    leaves no name in ``commitlog/`` a broker would parse, and the next writer's open clears staging."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        import pyarrow as pa
+        from rocketstore import MessageStore, StoreConfig
+        from rocketstore.mapped import file as mapped_file
+        if not {tmpfile}:
+            mapped_file.os.O_TMPFILE = 0
+        real = mapped_file.SpareFile.install
+        def install(self, path):
+            os.kill(os.getpid(), 9)
+        mapped_file.SpareFile.install = install
+        store = MessageStore.open(sys.argv[1], StoreConfig(mapped_file_size_commit_log=65536, max_hash_slot_num=97,
+                                                            max_index_num=388))
+        rows = 2000
+        store.put_batch(pa.table({{"topic": ["Big"] * rows, "body": [b"x" * 150] * rows}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, timeout=120, check=False)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert names_rocketmq_would_load(tmp_path) == []
+    assert list((tmp_path / "commitlog").iterdir()) == []  # even the first segment was to come from a spare
+    assert bool(list((tmp_path / mapped_file.STAGING_DIR).glob("*.tmp"))) == (not tmpfile)
+    with MessageStore.open(tmp_path, StoreConfig(mapped_file_size_commit_log=65536, max_hash_slot_num=97,
+                                                 max_index_num=388)) as store:
+        assert store.max_phy_offset == 0
+    assert list((tmp_path / mapped_file.STAGING_DIR).glob("*.tmp")) == []

@@ -237,3 +237,43 @@ def test_an_open_index_file_holds_one_descriptor_and_none_once_closed(tmp_path):
     assert held(made.path) == 1
     opened.close()
     assert held(made.path) == 0
+
+
+def test_a_sparse_index_file_reserves_its_blocks_before_each_store(tmp_path, monkeypatch):
+    """An index file made with preallocate off (or a broker's) was written into through its mapping without blocks:
+    on a full disk a SIGBUS killed the process (the full-disk review). The slots are reserved at creation and the
+    entries a step ahead of the appends; a refused reservation is a StoreIOError with nothing written."""
+    import errno
+    import os
+
+    import numpy as np
+
+    from rocketstore.errors import StoreIOError
+    from rocketstore.index import bulk
+    from rocketstore.index import file as index_file
+
+    slots, entries = 5_000, 200_000  # 4 MB of entries: more than one reservation step
+    index = IndexFile.create(tmp_path / "idx", slots, entries, preallocate=False)
+    entries_at = 40 + slots * 4
+    assert os.stat(index.path).st_blocks * 512 >= entries_at  # header and slots: any key lands anywhere
+    assert os.stat(index.path).st_blocks * 512 < index_file_size(slots, entries) // 2  # the entries are not
+    n = index_file.RESERVE_STEP // 20 + 10  # past the first step
+    hashes = np.arange(1, n + 1, dtype=np.int64) * 7919
+    assert bulk.put_hashes(index, hashes[: n // 2], np.arange(n // 2, dtype=np.int64), np.full(n // 2, 1, np.int64))
+    assert index.reserved_to >= entries_at + (n // 2 + 1) * 20
+    before = (index.index_count, bytes(index.buffer[:40]), index.reserved_to)
+
+    def refuse(path, end, start=0):
+        raise StoreIOError(errno.ENOSPC, f"cannot reserve the blocks of {path}: No space left on device")
+
+    monkeypatch.setattr(index_file, "reserve_blocks", refuse)
+    with pytest.raises(StoreIOError, match="No space left"):
+        bulk.put_hashes(index, hashes[n // 2 :], np.arange(n // 2, n, dtype=np.int64), np.full(n - n // 2, 1, np.int64))
+    with pytest.raises(StoreIOError, match="No space left"):
+        while True:  # single puts go on until the reserved blocks end, then refuse
+            assert index.put_hash(12345, 12345 % slots, 1, 1)
+    assert entries_at + index.index_count * 20 <= index.reserved_to == before[2]  # no store past the blocks
+    monkeypatch.undo()
+    assert bulk.put_hashes(index, hashes[n // 2 :], np.arange(n // 2, n, dtype=np.int64),
+                           np.full(n - n // 2, 1, np.int64)) == n - n // 2
+    index.close()

@@ -744,3 +744,57 @@ def test_a_rebuild_swap_that_fails_is_typed_said_by_read_only_views_and_finished
         assert [m.commit_log_offset for m in store.query_message("T1", "k1")] == [results[1].commit_log_offset]
     report = verify_store(root, CONFIG)
     assert report.clean and report.pending_swap is None
+
+
+SPARSE_FULL_WRITER = """
+import contextlib, os, sys
+from pathlib import Path
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.errors import StoreIOError
+config = StoreConfig(mapped_file_size_commit_log=65536, mapped_file_size_consume_queue=20 * 100, max_hash_slot_num=97,
+                     max_index_num=388, preallocate=False)
+disk = Path(sys.argv[1])
+acked = []
+store = MessageStore.open(disk / "store", config)
+store.create_topic("T", 8)
+for i in range(20):
+    acked.append(store.put_message(Message("T", b"before-%d" % i, queue_id=0)).commit_log_offset)
+store.wait_for_dispatch()
+fd = os.open(disk / "ballast", os.O_WRONLY | os.O_CREAT)  # the disk full to its last block
+with contextlib.suppress(OSError):
+    while True:
+        os.write(fd, b"b" * 4096)
+os.close(fd)
+errors = []
+for queue_id in range(1, 8):  # each a new, sparse queue file
+    try:
+        acked.append(store.put_message(Message("T", b"q%d" % queue_id, queue_id=queue_id)).commit_log_offset)
+        store.wait_for_dispatch(5)
+    except StoreIOError as exc:
+        errors.append(type(exc).__name__)
+with contextlib.suppress(StoreIOError):
+    store.close()
+print("ACKED", *acked)
+print("ERRORS", *errors)
+"""
+
+
+def test_sparse_files_on_a_full_disk_are_typed_errors_not_sigbus(tmp_path):
+    """With preallocate off a new consume-queue file was sparse and the dispatcher stored into its holes: on a full
+    disk a SIGBUS killed the process after the put was acknowledged (the full-disk review)."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        done = subprocess.run([sys.executable, "-c", SPARSE_FULL_WRITER, str(disk)], capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 0, f"{done.returncode}: {done.stderr[-2000:]}"
+        lines = dict(line.split(" ", 1) if " " in line else (line, "") for line in done.stdout.splitlines())
+        assert lines["ERRORS"], "the full disk was never met"
+        acked = [int(x) for x in lines["ACKED"].split()]
+        (disk / "ballast").unlink()
+        config = StoreConfig(mapped_file_size_commit_log=65536, mapped_file_size_consume_queue=20 * 100,
+                             max_hash_slot_num=97, max_index_num=388, preallocate=False)
+        with MessageStore.open(disk / "store", config) as store:
+            store.wait_for_dispatch()
+            for offset in acked:
+                msg = store.look_message_by_offset(offset)
+                assert store.get_message("T", msg.queue_id, msg.queue_offset, 1).messages[0].body == msg.body
+        assert verify_store(disk / "store", config).clean

@@ -231,7 +231,8 @@ class CommitLog:
 
         A table that fits one segment is one crash-atomic append (first 8 bytes last), all or nothing, as
         ``append``; a larger one is one such append per segment, so a kill keeps a prefix of whole rows,
-        never part of a record. Queue offsets come from one compiled grouping of the rows by queue; they, the
+        never part of a record, and takes the blocks of all its segments first (a full disk refuses it whole,
+        ``_reserve_for_parts``). Queue offsets come from one compiled grouping of the rows by queue; they, the
         physical offsets and the store time are stamped into the encoded bytes by one compiled pass per segment.
         """
         from .codec._kernels import queue_groups, stamp_records  # numba loads with the first batch, not the CLI
@@ -254,55 +255,87 @@ class CommitLog:
             if taking is not None:
                 taken, queue_offsets = queue_offsets, np.zeros(n, dtype=np.int64)
                 queue_offsets[taking] = taken
-            i = 0
-            while i < n:
-                try:
-                    mapped = self.mapped_files.last_for_write()
-                except FlushError as exc:
-                    self.health.fail_flush(exc)
-                    raise
-                base = int(starts[i])
-                rest = int(ends[-1]) - base
-                if rest + BLANK_RECORD_LEN <= mapped.remaining:
-                    j = n  # everything left fits here: one append, all or nothing
-                elif rest <= self._batch_limit:
-                    j = i  # it fits a fresh segment whole: roll rather than split it
-                else:
-                    j = int(np.searchsorted(ends, base + mapped.remaining - BLANK_RECORD_LEN, side="right"))
-                if j <= i:  # close this segment
+            if int(ends[-1]) > self._batch_limit:  # written in parts: every block it needs first (all or nothing)
+                self._reserve_for_parts(starts, ends)
+            try:
+                i = 0
+                while i < n:
                     try:
-                        self._roll(mapped)
+                        mapped = self.mapped_files.last_for_write()
                     except FlushError as exc:
                         self.health.fail_flush(exc)
                         raise
-                    continue
-                pos = mapped.wrote_position
-                phys[i:j] = mapped.file_from_offset + pos + (starts[i:j] - base)
-                end = int(ends[j - 1])
-                stamped = stamp_records(data[base:end], sizes[i:j], batch.store_ts_pos[i:j], queue_offsets[i:j],
-                                        mapped.file_from_offset + pos, store_ts)
-                if stamped != end - base:  # sizes that do not add up to the data: a bug, never a torn record
-                    raise AssertionError(f"stamped {stamped} bytes of a {end - base}-byte append")
-                if self.config.enabled_append_prop_crc:
-                    for k in range(i, j):
-                        seal_property_crc(batch.data, int(starts[k]), int(sizes[k]))
-                chunk = memoryview(batch.data)
-                mapped.write(pos + 8, chunk[base + 8 : end])
-                mapped.write(pos, chunk[base : base + 8])  # the commit point
-                mapped.wrote_position = pos + end - base
-                if i == 0 and j == n:
-                    self.queue_offsets.update(zip(queues, (bases + counts).tolist(), strict=True))
-                elif taking is None:  # one segment's rows of a split table
-                    self._advance_queues(keys[i:j], queue_offsets[i:j], batch.topics)
-                else:
-                    part = taking[i:j]
-                    self._advance_queues(keys[i:j][part], queue_offsets[i:j][part], batch.topics)
-                self.last_store_timestamp = store_ts
-                self.last_append = (int(phys[j - 1] + sizes[j - 1]), store_ts)
-                i = j
+                    base = int(starts[i])
+                    rest = int(ends[-1]) - base
+                    if rest + BLANK_RECORD_LEN <= mapped.remaining:
+                        j = n  # everything left fits here: one append, all or nothing
+                    elif rest <= self._batch_limit:
+                        j = i  # it fits a fresh segment whole: roll rather than split it
+                    else:
+                        j = int(np.searchsorted(ends, base + mapped.remaining - BLANK_RECORD_LEN, side="right"))
+                    if j <= i:  # close this segment
+                        try:
+                            self._roll(mapped)
+                        except FlushError as exc:
+                            self.health.fail_flush(exc)
+                            raise
+                        continue
+                    pos = mapped.wrote_position
+                    phys[i:j] = mapped.file_from_offset + pos + (starts[i:j] - base)
+                    end = int(ends[j - 1])
+                    stamped = stamp_records(data[base:end], sizes[i:j], batch.store_ts_pos[i:j], queue_offsets[i:j],
+                                            mapped.file_from_offset + pos, store_ts)
+                    if stamped != end - base:  # sizes that do not add up to the data: a bug, never a torn record
+                        raise AssertionError(f"stamped {stamped} bytes of a {end - base}-byte append")
+                    if self.config.enabled_append_prop_crc:
+                        for k in range(i, j):
+                            seal_property_crc(batch.data, int(starts[k]), int(sizes[k]))
+                    chunk = memoryview(batch.data)
+                    mapped.write(pos + 8, chunk[base + 8 : end])
+                    mapped.write(pos, chunk[base : base + 8])  # the commit point
+                    mapped.wrote_position = pos + end - base
+                    if i == 0 and j == n:
+                        self.queue_offsets.update(zip(queues, (bases + counts).tolist(), strict=True))
+                    elif taking is None:  # one segment's rows of a split table
+                        self._advance_queues(keys[i:j], queue_offsets[i:j], batch.topics)
+                    else:
+                        part = taking[i:j]
+                        self._advance_queues(keys[i:j][part], queue_offsets[i:j][part], batch.topics)
+                    self.last_store_timestamp = store_ts
+                    self.last_append = (int(phys[j - 1] + sizes[j - 1]), store_ts)
+                    i = j
+            finally:
+                self.mapped_files.discard_spares()
             if self.warmer is not None:
                 self.warmer.nudge(self.last_append[0])
         return phys, queue_offsets, store_ts
+
+    def _reserve_for_parts(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Reserve the blocks of the rest of the current segment and of every segment a table larger than one
+        segment rolls into, before its first row: a full disk after a segment's worth of rows raised with those
+        rows stored and visible, and a caller that put the table again stored them twice."""
+        size = self.mapped_files.mapped_file_size
+        last = self.mapped_files.last
+        remaining = last.remaining if last is not None and not last.is_full() else 0
+        rolls = 0 if remaining else 1
+        remaining = remaining or size
+        i, n = 0, len(ends)
+        while i < n:  # the loop of ``append_batch``, without writing
+            base = int(starts[i])
+            rest = int(ends[-1]) - base
+            if rest + BLANK_RECORD_LEN <= remaining:
+                break
+            j = i if rest <= self._batch_limit else int(
+                np.searchsorted(ends, base + remaining - BLANK_RECORD_LEN, side="right"))
+            if j <= i:
+                rolls += 1
+                remaining = size
+                continue
+            remaining -= int(ends[j - 1]) - base
+            i = j
+        if last is not None and not last.is_full():
+            last.reserve(last.file_size)  # a sparse segment (preallocate off, or a broker's)
+        self.mapped_files.reserve_spares(rolls)
 
     def _advance_queues(self, keys: np.ndarray, queue_offsets: np.ndarray, topics: list[str]) -> None:
         last_keys, last_rows = np.unique(keys[::-1], return_index=True)

@@ -118,7 +118,8 @@ class ConsumeQueue:
         self.queue_id = queue_id
         self.directory = root / CONSUMEQUEUE_DIR / topic / str(queue_id)
         self.file_size = config.mapped_file_size_consume_queue
-        # preallocated like segments: a write into a sparse mapped page on a full disk is a SIGBUS
+        # preallocated like segments (or, with preallocate off, reserved a step ahead of the units written): a
+        # store into a sparse mapped page on a full disk is a SIGBUS
         self.mapped_files = MappedFileQueue(self.directory, self.file_size, read_only=read_only,
                                             preallocate=config.preallocate, staging=root / STAGING_DIR,
                                             budget=budget)
@@ -253,8 +254,7 @@ class ConsumeQueue:
             log.error("consume queue %s-%d: unit for offset %d written at %d (a gap)", self.topic,
                       self.queue_id, queue_offset, current // CQ_UNIT_SIZE)
         pos = mapped.wrote_position
-        if self.mapped_files.preallocate:
-            mapped.reserve(pos + CQ_UNIT_SIZE)  # a broker's sparse file: blocks before the store (no SIGBUS)
+        mapped.reserve(pos + CQ_UNIT_SIZE)  # a sparse file (a broker's, or preallocate off): blocks before the store
         buf = mapped.buffer
         _HEAD.pack_into(buf, pos, phy_offset)
         _TAGS.pack_into(buf, pos + 12, tags_code)
@@ -289,8 +289,7 @@ class ConsumeQueue:
                 continue
             room = (mapped.file_size - mapped.wrote_position) // CQ_UNIT_SIZE
             pos = mapped.wrote_position
-            if self.mapped_files.preallocate:
-                mapped.reserve(pos + min(room, n - i) * CQ_UNIT_SIZE)
+            mapped.reserve(pos + min(room, n - i) * CQ_UNIT_SIZE)  # a store into a hole on a full disk: SIGBUS
             target = np.frombuffer(mapped.buffer, dtype=np.uint8)
             try:
                 count = put_queue_units(target, pos, room, queue_offsets, phy_offsets, sizes, tags_codes, i)

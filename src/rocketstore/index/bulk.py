@@ -138,6 +138,7 @@ def put_hashes(index: IndexFile, key_hashes: np.ndarray, phy_offsets: np.ndarray
     hashes = np.ascontiguousarray(key_hashes[:m], dtype=np.int64)
     phys = np.ascontiguousarray(phy_offsets[:m], dtype=np.int64)
     stamps = np.ascontiguousarray(timestamps[:m], dtype=np.int64)
+    index.reserve_entries(c0 + m)  # a sparse file: blocks before the compiled stores (no SIGBUS)
     buf = np.frombuffer(index.buffer, dtype=np.uint8)
     try:
         put, new_slots, _begin = _put_entries(buf, index, c0, index.begin_timestamp, hashes, phys, stamps)

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from ..codec.hashing import index_key_hash
 from ..errors import CorruptDataError, FlushError, StoreIOError
-from ..mapped.file import close_mapping, create_file_atomically, msync, unlink_path
+from ..mapped.file import RESERVE_STEP, close_mapping, create_file_atomically, msync, reserve_blocks, unlink_path
 
 INDEX_HEADER_SIZE = 40
 HASH_SLOT_SIZE = 4
@@ -67,6 +67,7 @@ class IndexFile:
         self._mm: mmap.mmap | None = mm
         self._array = None  # the mapping as a read-only numpy array, made on the first compiled walk
         self._entries_at = INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE
+        self.reserved_to = 0  # blocks known allocated below this (``reserve``)
         (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
          self.hash_slot_count, self.index_count) = _HEADER.unpack_from(mm, 0)
         if self.index_count <= 0:
@@ -105,9 +106,31 @@ class IndexFile:
                 os.close(fd)  # the mapping holds its own descriptor: one per index file, not two
         except OSError as exc:
             raise StoreIOError(exc.errno, f"cannot create index file {path}: {exc.strerror}") from exc
+        created = cls(path, hash_slot_num, index_num, mm, read_only=False)
         if preallocate:
+            created.reserved_to = size
             _populate(mm, INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE)
-        return cls(path, hash_slot_num, index_num, mm, read_only=False)
+        else:  # sparse: the slots now (keys land anywhere in them), the entries as they are appended
+            try:
+                created.reserve(created._entries_at)
+            except StoreIOError:
+                created.destroy()
+                raise
+        return created
+
+    def reserve(self, end: int) -> None:
+        """Blocks for the file below ``end`` before a store into its mapping there (``RESERVE_STEP`` of entries at a
+        time): a store into a hole of a sparse file (a broker's, or made with preallocate off) on a full disk is a
+        SIGBUS that kills the process; reserved first, it is a ``StoreIOError`` (ENOSPC) instead."""
+        if end <= self.reserved_to:
+            return
+        size = len(self.buffer)
+        stop = min(size, max(end, self.reserved_to + RESERVE_STEP))
+        self.reserved_to = size if reserve_blocks(self.path, stop, self.reserved_to) else stop
+
+    def reserve_entries(self, count: int) -> None:
+        """``reserve`` for the header, the slots and the first ``count`` entries."""
+        self.reserve(self._entries_at + count * INDEX_ENTRY_SIZE)
 
     @classmethod
     def open(cls, path: str | Path, hash_slot_num: int, index_num: int, *, read_only: bool = False) -> IndexFile:
@@ -179,6 +202,7 @@ class IndexFile:
         count = self.index_count
         if count >= self.index_num:
             return False
+        self.reserve_entries(count + 1)
         buf = self.buffer
         slot_pos = INDEX_HEADER_SIZE + slot * HASH_SLOT_SIZE
         slot_value = _I32.unpack_from(buf, slot_pos)[0]

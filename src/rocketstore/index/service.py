@@ -34,7 +34,7 @@ from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..errors import ConfigError, CorruptDataError, StoreIOError
-from ..mapped.file import STAGING_DIR, reserve_blocks, unlink_again, unused_path
+from ..mapped.file import STAGING_DIR, unlink_again, unused_path
 from ..message import SysFlag
 from . import _kernels as _ik
 from .bulk import key_candidates, put_hashes
@@ -190,7 +190,8 @@ class IndexService:
                 log.info("deleted the newest index file %s: made by a roll, never written (its header is zero)",
                          stale.path.name)
         if not self.read_only and self.files and self.config.preallocate:  # the one file a writer stores into
-            reserve_blocks(self.files[-1].path, index_file_size(self.hash_slot_num, self.index_num))
+            newest = self.files[-1]
+            newest.reserve(index_file_size(self.hash_slot_num, self.index_num))
 
     def _set_aside(self) -> None:
         for index in self.files:
@@ -540,6 +541,7 @@ def _repair_file(index: IndexFile, log_end: int, store_time: StoreTimeLookup) ->
     if not changed:
         return 0
     entries_at = INDEX_HEADER_SIZE + index.hash_slot_num * 4
+    index.reserve_entries(count + removed)  # a sparse file: its slots have holes
     buf[INDEX_HEADER_SIZE:entries_at] = slots.astype(">i4").tobytes()
     buf[entries_at + count * 20 : entries_at + (count + removed) * 20] = bytes(removed * 20)
     index.index_count = count

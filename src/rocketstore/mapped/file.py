@@ -150,10 +150,15 @@ class MappedFile:
 
     @classmethod
     def create(cls, path: Path, file_size: int, *, preallocate: bool = True, staging: Path | None = None,
-               budget: FileBudget | None = None) -> MappedFile:
-        """Create a zero-filled segment of ``file_size`` bytes that appears under its name only when complete."""
+               budget: FileBudget | None = None, spare: SpareFile | None = None) -> MappedFile:
+        """Create a zero-filled segment of ``file_size`` bytes that appears under its name only when complete
+        (from ``spare``'s reserved blocks when given)."""
         try:
-            create_file_atomically(path, file_size, preallocate=preallocate, staging=staging)
+            if spare is not None:
+                spare.install(path)
+                preallocate = True
+            else:
+                create_file_atomically(path, file_size, preallocate=preallocate, staging=staging)
         except StoreIOError:
             raise
         except OSError as exc:
@@ -701,6 +706,69 @@ def _create_unnamed(path: Path, size: int, preallocate: bool, flags: int, head: 
     finally:
         os.close(fd)
     return True
+
+
+class SpareFile:
+    """A segment's blocks, reserved and zero-filled before the segment has a name: an unnamed file (O_TMPFILE) in
+    its directory, linked in when the log rolls into it; where the file system cannot, a ``.tmp`` file in ``staging``
+    renamed in (the next writer's open clears one a kill left). A table larger than a segment takes all its
+    segments' blocks this way before its first row is written, so a full disk refuses it whole instead of after
+    a segment's worth of rows. A kill leaves no segment behind."""
+
+    def __init__(self, directory: Path, size: int, staging: Path | None) -> None:
+        self.size = size
+        self._fd = -1
+        self._tmp: Path | None = None
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+        try:
+            tmpfile = getattr(os, "O_TMPFILE", 0)
+            if tmpfile:
+                try:
+                    self._fd = os.open(directory, flags | tmpfile, 0o644)
+                except OSError as exc:
+                    if exc.errno not in _NO_TMPFILE:
+                        raise
+            if self._fd < 0:
+                where = staging if staging is not None else directory
+                where.mkdir(parents=True, exist_ok=True)
+                self._tmp = where / f".spare.{os.getpid()}.{threading.get_ident()}.{id(self)}.tmp"
+                self._fd = os.open(self._tmp, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            allocate(self._fd, size, True)
+        except OSError as exc:
+            self.discard()
+            raise StoreIOError(exc.errno, f"cannot reserve {size} bytes for a new segment in {directory}: "
+                                          f"{exc.strerror}") from exc
+
+    def install(self, path: Path) -> None:
+        """Give the spare its name: fsynced, linked (or renamed) into place, the directory fsynced."""
+        try:
+            fsync_file(self._fd, path)
+            if self._tmp is None:
+                try:
+                    _link_open_file(self._fd, path)
+                except OSError as exc:
+                    if exc.errno not in _NO_LINK:
+                        raise
+                    create_file_atomically(path, self.size, preallocate=True)  # no /proc: made the usual way
+            else:
+                os.rename(self._tmp, path)
+                self._tmp = None
+        except StoreIOError:
+            raise
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot create segment {path}: {exc.strerror}") from exc
+        finally:
+            self.discard()
+        fsync_dir(path.parent)
+
+    def discard(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                self._tmp.unlink()
+            self._tmp = None
 
 
 def create_file_atomically(path: Path, size: int, *, preallocate: bool, staging: Path | None = None,

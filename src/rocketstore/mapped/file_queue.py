@@ -13,7 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CorruptDataError, FlushError, StoreIOError
-from .file import COPY_LIMIT, FileBudget, MappedFile, fsync_dir, parse_segment_name, segment_name, unlink_again
+from .file import (
+    COPY_LIMIT,
+    FileBudget,
+    MappedFile,
+    SpareFile,
+    fsync_dir,
+    parse_segment_name,
+    segment_name,
+    unlink_again,
+)
 
 
 class MappedFileQueue:
@@ -32,6 +41,7 @@ class MappedFileQueue:
         self._starts: list[int] = []
         self.flushed_where = 0
         self.undeleted: list[Path] = []  # segments retention gave up but could not unlink: tried again
+        self.spares: list[SpareFile] = []  # blocks reserved for the next segments (``reserve_spares``)
         self.copy_limit = COPY_LIMIT  # each file's (MappedFile.write): raised while a warmer works ahead
 
     def set_copy_limit(self, limit: int) -> None:
@@ -157,12 +167,32 @@ class MappedFileQueue:
             what = "it or a directory above it is not a directory" if isinstance(
                 exc, FileExistsError | NotADirectoryError) else exc.strerror
             raise StoreIOError(exc.errno, f"cannot create {self.directory}: {what}") from exc
+        spare = self.spares.pop(0) if self.spares else None
         mapped = MappedFile.create(self.directory / segment_name(start_offset), self.mapped_file_size,
-                                   preallocate=self.preallocate, staging=self.staging, budget=self.budget)
+                                   preallocate=self.preallocate, staging=self.staging, budget=self.budget,
+                                   spare=spare)
         mapped.copy_limit = self.copy_limit
         self.files.append(mapped)
         self._starts.append(start_offset)
         return mapped
+
+    def reserve_spares(self, count: int) -> None:
+        """Reserve the blocks of the next ``count`` segments now (``SpareFile``); the rolls that follow take them.
+        A full disk raises ``StoreIOError`` here with nothing reserved and nothing in the log changed."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            while len(self.spares) < count:
+                self.spares.append(SpareFile(self.directory, self.mapped_file_size, self.staging))
+        except OSError as exc:
+            self.discard_spares()
+            if isinstance(exc, StoreIOError):
+                raise
+            raise StoreIOError(exc.errno, f"cannot create {self.directory}: {exc.strerror}") from exc
+
+    def discard_spares(self) -> None:
+        for spare in self.spares:
+            spare.discard()
+        self.spares = []
 
     def last_for_write(self, start_if_empty: int = 0) -> MappedFile:
         """The segment to append to: the last one, or a new one if there is none or it is full."""
