@@ -538,6 +538,33 @@ def test_an_abort_file_that_cannot_be_removed_is_a_store_io_error(tmp_path, monk
         assert again.recovery.abnormal and [m.body for m in again.iter_messages()] == [b"x"]
 
 
+@pytest.mark.parametrize("crashed_before", [False, True])
+def test_an_abort_file_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch, crashed_before):
+    """An open refused for a full disk left an empty ``abort`` in a cleanly closed store: the next open took the
+    crash path and ``verify`` said the store was not closed (the full-disk review). A crash's ``abort`` stays."""
+    from rocketstore import lifecycle
+
+    config = StoreConfig(mapped_file_size_commit_log=4096)
+    with MessageStore.open(tmp_path, config) as store:
+        store.put_message(Message("T", b"x"))
+    if crashed_before:
+        (tmp_path / "abort").write_text("4242")
+    real = lifecycle.pwrite_all
+
+    def full(fd, data, pos=0):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "abort":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(lifecycle, "pwrite_all", full)
+    with pytest.raises(StoreIOError, match="No space left"):
+        MessageStore.open(tmp_path, config)
+    assert (tmp_path / "abort").exists() == crashed_before
+    monkeypatch.undo()
+    with MessageStore.open(tmp_path, config) as again:
+        assert again.recovery.abnormal == crashed_before and [m.body for m in again.iter_messages()] == [b"x"]
+
+
 CUT_A_TORN_TAIL = """
 import sys
 from rocketstore import MessageStore, StoreConfig

@@ -148,14 +148,23 @@ class AbortFile:
                                f"cannot write {self.path}: it is not a regular file")
 
     def create(self) -> None:
-        """Keep the old content as ``abort.bak`` and write this process's PID."""
+        """Keep the old content as ``abort.bak`` and write this process's PID. One this call created and could not
+        write is removed again: left empty by an open refused for a full disk, it made the next open of a cleanly
+        closed store take the crash path (and ``verify`` say it was not closed). One that was there stays: it is a
+        crash's, whatever its content."""
+        existed = self.path.exists()
         try:
-            if self.path.exists():
+            if existed:
                 shutil.copyfile(self.path, self.path.with_name(ABORT_FILE + ".bak"))
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
             try:
                 pwrite_all(fd, str(os.getpid()).encode(), 0)
                 os.fsync(fd)
+            except OSError:
+                if not existed:
+                    with contextlib.suppress(OSError):
+                        self.path.unlink()
+                raise
             finally:
                 os.close(fd)
             _fsync_dir(self.path.parent)
