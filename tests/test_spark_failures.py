@@ -41,8 +41,26 @@ def test_one_line_of_a_java_failure_is_its_first_named_error():
     text = ("An error occurred while calling o67.load.\n: java.io.IOException: Cannot run program \"x\": error=2\n"
             "\tat java.base/java.lang.ProcessBuilder.start(ProcessBuilder.java:1143)\n"
             "Caused by: java.io.IOException: error=2, No such file or directory")
-    assert one_line(RuntimeError(text)) == 'IOException: Cannot run program "x": error=2'
+    assert one_line(RuntimeError(text)) == ('IOException: Cannot run program "x": error=2 (caused by IOException: '
+                                            'error=2, No such file or directory)')
     assert one_line(RuntimeError("")) == "RuntimeError('')"
+
+
+def test_one_line_of_a_java_failure_says_its_root_cause():
+    """An export onto a full disk said only TASK_WRITE_FAILED; why (No space left on device) was in -v's output
+    alone (the full-disk review). This is the failure Spark raised there, cut to its lines that matter."""
+    text = ("An error occurred while calling o94.parquet.\n: org.apache.spark.SparkException: [TASK_WRITE_FAILED] "
+            "Task failed while writing rows to file:/d/.out.export-388d. SQLSTATE: 58030\n"
+            "\tat org.apache.spark.sql.errors.QueryExecutionErrors$.taskFailedWhileWritingRowsError(Q.scala:1)\n"
+            "Caused by: org.apache.parquet.util.AutoCloseables$ParquetCloseResourceException: Unable to close\n"
+            "\tat org.apache.parquet.util.AutoCloseables.uncheckedClose(AutoCloseables.java:85)\n"
+            "Caused by: org.apache.hadoop.fs.FSError: java.io.IOException: No space left on device\n"
+            "Caused by: java.io.IOException: No space left on device\n\t... 20 more")
+    assert one_line(RuntimeError(text)) == ("SparkException: [TASK_WRITE_FAILED] Task failed while writing rows to "
+                                            "file:/d/.out.export-388d. (caused by IOException: No space left on "
+                                            "device)")
+    same = "An error occurred.\n: java.io.IOException: disk gone\nCaused by: java.io.IOException: disk gone"
+    assert one_line(RuntimeError(same)) == "IOException: disk gone"  # a cause it already says is not said twice
 
 
 def test_in_task_notes_nothing_outside_an_executor():

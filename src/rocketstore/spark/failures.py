@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 NOTE_PREFIX = "rocketstore task: "
+_CAUSED_BY = "Caused by: "
 _ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit)): (.+)$")
 
 
@@ -49,9 +50,16 @@ def one_line(exc: BaseException) -> str:
     where = next((line[len(NOTE_PREFIX):] for line in lines if line.startswith(NOTE_PREFIX)), None)
     errors = [m for m in map(_ERROR_LINE.match, lines) if m]
     if errors:
-        # Python's traceback puts the raised exception last; Java's summary puts its own first.
-        match = errors[-1] if "Traceback (most recent call last)" in text else errors[0]
+        # Python's traceback puts the raised exception last; Java's summary puts its own first, and its root cause
+        # last ("Caused by:"): a task that failed writing a file says why only there (No space left on device)
+        python = "Traceback (most recent call last)" in text
+        match = errors[-1] if python else errors[0]
         message = f"{match.group(1)}: {match.group(2)}"
+        causes = [] if python else [m for m in map(_ERROR_LINE.match, (line[len(_CAUSED_BY):] for line in lines
+                                                                         if line.startswith(_CAUSED_BY))) if m]
+        if causes and causes[-1].group(2) not in message:
+            message = re.sub(r"\s*SQLSTATE: \w+$", "", message)
+            message += f" (caused by {causes[-1].group(1)}: {causes[-1].group(2)})"
     else:
         message = lines[0] if lines else repr(exc)
     message = re.sub(r"\s*SQLSTATE: \w+$", "", message)
