@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -982,3 +983,44 @@ def test_a_put_the_disk_refuses_creates_no_topic(tmp_path, monkeypatch, how):
         assert store.put_message(Message("Brand", b"y" * 10_000)).ok
     with MessageStore.open(tmp_path, ASYNC, read_only=True) as store:
         assert store.topic_config.get("Brand") is not None and store.topic_config.get("Other") is None
+
+
+def test_an_index_roll_that_cannot_map_its_file_leaves_no_file_behind(tmp_path, monkeypatch):
+    """A new index file that could not be mapped (EMFILE, ENOMEM) stayed on disk, and each dispatcher retry made
+    another full-size one beside it: 14 files (561 MB) in a second (the fd review). It goes again; puts are refused
+    while the roll fails and go on when it succeeds."""
+    import mmap as _mmap
+
+    from rocketstore.errors import DispatchFailedError
+    from rocketstore.index import file as index_file
+
+    config = ASYNC.replace(max_index_num=20)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(15):
+            store.put_message(Message("T", b"x", keys=[f"k{i}"]))
+        store.wait_for_dispatch()
+        files_before = sorted((tmp_path / "index").iterdir())
+        real = _mmap.mmap
+
+        class NoRoom:
+            def __call__(self, fd, length, *args, **kwargs):
+                if length == index_file.index_file_size(97, 20):
+                    raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+                return real(fd, length, *args, **kwargs)
+
+        monkeypatch.setattr(index_file.mmap, "mmap", NoRoom())
+        for i in range(15, 25):  # past the file's 19 entries: the roll fails, again and again
+            try:
+                store.put_message(Message("T", b"x", keys=[f"k{i}"]))
+            except DispatchFailedError:
+                break
+        with pytest.raises(DispatchFailedError, match="index file"):
+            store.wait_for_dispatch(2)
+        time.sleep(0.3)  # the dispatcher's retries
+        assert sorted((tmp_path / "index").iterdir()) == files_before
+        monkeypatch.setattr(index_file.mmap, "mmap", real)
+        store.wait_for_dispatch(10)
+        assert store.put_message(Message("T", b"x", keys=["after"])).ok
+        store.wait_for_dispatch()
+        assert len(list((tmp_path / "index").iterdir())) == len(files_before) + 1
+        assert store.query_message("T", "after") and store.query_message("T", "k16")

@@ -99,13 +99,20 @@ class IndexFile:
         head = _HEADER.pack(begin_ts, begin_ts, begin_phy, begin_phy, 0, 0) if begin_phy or begin_ts else b""
         try:
             create_file_atomically(path, size, preallocate=preallocate, staging=staging, head=head)
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot create index file {path}: {exc.strerror}") from exc
+        try:
             fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
             try:
                 mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
             finally:
                 os.close(fd)  # the mapping holds its own descriptor: one per index file, not two
         except OSError as exc:
-            raise StoreIOError(exc.errno, f"cannot create index file {path}: {exc.strerror}") from exc
+            # made but not mapped (no descriptor left, no address space): it goes again. Left, the dispatcher's
+            # retries each made another full-size file beside it, 14 (561 MB) in a second (the fd review)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise StoreIOError(exc.errno, f"cannot map index file {path}: {exc.strerror}") from exc
         created = cls(path, hash_slot_num, index_num, mm, read_only=False)
         if preallocate:
             created.reserved_to = size
