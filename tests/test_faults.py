@@ -8,6 +8,7 @@ the in-process tests deterministic.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -1024,3 +1025,32 @@ def test_an_index_roll_that_cannot_map_its_file_leaves_no_file_behind(tmp_path, 
         store.wait_for_dispatch()
         assert len(list((tmp_path / "index").iterdir())) == len(files_before) + 1
         assert store.query_message("T", "after") and store.query_message("T", "k16")
+
+
+def _descriptors_under(directory: Path) -> int:
+    prefix = str(directory) + os.sep
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(prefix)
+    return count
+
+
+def test_a_writer_holds_one_descriptor_per_segment_and_two_for_the_last(tmp_path):
+    """Every writable segment kept a pwrite descriptor beside its mapping's own: a writer of 28 segments held 56
+    and met a descriptor limit at half the segments a reader opens (the fd review). Only the segment being written
+    keeps it; one written again (recovery cutting the log back into it) opens it again."""
+    config = ASYNC.replace(mapped_file_size_commit_log=8192)
+    with MessageStore.open(tmp_path, config) as store:
+        results = [store.put_message(Message("T", b"x" * 1000, keys=[f"k{i}"])) for i in range(60)]
+        segments = len(list((tmp_path / "commitlog").iterdir()))
+        assert segments >= 7
+        assert _descriptors_under(tmp_path / "commitlog") == segments + 1
+    with MessageStore.open(tmp_path, config) as store:
+        assert _descriptors_under(tmp_path / "commitlog") == segments + 1
+        for _ in range(20):  # rolls on
+            store.put_message(Message("T", b"y" * 1000))
+        assert _descriptors_under(tmp_path / "commitlog") == len(list((tmp_path / "commitlog").iterdir())) + 1
+    with MessageStore.open(tmp_path, config, read_only=True) as store:
+        assert _descriptors_under(tmp_path / "commitlog") == len(list((tmp_path / "commitlog").iterdir()))
+        assert store.look_message_by_offset(results[-1].commit_log_offset).keys == ["k59"]

@@ -352,6 +352,7 @@ class CommitLog:
         pos = mapped.wrote_position
         mapped.write(pos, blank_record(mapped.file_size - pos))
         mapped.wrote_position = mapped.file_size
+        mapped.seal()
         return nxt
 
     # --- read --------------------------------------------------------------------------------

@@ -51,8 +51,9 @@ class MappedFile:
     mapped again on the next access; the positions stay in memory, and dirty pages are msynced first.
     """
 
-    __slots__ = ("_budget", "_deleted", "_evicted", "_fd", "_mm", "_reserved", "copy_limit", "file_from_offset",
-                 "file_size", "flushed_position", "path", "path_text", "read_only", "reserved_to", "wrote_position")
+    __slots__ = ("_budget", "_deleted", "_evicted", "_fd", "_mm", "_reserved", "_sealed", "copy_limit",
+                 "file_from_offset", "file_size", "flushed_position", "path", "path_text", "read_only", "reserved_to",
+                 "wrote_position")
 
     def __init__(self, path: Path, file_size: int, *, read_only: bool = False,
                  budget: FileBudget | None = None) -> None:
@@ -71,6 +72,7 @@ class MappedFile:
         self._deleted = False
         self._mm: mmap.mmap | None = None
         self._fd = -1  # kept for pwrite by a writable file that is never evicted (see write)
+        self._sealed = False  # its pwrite descriptor given back (``seal``): opened again by a write
         self._reserved = False  # every block allocated: a store into the mapping cannot meet a full disk
         self.reserved_to = 0  # blocks known allocated below this (``reserve``)
         self.copy_limit = COPY_LIMIT  # the largest write copied into the mapping (see write)
@@ -205,7 +207,24 @@ class MappedFile:
 
     def writes_by_syscall(self, size: int) -> bool:
         """Whether ``write`` of ``size`` bytes is a pwrite, which gives the GIL away, rather than a copy."""
-        return self._fd >= 0 and not (size <= self.copy_limit and self._reserved)
+        return (self._fd >= 0 or self._sealed) and not (size <= self.copy_limit and self._reserved)
+
+    def seal(self) -> None:
+        """Give back the pwrite descriptor of a segment the log has moved past (the mapping keeps its own): a writer
+        held two descriptors a segment, and met its descriptor limit at half the segments a reader opens (the fd
+        review). A later write (recovery cutting the log back into it) opens it again."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._sealed = True
+
+    def _unseal(self) -> int:
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise StoreIOError(exc.errno, f"cannot open segment {self.path}: {exc.strerror}") from exc
+        self._sealed = False
+        return self._fd
 
     @property
     def warmable(self) -> bool:
@@ -230,6 +249,8 @@ class MappedFile:
         by another file between two writes.
         """
         fd = self._fd
+        if fd < 0 and self._sealed:
+            fd = self._unseal()
         if fd < 0 or (len(data) <= self.copy_limit and self._reserved):
             try:
                 self.buffer[pos : pos + len(data)] = data
@@ -284,7 +305,7 @@ class MappedFile:
         # this close (or ``destroy``) is giving up, and keep a deleted segment's blocks mapped in the budget
         with self._budget.map_lock if self._budget is not None else contextlib.nullcontext():
             close_mapping(self._mm, self._fd)
-            self._mm, self._fd = None, -1
+            self._mm, self._fd, self._sealed = None, -1, False
             self._evicted = False
         if self._budget is not None:
             self._budget.forget(self)

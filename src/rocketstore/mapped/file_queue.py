@@ -109,6 +109,8 @@ class MappedFileQueue:
                     str(path))
             mapped.wrote_position = mapped.flushed_position = self.mapped_file_size
             mapped.copy_limit = self.copy_limit
+            if self.files:
+                self.files[-1].seal()  # only the last is written: one descriptor for each of the others
             self.files.append(mapped)
         self._starts = [f.file_from_offset for f in self.files]
 
@@ -200,6 +202,7 @@ class MappedFileQueue:
         if last is None:
             return self.create_file(start_if_empty - start_if_empty % self.mapped_file_size)
         if last.is_full():
+            last.seal()
             return self.create_file(last.file_end_offset)
         return last
 
