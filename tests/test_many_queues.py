@@ -451,3 +451,52 @@ def test_a_readers_tail_index_starts_at_the_last_entry_when_the_newest_index_fil
         for i in (0, 50, 99):
             assert [m.commit_log_offset for m in reader.query_message("T", f"k{i}")] == \
                 [results[i].commit_log_offset]
+
+
+def test_the_queue_file_budget_fits_the_descriptor_limit(monkeypatch):
+    """Under a low ``ulimit -n`` the default budget of 256 mapped queue files took every descriptor (the fd review):
+    a quarter of the limit at most."""
+    import resource
+
+    from rocketstore.consumequeue import queue_file_budget
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _what: (64, 4096))
+    assert queue_file_budget(256) == 16
+    monkeypatch.setattr(resource, "getrlimit", lambda _what: (8, 4096))
+    assert queue_file_budget(256) == 4
+    monkeypatch.setattr(resource, "getrlimit", lambda _what: (65536, 65536))
+    assert queue_file_budget(256) == 256
+    monkeypatch.setattr(resource, "getrlimit", lambda _what: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert queue_file_budget(300) == 300
+
+
+LOW_FD_WRITER = """
+import resource, sys
+from rocketstore import Message, MessageStore, StoreConfig
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+config = StoreConfig(mapped_file_size_commit_log=1 << 20, mapped_file_size_consume_queue=20 * 4, max_hash_slot_num=97,
+                     max_index_num=400)
+with MessageStore.open(sys.argv[1], config) as store:
+    store.put_messages([Message(f"T{t}", b"x", queue_id=q) for t in range(50) for q in range(4) for _ in range(6)])
+    store.wait_for_dispatch(60)
+    found = 0
+    for t in range(50):
+        for q in range(4):
+            offset = 0
+            while (got := store.get_message(f"T{t}", q, offset, 32)).messages:  # one queue file a call
+                found += len(got.messages)
+                offset = got.next_begin_offset
+print("FOUND", found)
+"""
+
+
+def test_many_queues_under_a_low_descriptor_limit(tmp_path):
+    """200 queues of two files each under ``ulimit -n 64``: the budget keeps to a quarter of the limit, where 256
+    took every descriptor and dispatch failed at 54 mapped queue files (the fd review)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LOW_FD_WRITER, str(tmp_path / "s")], capture_output=True, text=True,
+                          timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "FOUND 1200" in done.stdout

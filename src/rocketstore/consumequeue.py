@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import struct
 import threading
 import time
@@ -533,6 +534,19 @@ class ConsumeQueue:
                 break
 
 
+def queue_file_budget(configured: int) -> int:
+    """``max_open_consume_queue_files``, or a quarter of the process's descriptor limit where that is less: under a
+    low ``ulimit -n`` the default of 256 took every descriptor, and the store refused puts until it was reopened
+    with a smaller setting (the fd review). Segments and index files need theirs too."""
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):  # pragma: no cover - no limit to read
+        return configured
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return configured
+    return max(4, min(configured, soft // 4))
+
+
 class ConsumeQueueTable:
     """All consume queues of a store, created on first use (``consumeQueueTable``)."""
 
@@ -542,7 +556,7 @@ class ConsumeQueueTable:
         self.read_only = read_only
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._lock = threading.Lock()
-        self.budget = FileBudget(config.max_open_consume_queue_files)  # descriptors stay bounded
+        self.budget = FileBudget(queue_file_budget(config.max_open_consume_queue_files))  # descriptors stay bounded
         self.set_aside: list[str] = []  # damaged queues moved to recovery/ (rebuilt by re-dispatch)
         self.damaged: list[tuple[str, int]] = []  # read-only: queues served up to a damaged file
         # a broker's queues this store leaves alone (``brokerlayout``): LMQ directories, BatchCQ topics, RocksDB
