@@ -1118,3 +1118,46 @@ def test_every_json_output_names_the_producers_id_uniqkey(tmp_path):
     assert many["uniqKey"] == put["uniqKey"]
     printed = json.loads(cli("print-msg", "--store", str(root), "-t", "T", "--json").stdout.splitlines()[0])
     assert printed["uniqKey"] == put["uniqKey"]
+
+
+ERRORS_LOGGED_ONCE = """
+import logging, sys
+import click
+from rocketstore.cli.app import fails_cleanly
+from rocketstore.errors import StoreIOError
+
+@click.command()
+@click.option("--fail", is_flag=True)
+@fails_cleanly
+def command(fail):
+    logging.getLogger("rocketstore.dispatch").error("dispatch failed (puts are refused until it succeeds): %s",
+                                                    "[Errno 28] cannot create segment /s/0: No space left on device")
+    logging.getLogger("rocketstore.consumequeue").error("queue T-0 set aside: damaged")
+    logging.getLogger("rocketstore.store").warning("a warning, as it comes")
+    if fail:
+        raise StoreIOError(28, "consume queues or index cannot be written ([Errno 28] cannot create segment /s/0: "
+                               "No space left on device)")
+    print("done")
+
+command()
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_failing_command_prints_an_error_once(fail):
+    """A command that failed on a full disk printed the dispatcher's error line, the close's, then its own: the
+    same error three times (the full-disk review). Logged errors its line says already are not printed; others are,
+    before it; warnings come as they come; a command that succeeds prints every error."""
+    done = subprocess.run([sys.executable, "-c", ERRORS_LOGGED_ONCE, *(["--fail"] if fail else [])],
+                          capture_output=True, text=True, timeout=60, check=False)
+    lines = done.stderr.splitlines()
+    if fail:
+        assert done.returncode == 1
+        assert lines == ["a warning, as it comes", "queue T-0 set aside: damaged",
+                         "error: [Errno 28] consume queues or index cannot be written ([Errno 28] cannot create "
+                         "segment /s/0: No space left on device)"]
+    else:
+        assert done.returncode == 0 and done.stdout == "done\n"
+        assert lines == ["a warning, as it comes",
+                         "dispatch failed (puts are refused until it succeeds): [Errno 28] cannot create segment /s/0: "
+                         "No space left on device", "queue T-0 set aside: damaged"]

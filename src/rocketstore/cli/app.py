@@ -69,31 +69,69 @@ def fails_cleanly(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
-            raise
-        except BrokenPipeError:  # `| head`: stop quietly, like any Unix tool
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(0)
-        except DamagedLogError as exc:  # the store's words, and the command line's way on
-            text = str(exc)
-            if "onCorrupt" in text:  # a scan's: the command line's flag for it
-                text += " (--allow-damage reads up to the damage)"
-            elif "--allow-damage" not in text:
-                text += " (rocketstore verify shows the damage; --allow-damage goes on with the log cut there, as a " \
-                        "broker's restart cuts it)"
-            raise Failure(text) from None
-        except RocketStoreError as exc:
-            raise Failure(str(exc)) from None
-        except OSError as exc:
-            raise Failure(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")) from None
-        except Exception as exc:  # Spark's wrapped executor failures and others: the line that names the error
-            from ..spark.failures import one_line
-
-            raise Failure(one_line(exc)) from None
+        with _errors_logged_once() as said:
+            try:
+                return _failing_cleanly(command, args, kwargs)
+            except click.ClickException as exc:
+                said.append(exc.format_message())
+                raise
 
     return wrapper
+
+
+@contextlib.contextmanager
+def _errors_logged_once() -> Iterator[list[str]]:
+    """Hold rocketstore's ERROR records back while a command runs, and print after it only those its error line does
+    not say already: a command that failed on a full disk printed the dispatcher's error, the close's, and then its
+    own line, all three the same error (the full-disk review). Warnings are printed as they come, as before."""
+    handler = logging.lastResort  # the CLI configures no logging: records reach stderr through it
+    held: list[logging.LogRecord] = []
+    said: list[str] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.name.startswith("rocketstore"):
+            held.append(record)
+            return False
+        return True
+
+    if handler is not None:
+        handler.addFilter(hold)
+    try:
+        yield said
+    finally:
+        if handler is not None:
+            handler.removeFilter(hold)
+        for record in held:
+            text = record.getMessage()
+            if not any(line in text or text.split(": ", 1)[-1] in line for line in said):
+                logging.getLogger(record.name).handle(record)
+
+
+def _failing_cleanly(command, args, kwargs):
+    """The command, its library errors turned into ``Failure``: one line, exit code 1."""
+    try:
+        return command(*args, **kwargs)
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except BrokenPipeError:  # `| head`: stop quietly, like any Unix tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+    except DamagedLogError as exc:  # the store's words, and the command line's way on
+        text = str(exc)
+        if "onCorrupt" in text:  # a scan's: the command line's flag for it
+            text += " (--allow-damage reads up to the damage)"
+        elif "--allow-damage" not in text:
+            text += " (rocketstore verify shows the damage; --allow-damage goes on with the log cut there, as a " \
+                    "broker's restart cuts it)"
+        raise Failure(text) from None
+    except RocketStoreError as exc:
+        raise Failure(str(exc)) from None
+    except OSError as exc:
+        raise Failure(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")) from None
+    except Exception as exc:  # Spark's wrapped executor failures and others: the line that names the error
+        from ..spark.failures import one_line
+
+        raise Failure(one_line(exc)) from None
 
 
 def _finite(_ctx, param, value):
