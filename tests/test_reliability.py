@@ -798,3 +798,48 @@ def test_sparse_files_on_a_full_disk_are_typed_errors_not_sigbus(tmp_path):
                 msg = store.look_message_by_offset(offset)
                 assert store.get_message("T", msg.queue_id, msg.queue_offset, 1).messages[0].body == msg.body
         assert verify_store(disk / "store", config).clean
+
+
+@pytest.mark.parametrize("failing", [2, 4])  # the new consumequeue/ goes in; the new index/ goes in
+def test_sizes_detected_beside_an_unfinished_rebuild_swap_are_the_stores(tmp_path, monkeypatch, failing):
+    """A rebuild killed between moving a directory aside and moving its new one in left it missing, and an open or a
+    rebuild that detected the store's sizes took RocketMQ's defaults: the rebuilt queues were set aside as damaged
+    and written again in 6,000,000-byte files, or the index rebuilt as one 420 MB file (the Spark kill review)."""
+    from rocketstore import swap
+    from rocketstore.config import detect_config
+    from rocketstore.rebuild import rebuild
+
+    geometry = StoreConfig(mapped_file_size_commit_log=65536, mapped_file_size_consume_queue=20 * 40,
+                           max_hash_slot_num=100, max_index_num=400)
+    root = tmp_path / "s"
+    with MessageStore.open(root, geometry) as store:
+        results = [store.put_message(Message(f"T{i % 3}", body_of(i), keys=[f"k{i}"], queue_id=i % 2))
+                   for i in range(300)]
+    sizes = {p.relative_to(root): p.stat().st_size for d in ("consumequeue", "index") for p in (root / d).rglob("*")
+             if p.is_file()}
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == failing:
+            raise OSError(errno.EIO, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(swap.os, "rename", rename)
+    with pytest.raises(StoreIOError, match="cannot finish the rebuild swap"):
+        rebuild(root, config=geometry)
+    monkeypatch.setattr(swap.os, "rename", real_rename)
+    assert not (root / ("consumequeue" if failing == 2 else "index")).exists()
+    detected = detect_config(root)
+    assert (detected.mapped_file_size_consume_queue, detected.max_hash_slot_num, detected.max_index_num) == \
+        (20 * 40, 100, 400)
+    with MessageStore.open(root) as store:  # sizes from the files, as the CLI opens it
+        assert store.config.mapped_file_size_consume_queue == 20 * 40 and store.config.max_index_num == 400
+        for i in (0, 150, 299):
+            assert [m.commit_log_offset for m in store.query_message(f"T{i % 3}", f"k{i}")] == \
+                [results[i].commit_log_offset]
+    assert not (root / "recovery").exists() or not any((root / "recovery").glob("consumequeue-*"))
+    after = {p.relative_to(root): p.stat().st_size for d in ("consumequeue", "index") for p in (root / d).rglob("*")
+             if p.is_file()}
+    assert set(after.values()) == set(sizes.values())
+    assert verify_store(root, geometry).clean

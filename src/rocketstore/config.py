@@ -264,6 +264,21 @@ def broker_sizes(values: dict[str, object]) -> dict[str, object]:
     return values
 
 
+def _sized_by(root: Path, name: str) -> Path:
+    """The directory whose files tell ``name``'s sizes: the store's own, or, while a rebuild killed in its swap waits
+    to be finished (``swap.pending_swap``), the new one not yet moved in. A kill between moving the old set aside and
+    the new one in left ``name`` missing, and an open or a rebuild that detected sizes then took RocketMQ's defaults:
+    the rebuilt queues were set aside as damaged and written again with 6,000,000-byte files, or the index rebuilt as
+    one 420 MB file (the Spark kill review)."""
+    from .mapped.file import STAGING_DIR
+    from .swap import pending_swap
+
+    build = pending_swap(root / STAGING_DIR)
+    if build is not None and (build / name).is_dir() and any(os.scandir(build / name)):
+        return build / name
+    return root / name
+
+
 def detect_config(root: str | Path, base: StoreConfig | None = None, *,
                   explicit: Iterable[str] | None = None) -> StoreConfig:
     """``base`` with the geometry found on disk: commit-log segment, consume-queue file and index file sizes.
@@ -289,7 +304,7 @@ def detect_config(root: str | Path, base: StoreConfig | None = None, *,
         segment_size = detect_segment_size(root)
         if segment_size:
             changes["mapped_file_size_commit_log"] = segment_size
-    queues = root / "consumequeue"
+    queues = _sized_by(root, "consumequeue")
     if queues.is_dir():
         found = [(Path(dirpath), run) for dirpath, _dirs, _files in os.walk(queues)
                  if (run := _sized_files(Path(dirpath), lambda name: name.isdigit()))]
@@ -304,7 +319,7 @@ def detect_config(root: str | Path, base: StoreConfig | None = None, *,
             _refuse_a_setting_most_files_disagree_with(
                 "consume-queue files", queues, Counter(size for run in runs for _name, size in run),
                 config.mapped_file_size_consume_queue, "mappedFileSizeConsumeQueue")
-    index = root / "index"
+    index = _sized_by(root, "index")
     index_explicit = bool({"max_hash_slot_num", "max_index_num"} & explicit)
     if index.is_dir():
         configured = index_file_size(config.max_hash_slot_num, config.max_index_num)
