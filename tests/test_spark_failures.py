@@ -419,3 +419,39 @@ def test_a_job_waiting_for_executors_is_said_once_not_silent():
         assert len(said) == 2
     finally:
         stop.set()
+
+
+def test_an_export_replaces_its_out_in_one_step_and_sweeps_what_killed_exports_left(tmp_path, monkeypatch):
+    """``--overwrite`` moved the old export aside, then the new one in: a kill between left --out missing and both
+    exports hidden beside it, for good; and each export killed while writing left its hidden sibling, up to a whole
+    export, that nothing removed (the Spark kill review). The two are exchanged in one step, and the next export
+    removes the siblings of exports whose process is gone."""
+    import subprocess
+    import sys
+
+    from rocketstore.spark import jobs
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.parquet").write_text("old")
+    target = jobs._OutputDir(None, str(out))
+    staging = Path(target.sibling())
+    assert staging.name.startswith(f".out.export-{os.getpid()}-")
+    staging.mkdir()
+    (staging / "new.parquet").write_text("new")
+    renames = []
+    monkeypatch.setattr(jobs.os, "rename", lambda *a: renames.append(a))  # not the two-rename way
+    target.replace_with(str(staging))
+    assert [p.name for p in out.iterdir()] == ["new.parquet"] and not staging.exists() and renames == []
+    monkeypatch.undo()
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    left = [tmp_path / f".out.export-{dead}-0123456789ab", tmp_path / f".out.export-{dead}-0123456789ab.old"]
+    mine = tmp_path / f".out.export-{os.getpid()}-0123456789ab"  # a live export's: kept
+    other = tmp_path / f".other.export-{dead}-0123456789ab"  # another --out's: not this one's to sweep
+    for directory in (*left, mine, other):
+        directory.mkdir()
+        (directory / "part.parquet").write_text("x")
+    assert sorted(target.sweep()) == sorted(map(str, left))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name, "out"])

@@ -684,6 +684,25 @@ def _link_open_file(fd: int, path: Path) -> None:
         raise OSError(err, os.strerror(err), str(path))
 
 
+_RENAME_EXCHANGE = 2
+
+
+def exchange_paths(first: Path | str, second: Path | str) -> bool:
+    """Swap two existing names in one step (renameat2 RENAME_EXCHANGE); False, with nothing changed, where the
+    kernel, libc or file system cannot. Two renames leave a moment with neither name in place (a kill there lost
+    the name for good)."""
+    libc = _libc()
+    call = getattr(libc, "renameat2", None)
+    if call is None:
+        return False
+    if call(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE):
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise OSError(err, os.strerror(err), str(first))
+    return True
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -38,6 +39,7 @@ from ..importing import (
     importable,
     store_tables,
 )
+from ..mapped.file import exchange_paths
 from ..rebuild import DISPATCH_COLUMNS, DISPATCH_SCHEMA, RebuildReport, rebuild_from_log
 from ..store import MessageStore
 from .failures import in_task
@@ -272,6 +274,8 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
     # a log ending at damage fails here, typed (the planner's own check would reach us wrapped in Spark's error)
     check_log_ends(_path_list(paths), ScanOptions.from_options(_option_strings(scan)))
     df = read_store(spark, paths, **scan).withColumn("date", F.to_date("storeTimestamp"))
+    for left in target.sweep():
+        log.info("removed %s, left by an export that was killed", left)
     staging = target.sibling()
     written = Observation("rocketstore-export")
     try:
@@ -300,6 +304,16 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
     return count
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
+
+
 class _OutputDir:
     """An output directory, local or a Hadoop file system's (``hdfs://``, ``s3a://``...), replaced by renames."""
 
@@ -324,8 +338,31 @@ class _OutputDir:
         return os.path.lexists(self.path)
 
     def sibling(self) -> str:
+        """A hidden name beside ``path`` for a new export, naming this process: a killed export's is swept by the
+        next one (``sweep``)."""
         parent, _, name = self.path.rstrip("/").rpartition("/")
-        return f"{parent}/.{name}.export-{uuid.uuid4().hex[:12]}"
+        return f"{parent}/.{name}.export-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+    def sweep(self) -> list[str]:
+        """Remove what killed exports to this path left beside it (their process is gone): each held a part or all
+        of an export, up to its full size, for good. Local paths only (another host's process cannot be asked)."""
+        if self.remote:
+            return []
+        parent, _, name = self.path.rstrip("/").rpartition("/")
+        pattern = re.compile(rf"\.{re.escape(name)}\.export-(\d+)-[0-9a-f]{{12}}(?:\.old)?")
+        swept = []
+        try:
+            entries = list(os.scandir(parent or "/"))
+        except OSError:
+            return []
+        for entry in entries:
+            match = pattern.fullmatch(entry.name)
+            if match is None or _alive(int(match.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                self.delete(entry.path)
+                swept.append(entry.path)
+        return swept
 
     def exists(self, path: str) -> bool:
         return bool(self.fs.exists(self._hadoop(path))) if self.remote else os.path.lexists(path)
@@ -345,7 +382,12 @@ class _OutputDir:
             os.unlink(path)
 
     def replace_with(self, staging: str) -> None:
-        """``staging`` becomes ``path``; what ``path`` held goes (after the rename: never before it)."""
+        """``staging`` becomes ``path``; what ``path`` held goes (after the rename: never before it). Locally the two
+        are exchanged in one step: with two renames, a kill between them left ``path`` missing and both exports
+        hidden beside it (the Spark kill review)."""
+        if not self.remote and os.path.lexists(self.path) and exchange_paths(staging, self.path):
+            self.delete(staging)  # the previous export, now under the staging name
+            return
         old = None
         if self.exists(self.path):
             old = self.sibling() + ".old"
