@@ -298,9 +298,10 @@ def warn_while_starved(spark, master: str, *, after: float = STARVED_AFTER_S, ev
                     waited += every
                     if waited >= after and not said:
                         said = True
-                        say(f"waiting: no executor has started for this application on {master} after "
-                            f"{int(waited)} s; the cluster has no free cores or memory for it (other applications "
-                            "hold them, or --conf asks for more than a worker has), and Spark waits (Ctrl-C stops)")
+                        say(f"waiting: this application has had no executor on {master} for {int(waited)} s: "
+                            "the cluster has no live worker (one running the job stopped?) or no free cores or "
+                            "memory for it (other applications hold them, or --conf asks for more than a worker "
+                            "has), and Spark waits (Ctrl-C stops)")
                 else:
                     waited, said = 0.0, False
 
