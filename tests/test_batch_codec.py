@@ -899,3 +899,18 @@ def test_a_blank_in_the_middle_of_a_segment_is_damage_not_its_end(tmp_path):
     segment.write_bytes(bytes(data))
     with MessageStore.open(root, config.replace(cut_damaged_log=False), read_only=True) as view:
         assert view.recovery.stop_reason is None and view.recovery.end_offset == cut
+
+
+def test_a_segment_cut_short_after_the_plan_is_a_typed_error_naming_it(tmp_path):
+    """A segment truncated between a Spark job's planning and its task raised mmap's bare ValueError ("mmap length is
+    greater than file size"), naming no file (the Spark kill review)."""
+    from rocketstore.spark.partitions import LogRange, ScanOptions, read_range
+
+    with MessageStore.open(tmp_path / "s", StoreConfig(mapped_file_size_commit_log=1 << 20)) as store:
+        store.put_messages([Message("T", b"x" * 100) for _ in range(10)])
+    segment = tmp_path / "s" / "commitlog" / f"{0:020d}"
+    with open(segment, "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(CorruptDataError, match="segment is 4096 bytes, expected 1048576") as raised:
+        list(read_range(LogRange(str(tmp_path / "s"), "b", str(segment), 0, 1 << 20, 0, 1000, 1000), ScanOptions()))
+    assert str(segment) in str(raised.value)

@@ -43,7 +43,7 @@ from ..codec.record import MAX_TIME_MS, find_record_start, message_from_layout, 
 from ..commitlog import COMMITLOG_DIR, CommitLog
 from ..config import StoreConfig, detect_segment_size
 from ..dispatch import index_topic_of, tags_code_of
-from ..errors import ConfigError, DamagedLogError, StoreIOError, StoreNotVisibleError
+from ..errors import ConfigError, CorruptDataError, DamagedLogError, StoreIOError, StoreNotVisibleError
 from ..index.bulk import index_key_hashes
 from ..index.service import build_key, index_keys
 from ..lifecycle import ABORT_FILE
@@ -436,6 +436,10 @@ def read_range(r: LogRange, options: ScanOptions) -> Iterator[pa.RecordBatch]:
         require_visible(r.root)
         raise StoreIOError(exc.errno, f"cannot open segment {r.segment}: {exc.strerror}") from exc
     try:
+        actual = os.fstat(fd).st_size
+        if actual < r.segment_size:  # cut short since the plan was made: mmap's own error named no file
+            raise CorruptDataError(f"segment is {actual} bytes, expected {r.segment_size} (cut short since the job "
+                                   "was planned)", r.segment)
         with mmap.mmap(fd, r.segment_size, access=mmap.ACCESS_READ) as buf:
             yield from _read(buf, r, options)
     finally:
