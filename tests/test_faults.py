@@ -959,33 +959,6 @@ def test_spare_segments_leave_nothing_behind_a_kill(tmp_path, tmpfile):
     assert list((tmp_path / mapped_file.STAGING_DIR).glob("*.tmp")) == []
 
 
-@pytest.mark.parametrize("how", ["put_message", "put_batch"])
-def test_a_put_the_disk_refuses_creates_no_topic(tmp_path, monkeypatch, how):
-    """The topic a put auto-created stayed in topics.json when the disk then refused its records (the full-disk
-    review): a refused put creates no topic. A topic another put stored into meanwhile stays."""
-    import pyarrow as pa
-
-    with MessageStore.open(tmp_path, ASYNC) as store:
-        store.put_message(Message("Old", b"x" * 60_000))  # the segment nearly full: the next put rolls
-        store.wait_for_dispatch()
-        real = mapped_file.allocate
-
-        def full(fd, size, prealloc):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        monkeypatch.setattr(mapped_file, "allocate", full)
-        with pytest.raises(StoreIOError, match="No space left"):
-            if how == "put_message":
-                store.put_message(Message("Brand", b"y" * 10_000))
-            else:
-                store.put_batch(pa.table({"topic": ["Brand", "Other"], "body": [b"y" * 10_000, b"z"]}))
-        assert store.topic_config.get("Brand") is None and store.topic_config.get("Other") is None
-        monkeypatch.setattr(mapped_file, "allocate", real)
-        assert store.put_message(Message("Brand", b"y" * 10_000)).ok
-    with MessageStore.open(tmp_path, ASYNC, read_only=True) as store:
-        assert store.topic_config.get("Brand") is not None and store.topic_config.get("Other") is None
-
-
 def test_an_index_roll_that_cannot_map_its_file_leaves_no_file_behind(tmp_path, monkeypatch):
     """A new index file that could not be mapped (EMFILE, ENOMEM) stayed on disk, and each dispatcher retry made
     another full-size one beside it: 14 files (561 MB) in a second (the fd review). It goes again; puts are refused

@@ -897,12 +897,11 @@ class MessageStore:
         pending = self.encoder.encode_many(msgs, system)
         missing = self._check_topics(pending.queue_checks, any_perm=delivered)
         self.commit_log.check_fits(len(pending.data))
-        created = self._create_topics(missing) if missing is not None else []  # once the whole put passed
-        try:
-            phy, queue_offsets, store_ts = self.commit_log.append(pending)
-        except StoreIOError:
-            self._uncreate_topics(created)
-            raise
+        # only once the whole put passed: a put validation refuses creates no topic. One the disk refuses after keeps
+        # it, as a broker keeps a topic it auto-created: taking it back raced a put into it that had found it
+        if missing is not None:
+            self._create_topics(missing)
+        phy, queue_offsets, store_ts = self.commit_log.append(pending)
         assert self.dispatcher is not None
         self.dispatcher.wake()
         status = PutMessageStatus.PUT_OK
@@ -937,12 +936,9 @@ class MessageStore:
             if row is None:
                 raise
             raise type(exc)(f"row {row}: {exc}") from None
-        created = self._create_topics(missing) if missing is not None else []  # once every row passed
-        try:
-            phys, queue_offsets, store_ts = self.commit_log.append_batch(batch)
-        except StoreIOError:
-            self._uncreate_topics(created)
-            raise
+        if missing is not None:  # only once every row passed: a refused table creates no topic (see _put)
+            self._create_topics(missing)
+        phys, queue_offsets, store_ts = self.commit_log.append_batch(batch)
         assert self.dispatcher is not None and self.flusher is not None
         self.dispatcher.wake()
         status = PutMessageStatus.PUT_OK
@@ -1015,33 +1011,13 @@ class MessageStore:
             return 1
         return max(self.config.default_topic_queue_nums, queue_id + 1)
 
-    def _create_topics(self, missing: list[tuple[str, int]]) -> list[str]:
+    def _create_topics(self, missing: list[tuple[str, int]]) -> None:
         """Auto-create the topics ``_check_topics`` found missing, after checking them again under the topic lock
-        (another put or ``create_topic`` may have created one since): all checks pass before the first is made.
-        Returns the topics this call created."""
-        created = []
+        (another put or ``create_topic`` may have created one since): all checks pass before the first is made."""
         with self._topic_lock:
             todo = self._check_topics(missing)
             for topic, queue_id in todo or ():  # never replaces a config (create_topic also holds the topic lock)
-                if self.topic_config.get(topic) is None:
-                    self.topic_config.create_if_absent(topic, self._auto_queues(topic, queue_id))
-                    created.append(topic)
-        return created
-
-    def _uncreate_topics(self, topics: list[str]) -> None:
-        """Take back the topics a put created when the disk refused its records: a refused put creates no topic.
-        One another put has stored into meanwhile stays; one that cannot be removed (the disk is full) is said."""
-        if not topics:
-            return
-        with self._topic_lock:
-            used = {topic for topic, _queue in list(self.commit_log.queue_offsets)}
-            for topic in topics:
-                if topic in used:
-                    continue
-                try:
-                    self.topic_config.delete(topic)
-                except StoreIOError as exc:
-                    log.warning("topic %s, created by a put the disk refused, stays in topics.json: %s", topic, exc)
+                self.topic_config.create_if_absent(topic, self._auto_queues(topic, queue_id))
 
     # --- topics and consumers ---------------------------------------------------------------------
 
