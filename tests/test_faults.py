@@ -1027,3 +1027,46 @@ def test_a_writer_holds_one_descriptor_per_segment_and_two_for_the_last(tmp_path
     with MessageStore.open(tmp_path, config, read_only=True) as store:
         assert _descriptors_under(tmp_path / "commitlog") == len(list((tmp_path / "commitlog").iterdir()))
         assert store.look_message_by_offset(results[-1].commit_log_offset).keys == ["k59"]
+
+
+@pytest.mark.parametrize("missing", ["proc", "link"])
+def test_spares_without_proc_never_need_a_segment_twice_nor_name_a_tmp_in_the_log(tmp_path, monkeypatch, missing):
+    """Without /proc an unnamed spare could not be linked in: the fallback made the segment again while the spare
+    still held its blocks (a disk with room for the reservation refused the roll, after 241 rows of the table were
+    stored), with its temporary file in commitlog/ (a name RocketMQ's loader rejects, left by a kill). Without /proc
+    the spares are staging files renamed in; a link that fails all the same gives the blocks back first."""
+    import pyarrow as pa
+
+    real_isdir, real_create = os.path.isdir, mapped_file.create_file_atomically
+    made = []
+    def no_link(fd, path):  # what linkat through a missing /proc/self/fd answers
+        raise OSError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(mapped_file, "_link_open_file", no_link)
+    if missing == "proc":
+        monkeypatch.setattr(mapped_file.os.path, "isdir", lambda p: p != "/proc/self/fd" and real_isdir(p))
+
+    def create(path, size, **kwargs):
+        made.append((Path(path).parent.name, kwargs.get("staging")))
+        return real_create(path, size, **kwargs)
+
+    monkeypatch.setattr(mapped_file, "create_file_atomically", create)
+    monkeypatch.setattr(mapped_file.SpareFile, "discard", _recording_discard(mapped_file.SpareFile.discard, made))
+    with MessageStore.open(tmp_path, ASYNC) as store:
+        store.put_batch(pa.table({"topic": ["T"] * 2000, "body": [b"x" * 150] * 2000}))
+        assert len(list((tmp_path / "commitlog").iterdir())) >= 5
+    if missing == "proc":
+        assert not [m for m in made if m[0] == "commitlog"]  # every segment of the table came from a spare
+    else:  # every fallback gave its spare's blocks back before making the segment, in staging
+        creations = [i for i, m in enumerate(made) if m[0] == "commitlog"]
+        assert creations and all(made[i - 1] == "discard" and made[i][1] is not None for i in creations)
+    assert names_rocketmq_would_load(tmp_path) == []
+    assert list((tmp_path / mapped_file.STAGING_DIR).glob("*.tmp")) == []
+
+
+def _recording_discard(real, made):
+    def discard(self):
+        if self._fd >= 0:
+            made.append("discard")
+        real(self)
+    return discard

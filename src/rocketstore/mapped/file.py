@@ -759,10 +759,11 @@ class SpareFile:
         self.size = size
         self._fd = -1
         self._tmp: Path | None = None
+        self._staging = staging
         flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
         try:
             tmpfile = getattr(os, "O_TMPFILE", 0)
-            if tmpfile:
+            if tmpfile and os.path.isdir("/proc/self/fd"):  # an unnamed file is linked in through /proc
                 try:
                     self._fd = os.open(directory, flags | tmpfile, 0o644)
                 except OSError as exc:
@@ -789,7 +790,10 @@ class SpareFile:
                 except OSError as exc:
                     if exc.errno not in _NO_LINK:
                         raise
-                    create_file_atomically(path, self.size, preallocate=True)  # no /proc: made the usual way
+                    # made the usual way, its blocks given back first (the disk may hold only one of the two), its
+                    # temporary file in staging (never a .tmp name in the segments' directory)
+                    self.discard()
+                    create_file_atomically(path, self.size, preallocate=True, staging=self._staging)
             else:
                 os.rename(self._tmp, path)
                 self._tmp = None
