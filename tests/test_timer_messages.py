@@ -240,3 +240,44 @@ def test_a_brokers_store_delivers_what_its_timer_had_not_and_nothing_twice(tmp_p
         assert bodies(store, "Pay") == [b"delivered", b"new", b"waiting"]
     with MessageStore.open(tmp_path, CONFIG) as store:  # its own file from now on
         assert store.schedule.deliver_due(now_ms=base + 2_000_000) == 0
+
+
+@pytest.mark.parametrize("kind", ["delay", "timer"])
+def test_a_close_during_a_delivery_backlog_loses_nothing(tmp_path, kind):
+    """close() marked the store closed before it stopped the schedule thread: every due message the thread then
+    read was "unreadable", skipped, and its offset advanced and written. 3,492 of 4,000 due messages were never
+    delivered, with no fault (the schedule review). The thread stops first now; the rest is delivered after a reopen,
+    each once."""
+    import collections
+
+    config = CONFIG.replace(message_delay_level="1s", mapped_file_size_commit_log=1 << 20,
+                            mapped_file_size_consume_queue=20 * 1000, max_index_num=4000)
+    n = 1500
+    store = MessageStore.open(tmp_path, config)
+    due = time.time_ns() // 1_000_000 + 1000
+    properties = {"DELAY": "1"} if kind == "delay" else {"TIMER_DELIVER_MS": str(due)}
+    store.put_messages([Message("Real", b"m%d" % i, properties=properties) for i in range(n)])
+    store.wait_for_dispatch()
+    deadline = time.monotonic() + 30
+    while store.schedule.delivered == 0 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    store.close()  # while the backlog is being delivered
+    delivered_before = store.schedule.delivered
+    assert 0 < delivered_before < n, "the close did not fall in the backlog: the test proves nothing"
+    with MessageStore.open(tmp_path, config) as store:
+        deadline = time.monotonic() + 30
+        while store.get_max_offset_in_queue("Real", 0) + sum(
+                store.get_max_offset_in_queue("Real", q) for q in store.queue_ids("Real") if q) < n \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store.wait_for_dispatch()
+        got = collections.Counter(m.body for q in store.queue_ids("Real")
+                                  for m in _all(store, "Real", q))
+    assert sorted(got) == sorted(b"m%d" % i for i in range(n)) and set(got.values()) == {1}
+
+
+def _all(store, topic, queue_id):
+    offset = 0
+    while (found := store.get_message(topic, queue_id, offset, 500)).messages:
+        yield from found.messages
+        offset = found.next_begin_offset

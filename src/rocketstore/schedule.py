@@ -31,12 +31,13 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .brokerconfig import DelayOffsetManager, TimerOffsetManager
 from .codec.properties import PropertyName
 from .encoder import SCHEDULE_TOPIC, TIMER_TOPIC, java_integer
-from .errors import MessageIllegalError, RocketStoreError
+from .errors import MessageIllegalError, RocketStoreError, StoreClosedError, StoreIOError
 from .lifecycle import start_thread
 from .message import Message, MessageExt, SysFlag
 
@@ -122,9 +123,13 @@ def _delivered_by_broker(store, properties: dict[str, str]) -> bool:
 
 
 def readable_copy(store, phy_offset: int) -> Message | None:
-    """The delivered copy of the parked record at ``phy_offset``; None (logged) if it cannot be read."""
+    """The delivered copy of the parked record at ``phy_offset``; None (logged) if it can never be read (gone,
+    damaged). A store closing, or an I/O error, is raised: the message waits for a later tick. Skipped, a close
+    that overtook a delivery backlog marked thousands of messages delivered that never were (the schedule review)."""
     try:
         return delivered_copy(store.look_message_by_offset(phy_offset))
+    except (StoreClosedError, StoreIOError):
+        raise
     except RocketStoreError as exc:
         log.error("skipping the delayed message at %d: %s", phy_offset, exc)
         return None
@@ -150,8 +155,9 @@ class TimerWheel:
     def pending(self) -> int:
         return len(self._waiting)
 
-    def deliver_due(self, now: int) -> int:
-        """Deliver the due timer messages; a refusal that may pass puts the entry back and raises."""
+    def deliver_due(self, now: int, stopping: Callable[[], bool] | None = None) -> int:
+        """Deliver the due timer messages until ``stopping`` says so; a refusal that may pass puts the entry back
+        and raises."""
         queue = self.store.queues.get(TIMER_TOPIC, 0)
         if queue is None:
             return 0
@@ -174,15 +180,15 @@ class TimerWheel:
             self._read_to += 1
         self._advance()
         count = self.deliveries.delivered
-        while self._waiting and self._waiting[0][0] <= now:
+        while self._waiting and self._waiting[0][0] <= now and not (stopping is not None and stopping()):
             entry = heapq.heappop(self._waiting)
-            copy = readable_copy(self.store, entry[2])
-            if copy is not None:
-                try:
+            try:
+                copy = readable_copy(self.store, entry[2])
+                if copy is not None:
                     self.deliveries.put(self.store, copy, entry[2])
-                except BaseException:
-                    heapq.heappush(self._waiting, entry)  # delivered on a later tick
-                    raise
+            except BaseException:
+                heapq.heappush(self._waiting, entry)  # delivered on a later tick
+                raise
             self._done.add(entry[1])
             self._advance()
         return self.deliveries.delivered - count
@@ -251,23 +257,23 @@ class ScheduleMessageService:
             if queue is None:
                 continue
             offset = max(self.offsets.get(level), queue.min_offset_in_queue)
-            while offset < queue.max_offset_in_queue:
+            while offset < queue.max_offset_in_queue and not self._stop.is_set():  # a close waits for one delivery
                 unit = queue.get_unit(offset)
                 if unit is None or unit[2] > now:
                     break  # units of one level are in delivery-time order
-                copy = readable_copy(self.store, unit[0])
-                if copy is not None:
-                    try:
+                try:
+                    copy = readable_copy(self.store, unit[0])
+                    if copy is not None:
                         self.deliveries.put(self.store, copy, unit[0])
-                    except RocketStoreError as exc:  # this level waits for a later tick, the others go on
-                        self.deliveries.failed(f"delay level {level}", exc)
-                        failed = True
-                        break
+                except RocketStoreError as exc:  # this level waits for a later tick, the others go on
+                    self.deliveries.failed(f"delay level {level}", exc)
+                    failed = True
+                    break
                 offset += 1
                 self.offsets.set(level, offset)
         if self.timers is not None:
             try:
-                self.timers.deliver_due(now)
+                self.timers.deliver_due(now, self._stop.is_set)
             except RocketStoreError as exc:
                 self.deliveries.failed("timer messages", exc)
                 failed = True

@@ -761,8 +761,15 @@ class MessageStore:
         with self._close_lock:
             if self._closed:
                 return
-            self._closed = True
             errors: list[BaseException] = []
+            # the schedule stops first, while reads still answer: stopped after the close began, its delivery loop
+            # found every due message unreadable and marked thousands delivered that never were (schedule review)
+            if self.schedule is not None:
+                try:
+                    self.schedule.shutdown()
+                except Exception as exc:
+                    errors.append(exc)
+            self._closed = True
 
             def step(action: Callable[[], object]) -> None:
                 try:
@@ -774,8 +781,6 @@ class MessageStore:
                 self._stop.set()
                 if self._maintenance is not None:
                     self._maintenance.join()
-                if self.schedule is not None:
-                    step(self.schedule.shutdown)
                 if not self.read_only:
                     step(self.consumer_offsets.persist)
                     step(self.delay_offsets.persist)
