@@ -174,3 +174,34 @@ def test_torn_or_unwritable_check_counts_cost_checks_not_transactions(tmp_path, 
         log.end(tid, half.uniq_key, "Orders", commit=True)
         store.wait_for_dispatch()
         assert visible(store, "Orders") == [b"x"]
+
+
+def test_an_end_whose_op_message_failed_stores_no_second_copy_when_retried(tmp_path, monkeypatch):
+    """The committed copy stored, the op message that closes the half failed: the half went back open with nothing
+    remembered, and the retried commit (or the check's answer) stored a second copy, with no crash (the schedule
+    review). The retry writes only the op message."""
+    from rocketstore.errors import StoreIOError
+
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        store.create_topic("Orders", 1)
+        log = TransactionLog(store, check_after_ms=60_000)
+        half, tid = log.prepare(Message("Orders", b"pay", keys=["o-9"]))
+        real = store._put_system
+
+        def op_fails_once(msg):
+            if msg.topic == OP_TOPIC and not failed:
+                failed.append(msg)
+                raise StoreIOError(28, "No space left on device")
+            return real(msg)
+
+        failed: list = []
+        monkeypatch.setattr(store, "_put_system", op_fails_once)
+        with pytest.raises(StoreIOError, match="No space left"):
+            log.end(tid, half.uniq_key, "Orders", commit=True)
+        assert log.open_count() == 1
+        assert log.end(tid, half.uniq_key, "Orders", commit=True) is None  # closed, nothing stored again
+        assert log.open_count() == 0
+        store.wait_for_dispatch()
+        assert visible(store, "Orders") == [b"pay"]
+    with MessageStore.open(tmp_path, CONFIG) as store:
+        assert TransactionLog(store).open_count() == 0 and visible(store, "Orders") == [b"pay"]

@@ -54,6 +54,7 @@ class OpenHalf:
     topic: str  # the real topic
     next_check_ms: int
     checks: int = 0
+    committed: bool = False  # its committed copy is stored; only the op message that closes it is missing
 
 
 class TransactionLog:
@@ -145,13 +146,20 @@ class TransactionLog:
 
     def end(self, transaction_id: str, message_id: str, topic: str, commit: bool) -> PutMessageResult | None:
         """Commit (store the message in its topic) or roll back an open transaction; the committed put's
-        result, or None for a rollback. Raises ``UnknownTransactionError``."""
+        result, or None for a rollback (and for a commit an earlier end had stored, whose op message failed: only
+        that is written now; a retry stored a second copy). Raises ``UnknownTransactionError``."""
         with self._lock:
             entry = self._find(transaction_id, message_id, topic)
             del self._open[entry.phy]  # no second end while this one writes
         try:
-            half = self.store.look_message_by_offset(entry.phy)
-            result = self.store._put_delivered(committed_copy(half)) if commit else None  # prepare checked perm
+            result = None
+            if commit and not entry.committed:  # an end whose op message failed stored the copy already
+                half = self.store.look_message_by_offset(entry.phy)
+                result = self.store._put_delivered(committed_copy(half))  # prepare checked perm
+                entry.committed = True
+            elif entry.committed and not commit:
+                log.warning("transaction %s was committed (its message is stored) before a rollback came: the "
+                            "rollback only closes it", transaction_id)
             self._close(entry)
         except BaseException:
             with self._lock:
