@@ -1070,3 +1070,33 @@ def _recording_discard(real, made):
             made.append("discard")
         real(self)
     return discard
+
+
+def test_a_background_error_that_repeats_is_logged_once_a_minute_with_its_count(caplog):
+    """The dispatcher retrying every 50 ms logged an error line each time, and maintenance a traceback each pass,
+    while the disk was full (the schedule review): logs that fill the disk further."""
+    import logging
+
+    from rocketstore.health import RepeatedErrorLog
+
+    now = [0.0]
+    log = logging.getLogger("rocketstore.test")
+    repeated = RepeatedErrorLog(log, "dispatch failed", "dispatch works again", clock=lambda: now[0])
+    full = StoreIOError(errno.ENOSPC, "cannot create segment x: No space left on device")
+    with caplog.at_level(logging.INFO, logger="rocketstore.test"):
+        for _ in range(1200):  # a minute of retries every 50 ms
+            repeated.failed(full)
+            now[0] += 0.05
+        now[0] = 60.0
+        repeated.failed(full)  # a minute on: said again, with how often it came since
+        repeated.failed(StoreIOError(errno.EMFILE, "Too many open files"))  # another error: said at once
+        repeated.recovered()
+        repeated.recovered()
+        repeated.failed(RuntimeError("a bug"))  # not the disk: with its traceback
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines[:4] == [
+        ("ERROR", "dispatch failed: [Errno 28] cannot create segment x: No space left on device"),
+        ("ERROR", "dispatch failed (1200 times in 60 s): [Errno 28] cannot create segment x: No space left on device"),
+        ("ERROR", "dispatch failed: [Errno 24] Too many open files"),
+        ("WARNING", "dispatch works again")]
+    assert len(lines) == 5 and caplog.records[4].exc_info and not caplog.records[0].exc_info

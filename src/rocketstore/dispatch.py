@@ -33,7 +33,7 @@ from .config import FlushDiskType, StoreConfig
 from .consumequeue import ConsumeQueueTable
 from .encoder import PARKED_TOPICS, SCHEDULE_TOPIC
 from .errors import CorruptDataError, DispatchFailedError, StoreIOError
-from .health import StoreHealth
+from .health import RepeatedErrorLog, StoreHealth
 from .index.service import IndexRequest, IndexService
 from .lifecycle import start_thread
 from .mapped.file import reading
@@ -294,6 +294,8 @@ class Dispatcher:
 
     def _run(self) -> None:
         rest = DISPATCH_REST_SYNC if self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH else DISPATCH_REST
+        failures = RepeatedErrorLog(log, "dispatch failed (puts are refused until it succeeds)",
+                                    "dispatch works again: puts are accepted")
         while not self._stop.is_set():
             self._work.wait(0.01)
             self._work.clear()
@@ -302,9 +304,10 @@ class Dispatcher:
             except Exception as exc:  # keep the thread alive and retrying; puts are refused meanwhile
                 self.last_error = exc
                 self.health.fail_dispatch(exc)
-                log.error("dispatch failed (puts are refused until it succeeds): %s", exc)
+                failures.failed(exc)
                 self._stop.wait(0.05)
                 continue
+            failures.recovered()
             if done:
                 self._urgent.wait(rest)
             self._urgent.clear()

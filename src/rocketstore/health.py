@@ -12,9 +12,11 @@ Two kinds of failure, treated differently on purpose:
 from __future__ import annotations
 
 import errno
+import logging
 import threading
+import time
 
-from .errors import DispatchFailedError, StoreFailedError
+from .errors import DispatchFailedError, RocketStoreError, StoreFailedError
 
 
 class StoreHealth:
@@ -61,3 +63,34 @@ class StoreHealth:
         if self.dispatch_error is not None:
             return f"degraded: dispatch error {self.dispatch_error}"
         return "healthy"
+
+
+class RepeatedErrorLog:
+    """One log line for an error a background thread meets again and again (a full disk, no descriptors left): the
+    first time, then the same error once every ``every`` seconds with how often it came, and one line when it
+    passes. The dispatcher retrying every 50 ms logged an error line each time, and maintenance a traceback each
+    pass, while the disk was full (the schedule review): logs that fill the disk further. A traceback is logged only
+    for an error that is no ``RocketStoreError`` (a bug, not the disk)."""
+
+    def __init__(self, logger: logging.Logger, what: str, passed: str, every: float = 60.0,
+                 clock=time.monotonic) -> None:
+        self.logger, self.what, self.passed, self.every, self.clock = logger, what, passed, every, clock
+        self._text: str | None = None
+        self._since = 0.0
+        self._repeats = 0
+
+    def failed(self, exc: BaseException) -> None:
+        text, now = str(exc), self.clock()
+        if text == self._text and now - self._since < self.every:
+            self._repeats += 1
+            return
+        again = f" ({self._repeats + 1} times in {now - self._since:.0f} s)" if text == self._text else ""
+        self._text, self._since, self._repeats = text, now, 0
+        self.logger.error("%s%s: %s", self.what, again, exc,
+                          exc_info=None if isinstance(exc, RocketStoreError | OSError) else exc)
+
+    def recovered(self) -> None:
+        if self._text is not None:
+            self.logger.warning("%s", self.passed)
+            self._text, self._repeats = None, 0
+

@@ -66,7 +66,7 @@ from .errors import (
     TopicNotWritableError,
 )
 from .flush import CommitLogFlusher
-from .health import StoreHealth
+from .health import RepeatedErrorLog, StoreHealth
 from .index.service import IndexService, check_geometry
 from .lifecycle import AbortFile, RedispatchMarker, StoreLock, is_locked, start_thread
 from .mapped.file import STAGING_DIR
@@ -689,6 +689,8 @@ class MessageStore:
             "retention": 10.0,
         }
         last = dict.fromkeys(every, time.monotonic())
+        failures = RepeatedErrorLog(log, "store maintenance failed (the next pass retries)",
+                                    "store maintenance works again")
         while not self._stop.wait(min(every.values())):
             now = time.monotonic()
             due = {task for task, interval in every.items() if now - last[task] >= interval}
@@ -707,8 +709,10 @@ class MessageStore:
                     self.delete_expired_files()
             except StoreClosedError:  # close() came while a pass ran: it does that work itself
                 return
-            except Exception:  # never let housekeeping kill the store; the next pass retries
-                log.exception("store maintenance failed")
+            except Exception as exc:  # never let housekeeping kill the store; the next pass retries
+                failures.failed(exc)
+            else:
+                failures.recovered()
             for task in due:
                 last[task] = now
 
