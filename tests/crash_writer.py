@@ -3,7 +3,7 @@
 Opens the store at ROOT with small commit-log segments and runs ``THREADS`` producer threads that
 write until the process is killed. Each thread follows a plan fixed by (SEED, thread): a run of
 single puts and all-or-nothing batches (``put_messages`` of 2..``MAX_BATCH`` messages, or the same rows as a
-``put_batch`` table). Every
+``put_batch`` table), and now and then a table larger than a segment (``LARGE_TABLE`` rows). Every
 message carries its sequence id ``SEED-thread-n`` in the ``CRASH_SEQ`` property, and its topic,
 queue id, tags, keys and body are derived from that id alone (``message_spec``), so a checker can
 recompute any message it finds in the log, acknowledged or not.
@@ -35,6 +35,7 @@ QUEUES = 4
 TAGS = (None, "TagA", "TagB", "TagC")
 MAX_BODY = 3000
 MAX_BATCH = 8
+LARGE_TABLE = range(40, 90)  # rows of the rare ``put_batch`` table larger than a segment (written in parts)
 SEQ_PROPERTY = "CRASH_SEQ"
 
 
@@ -94,9 +95,18 @@ def thread_plan(seed: int, thread: int) -> Iterator[range]:
     rng = random.Random(f"plan-{seed}-{thread}")
     n = 0
     while True:
-        count = 1 if rng.random() < 0.5 else rng.randint(2, MAX_BATCH)
+        draw = rng.random()
+        if draw < 0.03:  # a table larger than a segment: its segments reserved first, then written one by one
+            count = rng.randint(LARGE_TABLE.start, LARGE_TABLE.stop - 1)
+        else:
+            count = 1 if draw < 0.5 else rng.randint(2, MAX_BATCH)
         yield range(n, n + count)
         n += count
+
+
+def written_in_parts(put: range) -> bool:
+    """A put a kill may cut between rows: a table larger than a segment keeps a prefix of whole rows."""
+    return len(put) > MAX_BATCH
 
 
 def body_digest(body: bytes) -> str:
@@ -142,7 +152,7 @@ def produce(store: MessageStore, seed: int, thread: int) -> None:
             specs = [message_spec(seq_id(seed, thread, n)) for n in numbers]
             if len(specs) == 1:
                 results = [store.put_message(specs[0].message())]
-            elif numbers.start % 3 == 0:
+            elif numbers.start % 3 == 0 or written_in_parts(numbers):
                 results = put_table(store, specs)
             else:
                 results = store.put_messages([s.message() for s in specs])
