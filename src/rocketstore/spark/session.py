@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 LOG4J2 = """\
 rootLogger.level = {level}
@@ -235,7 +235,8 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
     saved = os.environ.get("PYSPARK_PYTHON")
     os.environ["PYSPARK_PYTHON"] = python
     try:
-        with shipping.working_directory(jvm_directory) if jvm_directory else contextlib.nullcontext():
+        with shipping.working_directory(jvm_directory) if jvm_directory else contextlib.nullcontext(), \
+                _jvm_stderr_filtered() if launching else contextlib.nullcontext():
             try:
                 spark = builder.getOrCreate()
             except Exception as exc:
@@ -258,6 +259,50 @@ def spark_session(master: str | None = None, app_name: str = "rocketstore", *, d
         spark.sparkContext.addPyFile(str(shipping.package_zip(scratch)))
     register(spark)
     return spark
+
+
+_JVM_NOISE = (b"WARNING: Using incubator modules: jdk.incubator.vector\n",)
+
+
+@contextlib.contextmanager
+def _jvm_stderr_filtered() -> Iterator[None]:
+    """Start the driver JVM with its stderr through a pipe that drops the lines in ``_JVM_NOISE``: Spark's launcher
+    adds ``--add-modules=jdk.incubator.vector`` to every JVM, and Java then says so on stderr, a line above every
+    Spark command's output and its one-line error (the Spark kill review). Everything else the JVM (and the Python
+    workers it starts) writes reaches this process's stderr unchanged, line by line, for as long as it runs."""
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:  # no descriptors to spare: the line shows, nothing else changes
+        yield
+        return
+    stderr = 2  # the descriptor the JVM inherits, whatever sys.stderr is (a test's capture)
+    try:
+        saved = os.dup(stderr)
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        yield
+        return
+
+    def forward() -> None:
+        with os.fdopen(read_end, "rb") as lines, contextlib.suppress(OSError, ValueError):
+            for line in iter(lines.readline, b""):
+                if line not in _JVM_NOISE:
+                    view = memoryview(line)
+                    while view:
+                        view = view[os.write(saved, view):]
+
+    threading.Thread(target=forward, name="rocketstore-jvm-stderr", daemon=True).start()
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os.dup2(write_end, stderr)  # the JVM inherits this descriptor when it is started inside the block
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved, stderr)
 
 
 def check_registered(spark, master: str) -> None:
