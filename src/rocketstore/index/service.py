@@ -34,7 +34,7 @@ from ..checkpoint import StoreCheckpoint
 from ..codec.hashing import index_key_hash
 from ..config import StoreConfig
 from ..errors import ConfigError, CorruptDataError, StoreIOError
-from ..mapped.file import STAGING_DIR, unlink_again, unused_path
+from ..mapped.file import STAGING_DIR, destroy_all, unlink_again, unused_path
 from ..message import SysFlag
 from . import _kernels as _ik
 from .bulk import key_candidates, put_hashes
@@ -481,16 +481,7 @@ class IndexService:
                 else:
                     break
             gone, self.files = self.files[:doomed], self.files[doomed:]  # out of the tuple first: a query that
-            failed: list[StoreIOError] = []  # meets a closed file it took before then finds it gone, and skips it
-            for index in gone:
-                try:
-                    index.destroy()
-                except StoreIOError as exc:
-                    self.undeleted.append(index.path)
-                    failed.append(exc)
-            if failed:
-                raise StoreIOError(failed[0].errno, f"{failed[0]} ({len(failed)} of {len(gone)} index files; "
-                                                    "retention deletes them again on its next pass)")
+            destroy_all(gone, self.undeleted, "index files")  # meets a closed file it took then finds it gone
             return doomed
 
     def retry_undeleted(self) -> StoreIOError | None:

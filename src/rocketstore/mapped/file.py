@@ -16,7 +16,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..errors import CorruptDataError, FlushError, SegmentDeletedError, StoreIOError
@@ -595,13 +595,32 @@ def fsync_dir(directory: Path) -> None:
 
 
 def unlink_path(path: Path) -> None:
-    """Unlink a store file retention is done with; a failure is a ``StoreIOError`` naming it (gone already is fine)."""
+    """Unlink a store file; a failure is a ``StoreIOError`` naming it (gone already is fine)."""
     try:
         path.unlink()
     except FileNotFoundError:
         pass
     except OSError as exc:
         raise StoreIOError(exc.errno, f"cannot delete {path}: {exc.strerror}") from exc
+
+
+def destroy_all(files: Sequence, undeleted: list[Path], what: str, then: Callable[[], None] | None = None) -> None:
+    """Destroy every one of ``files`` (retention: mapped or index files out of their lists already), then run
+    ``then``. One whose unlink fails is added to ``undeleted`` for the next pass to unlink again, the others go all
+    the same, and the first failure is raised after them: one failed unlink used to stop the loop, leaving every
+    later file mapped and on disk, never deleted again."""
+    failed: list[StoreIOError] = []
+    for file in files:
+        try:
+            file.destroy()
+        except StoreIOError as exc:
+            undeleted.append(file.path)
+            failed.append(exc)
+    if then is not None and files:
+        then()
+    if failed:
+        raise StoreIOError(failed[0].errno, f"{failed[0]} ({len(failed)} of {len(files)} {what}; retention deletes "
+                                            "them again on its next pass)")
 
 
 def unlink_again(paths: list[Path], directory: Path) -> tuple[list[Path], StoreIOError | None]:
@@ -648,12 +667,7 @@ def replace_file(path: Path, data: bytes, *, private: bool = False) -> None:
 
 def remove_file(path: Path) -> None:
     """Delete ``path`` durably (directory fsync); a missing file is fine."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise StoreIOError(exc.errno, f"cannot remove {path}: {exc.strerror}") from exc
+    unlink_path(path)
     fsync_dir(path.parent)
 
 

@@ -18,6 +18,7 @@ from .file import (
     FileBudget,
     MappedFile,
     SpareFile,
+    destroy_all,
     fsync_dir,
     parse_segment_name,
     segment_name,
@@ -266,24 +267,12 @@ class MappedFileQueue:
     def delete_first(self, count: int) -> list[MappedFile]:
         """Remove the ``count`` oldest segments (retention); never the last one. A segment whose unlink fails stays
         out of the log (readers find it being removed, as in RocketMQ) and is unlinked again by the next pass
-        (``retry_undeleted``); the others go all the same, and the first failure is raised after them. One failed
-        unlink used to stop the loop, leaving every later segment mapped and on disk, never deleted again."""
+        (``retry_undeleted``); the others go all the same, and the first failure is raised after them."""
         count = min(count, len(self.files) - 1)
         gone = self.files[:count]
         self.files = self.files[count:]  # out of the lists first: a read that starts now never meets them
         self._starts = self._starts[count:]
-        failed: list[StoreIOError] = []
-        for mapped in gone:
-            try:
-                mapped.destroy()
-            except StoreIOError as exc:
-                self.undeleted.append(mapped.path)
-                failed.append(exc)
-        if gone:
-            fsync_dir(self.directory)
-        if failed:
-            raise StoreIOError(failed[0].errno, f"{failed[0]} ({len(failed)} of {len(gone)} files; retention "
-                                                "deletes them again on its next pass)")
+        destroy_all(gone, self.undeleted, "files", lambda: fsync_dir(self.directory))
         return gone
 
     def retry_undeleted(self) -> StoreIOError | None:
