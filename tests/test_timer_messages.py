@@ -281,3 +281,28 @@ def _all(store, topic, queue_id):
     while (found := store.get_message(topic, queue_id, offset, 500)).messages:
         yield from found.messages
         offset = found.next_begin_offset
+
+
+@pytest.mark.parametrize("kind", ["delay", "timer"])
+def test_a_parked_message_that_cannot_be_read_holds_up_nothing(tmp_path, monkeypatch, kind):
+    """A read of a parked record that fails for good (an I/O error every time) is passed over, as RocketMQ's delivery
+    passes over a message it cannot look up: kept waiting, it held up its delay level, or every timer message (an
+    unreadable timer is due at once and stayed first in the wheel), for good (the fix review)."""
+    config = CONFIG.replace(message_delay_level="1s")
+    with MessageStore.open(tmp_path, config) as store:
+        due = now_ms() + 1000
+        properties = {"DELAY": "1"} if kind == "delay" else {"TIMER_DELIVER_MS": str(due)}
+        parked = [store.put_message(Message("Real", b"m%d" % i, properties=properties)) for i in range(5)]
+        real = store.look_message_by_offset
+        bad = parked[1].commit_log_offset
+
+        def look(offset, *args, **kwargs):
+            if offset == bad:
+                raise StoreIOError(5, "Input/output error")
+            return real(offset, *args, **kwargs)
+
+        monkeypatch.setattr(store, "look_message_by_offset", look)
+        deadline = time.monotonic() + 20
+        while len(bodies(store, "Real")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert bodies(store, "Real") == [b"m0", b"m2", b"m3", b"m4"]

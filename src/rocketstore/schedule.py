@@ -37,7 +37,7 @@ from pathlib import Path
 from .brokerconfig import DelayOffsetManager, TimerOffsetManager
 from .codec.properties import PropertyName
 from .encoder import SCHEDULE_TOPIC, TIMER_TOPIC, java_integer
-from .errors import MessageIllegalError, RocketStoreError, StoreClosedError, StoreIOError
+from .errors import MessageIllegalError, RocketStoreError, StoreClosedError
 from .lifecycle import start_thread
 from .message import Message, MessageExt, SysFlag
 
@@ -123,12 +123,14 @@ def _delivered_by_broker(store, properties: dict[str, str]) -> bool:
 
 
 def readable_copy(store, phy_offset: int) -> Message | None:
-    """The delivered copy of the parked record at ``phy_offset``; None (logged) if it can never be read (gone,
-    damaged). A store closing, or an I/O error, is raised: the message waits for a later tick. Skipped, a close
-    that overtook a delivery backlog marked thousands of messages delivered that never were (the schedule review)."""
+    """The delivered copy of the parked record at ``phy_offset``; None (logged) if it cannot be read (gone,
+    damaged, an I/O error: passed over, as RocketMQ's delivery passes over a message it cannot look up, so one bad
+    record never holds up its level or every timer). A store closing is raised: the message waits for the next
+    open. Skipped, a close that overtook a delivery backlog marked thousands of messages delivered that never were
+    (the schedule review)."""
     try:
         return delivered_copy(store.look_message_by_offset(phy_offset))
-    except (StoreClosedError, StoreIOError):
+    except StoreClosedError:
         raise
     except RocketStoreError as exc:
         log.error("skipping the delayed message at %d: %s", phy_offset, exc)
