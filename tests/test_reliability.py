@@ -843,3 +843,35 @@ def test_sizes_detected_beside_an_unfinished_rebuild_swap_are_the_stores(tmp_pat
              if p.is_file()}
     assert set(after.values()) == set(sizes.values())
     assert verify_store(root, geometry).clean
+
+
+def test_a_reader_beside_an_unfinished_swap_to_another_geometry_reads_the_files_in_place(tmp_path, monkeypatch):
+    """With the store's own index still in place, the sizes came from the pending rebuild's new set all the same: a
+    rebuild to another geometry killed before its index swap made read-only opens and verify refuse an intact index
+    as damaged (the fix review). The files in place tell their sizes; only a missing directory is read from the
+    build."""
+    from rocketstore import swap
+    from rocketstore.config import detect_config
+    from rocketstore.rebuild import rebuild
+
+    geometry = StoreConfig(mapped_file_size_commit_log=65536, mapped_file_size_consume_queue=20 * 40,
+                           max_hash_slot_num=100, max_index_num=400)
+    root = tmp_path / "s"
+    with MessageStore.open(root, geometry) as store:
+        results = [store.put_message(Message("T", body_of(i), keys=[f"k{i}"])) for i in range(100)]
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:  # the old index/ was to go aside
+            raise OSError(errno.EIO, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(swap.os, "rename", rename)
+    with pytest.raises(StoreIOError, match="cannot finish the rebuild swap"):
+        rebuild(root, config=geometry.replace(max_hash_slot_num=200, max_index_num=800))
+    monkeypatch.setattr(swap.os, "rename", real_rename)
+    detected = detect_config(root)
+    assert (detected.max_hash_slot_num, detected.max_index_num) == (100, 400)
+    with MessageStore.open(root, read_only=True) as store:
+        assert [m.commit_log_offset for m in store.query_message("T", "k7")] == [results[7].commit_log_offset]

@@ -960,3 +960,32 @@ def test_a_read_racing_close_raises_store_closed(tmp_path, small_config, monkeyp
     monkeypatch.setattr(target, inner, closing_first)
     with pytest.raises(StoreClosedError, match="was closed while"):
         calls[call]()
+
+
+def test_a_maintenance_task_that_keeps_failing_is_said_once_and_others_go_on(tmp_path, small_config, caplog,
+                                                                              monkeypatch):
+    """Maintenance said "works again" after every pass in which the failing task was not due, so an error that
+    never passed was logged again every few seconds (the fix review); and a checkpoint that failed kept the offsets
+    and retention of the same pass from running. Each task has its own account now."""
+    from rocketstore.errors import StoreIOError
+
+    config = dataclasses.replace(small_config, flush_consumer_offset_interval=30, flush_interval_consume_queue=10,
+                                 flush_consume_queue_thorough_interval=20)
+    store = MessageStore.open(tmp_path, config)
+    try:
+        def full(force=False):
+            raise StoreIOError(28, "No space left on device")
+
+        checkpoints = []
+        real_checkpoint = store.checkpoint_now
+        monkeypatch.setattr(store.consumer_offsets, "persist", full)
+        monkeypatch.setattr(store, "checkpoint_now", lambda: checkpoints.append(real_checkpoint()))
+        with caplog.at_level("INFO", logger="rocketstore.store"):
+            time.sleep(0.6)  # about 20 offsets passes, 30 checkpoints
+        lines = [r.getMessage() for r in caplog.records if "store maintenance" in r.getMessage()]
+        assert lines == ["store maintenance (offsets) failed, the next pass retries: [Errno 28] No space left on "
+                         "device"], lines
+        assert len(checkpoints) >= 10
+    finally:
+        monkeypatch.undo()
+        store.close()

@@ -265,14 +265,16 @@ def broker_sizes(values: dict[str, object]) -> dict[str, object]:
 
 
 def _sized_by(root: Path, name: str) -> Path:
-    """The directory whose files tell ``name``'s sizes: the store's own, or, while a rebuild killed in its swap waits
-    to be finished (``swap.pending_swap``), the new one not yet moved in. A kill between moving the old set aside and
-    the new one in left ``name`` missing, and an open or a rebuild that detected sizes then took RocketMQ's defaults:
-    the rebuilt queues were set aside as damaged and written again with 6,000,000-byte files, or the index rebuilt as
-    one 420 MB file (the Spark kill review)."""
+    """The directory whose files tell ``name``'s sizes: the store's own, or, where a rebuild killed in its swap left
+    it missing (``swap.pending_swap``), the new one not yet moved in. A kill between moving the old set aside and the
+    new one in left ``name`` missing, and an open or a rebuild that detected sizes then took RocketMQ's defaults: the
+    rebuilt queues were set aside as damaged and written again with 6,000,000-byte files, or the index rebuilt as one
+    420 MB file (the Spark kill review). Where the store's own is still there, it is what a reader serves."""
     from .mapped.file import STAGING_DIR
     from .swap import pending_swap
 
+    if (root / name).is_dir():
+        return root / name
     build = pending_swap(root / STAGING_DIR)
     if build is not None and (build / name).is_dir() and any(os.scandir(build / name)):
         return build / name

@@ -689,32 +689,38 @@ class MessageStore:
             "retention": 10.0,
         }
         last = dict.fromkeys(every, time.monotonic())
-        failures = RepeatedErrorLog(log, "store maintenance failed (the next pass retries)",
-                                    "store maintenance works again")
+        failures = {task: RepeatedErrorLog(log, f"store maintenance ({task}) failed, the next pass retries",
+                                           f"store maintenance ({task}) works again") for task in every}
         while not self._stop.wait(min(every.values())):
             now = time.monotonic()
             due = {task for task, interval in every.items() if now - last[task] >= interval}
-            try:
-                if "checkpoint" in due:
-                    self.checkpoint_now()
-                elif "flush" in due:
-                    self.queues.flush(self.config.flush_consume_queue_least_pages)
-                    if self.index is not None:
-                        self.index.flush()
-                if "offsets" in due:
-                    self.consumer_offsets.persist()
-                    self.delay_offsets.persist()
-                    self.timer_offsets.persist()
-                if "retention" in due:
-                    self.delete_expired_files()
-            except StoreClosedError:  # close() came while a pass ran: it does that work itself
-                return
-            except Exception as exc:  # never let housekeeping kill the store; the next pass retries
-                failures.failed(exc)
-            else:
-                failures.recovered()
+            for task in ("checkpoint", "flush", "offsets", "retention"):
+                if task not in due or (task == "flush" and "checkpoint" in due):  # a checkpoint flushes them itself
+                    continue
+                try:
+                    self._maintenance_task(task)
+                except StoreClosedError:  # close() came while a pass ran: it does that work itself
+                    return
+                except Exception as exc:  # never let housekeeping kill the store; the next pass retries
+                    failures[task].failed(exc)
+                else:
+                    failures[task].recovered()  # said only after this task failed and now did its work
             for task in due:
                 last[task] = now
+
+    def _maintenance_task(self, task: str) -> None:
+        if task == "checkpoint":
+            self.checkpoint_now()
+        elif task == "flush":
+            self.queues.flush(self.config.flush_consume_queue_least_pages)
+            if self.index is not None:
+                self.index.flush()
+        elif task == "offsets":
+            self.consumer_offsets.persist()
+            self.delay_offsets.persist()
+            self.timer_offsets.persist()
+        else:
+            self.delete_expired_files()
 
     def checkpoint_now(self) -> None:
         """Flush consume queues and index fully, then record how far they are durable."""
