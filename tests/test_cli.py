@@ -1161,3 +1161,28 @@ def test_a_failing_command_prints_an_error_once(fail):
         assert lines == ["a warning, as it comes",
                          "dispatch failed (puts are refused until it succeeds): [Errno 28] cannot create segment /s/0: "
                          "No space left on device", "queue T-0 set aside: damaged"]
+
+
+def test_a_logged_error_that_says_more_than_the_commands_line_is_printed(caplog):
+    """A close's line naming a second error was dropped because it contained the command's line, and a record with
+    nothing after its lead-in was dropped whatever the line (the fix review)."""
+    import logging
+
+    from rocketstore.cli.app import _says_nothing_more
+
+    def record(message, exc_info=None):
+        return logging.LogRecord("rocketstore.store", logging.ERROR, __file__, 1, message, None, exc_info)
+
+    line = "[Errno 5] msync of commitlog failed: Input/output error"
+    assert _says_nothing_more(record(f"store /s closed with errors (the next open runs crash recovery): {line}"), line)
+    assert _says_nothing_more(record("dispatch failed (puts are refused until it succeeds): [Errno 5] msync of "
+                                     "commitlog failed"), line)
+    assert not _says_nothing_more(record(f"store /s closed with errors (the next open runs crash recovery): {line}; "
+                                         "[Errno 28] cannot flush index file 2026: No space left on device"), line)
+    assert not _says_nothing_more(record("store maintenance (flush) failed, the next pass retries: "), line)
+    try:
+        raise AssertionError(line)
+    except AssertionError:
+        import sys
+
+        assert not _says_nothing_more(record(f"dispatch failed: {line}", sys.exc_info()), line)

@@ -437,7 +437,7 @@ def test_an_export_replaces_its_out_in_one_step_and_sweeps_what_killed_exports_l
     (out / "old.parquet").write_text("old")
     target = jobs._OutputDir(None, str(out))
     staging = Path(target.sibling())
-    assert staging.name.startswith(f".out.export-{os.getpid()}-")
+    assert staging.name.startswith(f".out.export-{jobs._HOST}-{os.getpid()}-")
     staging.mkdir()
     (staging / "new.parquet").write_text("new")
     renames = []
@@ -448,11 +448,15 @@ def test_an_export_replaces_its_out_in_one_step_and_sweeps_what_killed_exports_l
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    left = [tmp_path / f".out.export-{dead}-0123456789ab", tmp_path / f".out.export-{dead}-0123456789ab.old"]
-    mine = tmp_path / f".out.export-{os.getpid()}-0123456789ab"  # a live export's: kept
-    other = tmp_path / f".other.export-{dead}-0123456789ab"  # another --out's: not this one's to sweep
-    for directory in (*left, mine, other):
+    host = jobs._HOST
+    left = [tmp_path / f".out.export-{host}-{dead}-0123456789ab",
+            tmp_path / f".out.export-{host}-{dead}-0123456789ab.old"]
+    kept = [tmp_path / f".out.export-{host}-{os.getpid()}-0123456789ab",  # a live export's
+            tmp_path / f".other.export-{host}-{dead}-0123456789ab",  # another --out's
+            tmp_path / f".out.export-elsewhere-{dead}-0123456789ab",  # another host's, maybe writing a shared --out now
+            tmp_path / f".out.export-{host}-99999999999999999999-0123456789ab"]  # no pid (os.kill overflowed)
+    for directory in (*left, *kept):
         directory.mkdir()
         (directory / "part.parquet").write_text("x")
     assert sorted(target.sweep()) == sorted(map(str, left))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name, "out"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(k.name for k in kept), "out"])

@@ -102,9 +102,16 @@ def _errors_logged_once() -> Iterator[list[str]]:
         if handler is not None:
             handler.removeFilter(hold)
         for record in held:
-            text = record.getMessage()
-            if not any(line in text or text.split(": ", 1)[-1] in line for line in said):
+            if not any(_says_nothing_more(record, line) for line in said):
                 logging.getLogger(record.name).handle(record)
+
+
+def _says_nothing_more(record: logging.LogRecord, line: str) -> bool:
+    """Whether a logged error says nothing the command's error ``line`` does not: what follows its lead-in
+    ("dispatch failed ...: ", "store ... closed with errors ...: ") is part of the line. A record that also names
+    another error, one with nothing after its lead-in, or one with a traceback says more."""
+    tail = record.getMessage().split(": ", 1)[-1]
+    return bool(tail) and record.exc_info is None and tail in line
 
 
 def _failing_cleanly(command, args, kwargs):

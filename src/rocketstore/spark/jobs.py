@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -304,6 +305,9 @@ def export_parquet(paths, out: str | Path, *, spark=None, master: str | None = N
     return count
 
 
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"  # names this host in export siblings
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -341,15 +345,16 @@ class _OutputDir:
         """A hidden name beside ``path`` for a new export, naming this process: a killed export's is swept by the
         next one (``sweep``)."""
         parent, _, name = self.path.rstrip("/").rpartition("/")
-        return f"{parent}/.{name}.export-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return f"{parent}/.{name}.export-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     def sweep(self) -> list[str]:
-        """Remove what killed exports to this path left beside it (their process is gone): each held a part or all
-        of an export, up to its full size, for good. Local paths only (another host's process cannot be asked)."""
+        """Remove what killed exports to this path left beside it (their process, on this host, is gone): each held
+        a part or all of an export, up to its full size, for good. Local paths only; another host's are left alone
+        (its process cannot be asked, and a shared --out may be written by it now)."""
         if self.remote:
             return []
         parent, _, name = self.path.rstrip("/").rpartition("/")
-        pattern = re.compile(rf"\.{re.escape(name)}\.export-(\d+)-[0-9a-f]{{12}}(?:\.old)?")
+        pattern = re.compile(rf"\.{re.escape(name)}\.export-{re.escape(_HOST)}-(\d{{1,9}})-[0-9a-f]{{12}}(?:\.old)?")
         swept = []
         try:
             entries = list(os.scandir(parent or "/"))
