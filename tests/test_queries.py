@@ -13,6 +13,7 @@ from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.checkpoint import StoreCheckpoint
 from rocketstore.errors import InvalidMessageIdError, MessageNotFoundError
 from rocketstore.index import IndexFile
+from rocketstore.verify import verify_store
 
 
 def keyed(store: MessageStore, topic: str, keys: list[str], body: bytes = b"b", **kw):
@@ -254,6 +255,30 @@ def test_clean_reopens_do_not_index_anything_twice(tmp_path, small_config):
     for _ in range(3):
         with MessageStore.open(tmp_path, small_config) as store:
             assert sum(f.index_count - 1 for f in store.index.files) == entries
+
+
+def test_abnormal_reopens_do_not_index_the_newest_record_again(tmp_path, small_config):
+    """Dispatch after a crash starts again at the newest indexed record (its keys may be split across two files):
+    each abnormal open put its keys in the index once more, as RocketMQ's does (3 entries a crash here). The
+    entries the newest file holds for it are not put again."""
+    with MessageStore.open(tmp_path, small_config) as store:
+        for i in range(10):
+            keyed(store, "T", [f"k{i}", "all", "all"])  # a key twice in one record: counted, not merged
+        store.wait_for_dispatch()
+        entries = sum(f.index_count - 1 for f in store.index.files)
+    assert entries == 10 * 4
+    for _ in range(3):
+        (tmp_path / "abort").touch()  # as a crash leaves it
+        with MessageStore.open(tmp_path, small_config) as store:
+            store.wait_for_dispatch()
+            assert store.recovery.abnormal
+            assert sum(f.index_count - 1 for f in store.index.files) == entries
+            assert len(store.query_message("T", "all")) == 10 and len(store.query_message("T", "k9")) == 1
+    with MessageStore.open(tmp_path, small_config) as store:  # what comes next is indexed as before
+        keyed(store, "T", ["k10"])
+        store.wait_for_dispatch()
+        assert sum(f.index_count - 1 for f in store.index.files) == entries + 2
+    assert verify_store(tmp_path, small_config).clean
 
 
 def test_a_torn_batch_of_index_puts_is_relinked_to_the_counted_entries(tmp_path, small_config):

@@ -351,14 +351,19 @@ class IndexService:
                     room = index.index_num - index.index_count
                 if req.phy_offset < end_phy:
                     continue  # already indexed (a re-dispatch)
+                indexed = _trailing_hashes(index, end_phy) if req.phy_offset == end_phy else None
                 if SysFlag.transaction_type(req.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE:
                     continue
                 for key in req.index_keys():
+                    key_hash = index_key_hash(build_key(req.topic, key))
+                    if indexed and indexed.get(key_hash, 0) > 0:
+                        indexed[key_hash] -= 1
+                        continue
                     if room == 0:  # full in the middle of a record: its remaining keys go to a new file
                         write_pending()
                         index = self._last_file_for_write()
                         room = index.index_num - index.index_count
-                    hashes.append(index_key_hash(build_key(req.topic, key)))
+                    hashes.append(key_hash)
                     phys.append(req.phy_offset)
                     stamps.append(req.store_timestamp)
                     room -= 1
@@ -373,9 +378,11 @@ class IndexService:
         """Put pre-hashed entries of records in log order (nothing skipped), rolling files as
         ``buildIndex`` would; ``records_follow`` says records without entries came after the last one
         (a full file is then replaced, as the next ``buildIndex`` call would)."""
-        total = len(key_hashes)
         with self.lock:
             index = self._last_file_for_write()
+            if len(key_hashes) and int(phy_offsets[0]) == index.end_phy_offset:  # the newest indexed record again
+                key_hashes, phy_offsets, timestamps = _without_indexed(index, key_hashes, phy_offsets, timestamps)
+            total = len(key_hashes)
             done = 0
             while done < total:
                 if index.is_write_full():
@@ -498,6 +505,37 @@ class IndexService:
             for index in self.files:
                 index.close()
             self.files = ()
+
+
+def _trailing_hashes(index: IndexFile, phy: int) -> dict[int, int]:
+    """How many entries of each key hash the newest entries of ``index`` hold for the record at ``phy``."""
+    found: dict[int, int] = {}
+    n = index.index_count - 1
+    while n >= 1:
+        key_hash, entry_phy, _diff, _prev = index.entry(n)
+        if entry_phy != phy:
+            break
+        found[key_hash] = found.get(key_hash, 0) + 1
+        n -= 1
+    return found
+
+
+def _without_indexed(index: IndexFile, key_hashes, phy_offsets, timestamps):
+    """The entries less those of the newest indexed record that ``index`` holds already. Dispatch after a crash
+    starts again at that record (a record's keys may be split across two files, so it is not skipped whole): each
+    abnormal open put its keys in the index once more, as RocketMQ's does."""
+    indexed = _trailing_hashes(index, int(phy_offsets[0]))
+    if not indexed:
+        return key_hashes, phy_offsets, timestamps
+    keep = np.ones(len(key_hashes), dtype=bool)
+    for i in range(len(key_hashes)):
+        if int(phy_offsets[i]) != int(phy_offsets[0]):
+            break
+        key_hash = int(key_hashes[i])
+        if indexed.get(key_hash, 0) > 0:
+            indexed[key_hash] -= 1
+            keep[i] = False
+    return key_hashes[keep], phy_offsets[keep], timestamps[keep]
 
 
 def _repair_file(index: IndexFile, log_end: int, store_time: StoreTimeLookup) -> int:
