@@ -460,3 +460,33 @@ def test_an_export_replaces_its_out_in_one_step_and_sweeps_what_killed_exports_l
         (directory / "part.parquet").write_text("x")
     assert sorted(target.sweep()) == sorted(map(str, left))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(k.name for k in kept), "out"])
+
+
+JVM_STDERR = """
+import os, subprocess, sys, time
+from rocketstore.spark.session import _jvm_stderr_filtered
+out = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.dup2(out, 2)
+before = len(os.listdir("/proc/self/fd"))
+with _jvm_stderr_filtered():  # as the driver JVM is started
+    child = subprocess.Popen(["sh", "-c", "(printf 'WARNING: Using incubator modules: jdk.incubator.vector\\\\n';"
+                              "printf 'a line\\\\n'; printf 'PARTIAL'; sleep 2; printf ' done\\\\n') >&2"])
+time.sleep(1)
+print(repr(open(sys.argv[1]).read()))
+child.wait()
+time.sleep(0.3)
+print(repr(open(sys.argv[1]).read()))
+print(len(os.listdir("/proc/self/fd")) - before)
+"""
+
+
+def test_the_jvms_stderr_loses_only_the_incubator_line_and_holds_nothing_back(tmp_path):
+    """Java's "Using incubator modules" line stood above every Spark command's output (the Spark kill review); the
+    filter held a line without its newline back until one came, and kept two descriptors for good (the final
+    review)."""
+    done = subprocess.run([sys.executable, "-c", JVM_STDERR, str(tmp_path / "err")], capture_output=True, text=True,
+                          timeout=60, check=True)
+    at_one_second, at_end, descriptors = done.stdout.splitlines()
+    assert at_one_second == repr("a line\nPARTIAL")  # forwarded as it came, before its newline
+    assert at_end == repr("a line\nPARTIAL done\n")
+    assert descriptors == "0"

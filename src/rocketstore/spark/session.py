@@ -269,7 +269,8 @@ def _jvm_stderr_filtered() -> Iterator[None]:
     """Start the driver JVM with its stderr through a pipe that drops the lines in ``_JVM_NOISE``: Spark's launcher
     adds ``--add-modules=jdk.incubator.vector`` to every JVM, and Java then says so on stderr, a line above every
     Spark command's output and its one-line error (the Spark kill review). Everything else the JVM (and the Python
-    workers it starts) writes reaches this process's stderr unchanged, line by line, for as long as it runs."""
+    workers it starts) writes reaches this process's stderr unchanged, as it comes, for as long as this process runs
+    (what the JVM writes after this process has exited is lost: nobody reads the pipe then)."""
     try:
         read_end, write_end = os.pipe()
     except OSError:  # no descriptors to spare: the line shows, nothing else changes
@@ -284,13 +285,26 @@ def _jvm_stderr_filtered() -> Iterator[None]:
         yield
         return
 
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(saved, view):]
+
     def forward() -> None:
-        with os.fdopen(read_end, "rb") as lines, contextlib.suppress(OSError, ValueError):
-            for line in iter(lines.readline, b""):
-                if line not in _JVM_NOISE:
-                    view = memoryview(line)
-                    while view:
-                        view = view[os.write(saved, view):]
+        pending = b""
+        try:
+            while chunk := os.read(read_end, 65536):
+                *lines, pending = (pending + chunk).split(b"\n")
+                write(b"".join(line + b"\n" for line in lines if line + b"\n" not in _JVM_NOISE))
+                if pending and not any(noise.startswith(pending) for noise in _JVM_NOISE):
+                    write(pending)  # a line without its newline yet (a prompt, a crash): now, not at the newline
+                    pending = b""
+            write(pending)
+        except OSError:
+            pass
+        finally:
+            os.close(read_end)
+            os.close(saved)
 
     threading.Thread(target=forward, name="rocketstore-jvm-stderr", daemon=True).start()
     with contextlib.suppress(Exception):
