@@ -496,3 +496,25 @@ def test_index_files_made_after_the_clock_stepped_back_sort_after_the_older_ones
             assert len(store.query_message("T", "common", max_num=64)) == 64
     assert len(set(entries)) == 1, f"index entries grew with each open: {entries}"
     assert "indexed again" not in caplog.text
+
+
+@pytest.mark.parametrize("records", [4, 5, 7])
+def test_abnormal_reopens_index_nothing_twice_where_a_file_filled_at_the_newest_record(tmp_path, small_config,
+                                                                                        records):
+    """The newest record's keys split across two files, or filling the older one exactly: the entries the older file
+    held for it were put again by every abnormal open (the final review). 19 entries a file, 6 a record."""
+    config = small_config.replace(max_index_num=20)
+    with MessageStore.open(tmp_path, config) as store:
+        for i in range(records):
+            keyed(store, "T", [f"a{i}", f"b{i}", f"c{i}", f"d{i}", "dup"])
+        store.wait_for_dispatch()
+        entries = sum(f.index_count - 1 for f in store.index.files)
+    assert entries == records * 6
+    for _ in range(2):
+        (tmp_path / "abort").touch()
+        with MessageStore.open(tmp_path, config) as store:
+            store.wait_for_dispatch()
+            assert sum(f.index_count - 1 for f in store.index.files) == entries
+            assert len(store.query_message("T", "dup")) == records
+            assert all(store.query_message("T", f"{k}{records - 1}") for k in "abcd")
+    assert verify_store(tmp_path, config).clean

@@ -351,7 +351,7 @@ class IndexService:
                     room = index.index_num - index.index_count
                 if req.phy_offset < end_phy:
                     continue  # already indexed (a re-dispatch)
-                indexed = _trailing_hashes(index, end_phy) if req.phy_offset == end_phy else None
+                indexed = _trailing_hashes(self.files, end_phy) if req.phy_offset == end_phy else None
                 if SysFlag.transaction_type(req.sys_flag) == SysFlag.TRANSACTION_ROLLBACK_TYPE:
                     continue
                 for key in req.index_keys():
@@ -381,7 +381,8 @@ class IndexService:
         with self.lock:
             index = self._last_file_for_write()
             if len(key_hashes) and int(phy_offsets[0]) == index.end_phy_offset:  # the newest indexed record again
-                key_hashes, phy_offsets, timestamps = _without_indexed(index, key_hashes, phy_offsets, timestamps)
+                key_hashes, phy_offsets, timestamps = _without_indexed(self.files, key_hashes, phy_offsets,
+                                                                       timestamps)
             total = len(key_hashes)
             done = 0
             while done < total:
@@ -507,24 +508,27 @@ class IndexService:
             self.files = ()
 
 
-def _trailing_hashes(index: IndexFile, phy: int) -> dict[int, int]:
-    """How many entries of each key hash the newest entries of ``index`` hold for the record at ``phy``."""
+def _trailing_hashes(files: Sequence[IndexFile], phy: int) -> dict[int, int]:
+    """How many entries of each key hash the newest entries of the index hold for the record at ``phy``: those of
+    the newest file, and where they reach its start (the file filled up at or inside that record), the file's before
+    it."""
     found: dict[int, int] = {}
-    n = index.index_count - 1
-    while n >= 1:
-        key_hash, entry_phy, _diff, _prev = index.entry(n)
-        if entry_phy != phy:
-            break
-        found[key_hash] = found.get(key_hash, 0) + 1
-        n -= 1
+    for index in reversed(files[-2:]):
+        n = index.index_count - 1
+        while n >= 1:
+            key_hash, entry_phy, _diff, _prev = index.entry(n)
+            if entry_phy != phy:
+                return found
+            found[key_hash] = found.get(key_hash, 0) + 1
+            n -= 1
     return found
 
 
-def _without_indexed(index: IndexFile, key_hashes, phy_offsets, timestamps):
-    """The entries less those of the newest indexed record that ``index`` holds already. Dispatch after a crash
+def _without_indexed(files: Sequence[IndexFile], key_hashes, phy_offsets, timestamps):
+    """The entries less those of the newest indexed record that the index holds already. Dispatch after a crash
     starts again at that record (a record's keys may be split across two files, so it is not skipped whole): each
     abnormal open put its keys in the index once more, as RocketMQ's does."""
-    indexed = _trailing_hashes(index, int(phy_offsets[0]))
+    indexed = _trailing_hashes(files, int(phy_offsets[0]))
     if not indexed:
         return key_hashes, phy_offsets, timestamps
     keep = np.ones(len(key_hashes), dtype=bool)
