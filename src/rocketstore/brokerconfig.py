@@ -724,22 +724,26 @@ class ConsumerOffsetManager(OffsetTable):
             return dict(self.table.get(f"{topic}{TOPIC_GROUP_SEPARATOR}{group}", {}))
 
 
-class DelayOffsetManager(OffsetTable):
+class NumberTable(OffsetTable):
+    """An ``offsetTable`` of numbers by number (a delay level's offset, a half message's check count)."""
+
+    def get(self, key: int) -> int:
+        return int(self.table.get(key, 0))
+
+    def set(self, key: int, value: int) -> None:
+        with self._lock:
+            self.table[key] = value
+            self.dirty = True
+
+
+class DelayOffsetManager(NumberTable):
     """delayOffset.json: how far ``ScheduleMessageService`` has delivered each delay level."""
 
     FILE = "delayOffset.json"
     SCHEMA = staticmethod(DELAY_OFFSETS_SCHEMA)
 
-    def get(self, level: int) -> int:
-        return int(self.table.get(level, 0))
 
-    def set(self, level: int, offset: int) -> None:
-        with self._lock:
-            self.table[level] = offset
-            self.dirty = True
-
-
-class TransactionCheckCounts(OffsetTable):
+class TransactionCheckCounts(NumberTable):
     """transactionChecks.json (rocketstore's own file): how many times each open half message (by commit-log
     offset) has been checked. RocketMQ keeps the count in a property of a copy of the half it stores again at every
     check; kept in memory alone, every restart began each open transaction's count at 0 again, so a half whose
@@ -747,14 +751,6 @@ class TransactionCheckCounts(OffsetTable):
 
     FILE = "transactionChecks.json"
     SCHEMA = staticmethod(TRANSACTION_CHECKS_SCHEMA)
-
-    def get(self, phy: int) -> int:
-        return int(self.table.get(phy, 0))
-
-    def set(self, phy: int, checks: int) -> None:
-        with self._lock:
-            self.table[phy] = checks
-            self.dirty = True
 
     def keep_only(self, open_halves: set[int]) -> None:
         """Forget the counts of halves that are no longer open (ended, parked, or removed by retention)."""
