@@ -777,12 +777,26 @@ def test_a_reset_whose_write_failed_is_not_written_later(tmp_path, monkeypatch):
         assert (store.query_offset("g", "T", 0), store.query_offset("g", "T", 1)) == (2, 1)
 
 
+def refuse_unlinks(monkeypatch, failing: set[Path], *, once: bool = False) -> set[Path]:
+    """``Path.unlink`` fails with EIO for the paths in ``failing`` (a set the test may change; ``once``: each path
+    refused one time only)."""
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self in failing:
+            if once:
+                failing.discard(self)
+            raise OSError(errno.EIO, "Input/output error")
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    return failing
+
+
 def test_a_segment_retention_cannot_unlink_is_a_typed_error_and_deleted_on_the_next_pass(tmp_path, monkeypatch):
     """One failed unlink raised a bare OSError and stopped the loop: every later doomed segment stayed mapped and on
     disk, out of the log and never deleted again, and the queues' and index's files of the range were never cleaned
     (the consumer-and-faults review). The other segments go; the failed one is unlinked by the next pass."""
-    from pathlib import Path as _Path
-
     config = StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 20)
     with MessageStore.open(tmp_path, config) as store:
         for i in range(300):
@@ -791,16 +805,7 @@ def test_a_segment_retention_cannot_unlink_is_a_typed_error_and_deleted_on_the_n
         segments = sorted((tmp_path / "commitlog").iterdir())
         queue_files = len(list((tmp_path / "consumequeue" / "T" / "0").iterdir()))
         victim = segments[1]
-        real_unlink = _Path.unlink
-        refused = []
-
-        def unlink(self, missing_ok=False):
-            if self == victim and not refused:
-                refused.append(self)
-                raise OSError(errno.EIO, "Input/output error")
-            return real_unlink(self, missing_ok=missing_ok)
-
-        monkeypatch.setattr(_Path, "unlink", unlink)
+        refuse_unlinks(monkeypatch, {victim}, once=True)
         far = 10 ** 13
         with pytest.raises(StoreIOError, match=r"cannot delete .*1 of \d+ files"):
             store.delete_expired_files(now_ms=far, immediately=True)
@@ -815,8 +820,6 @@ def test_a_segment_retention_cannot_unlink_is_a_typed_error_and_deleted_on_the_n
 def test_a_queue_file_retention_cannot_unlink_keeps_no_other_queue_from_being_cleaned(tmp_path, monkeypatch):
     """A consume-queue file whose unlink failed stopped the pass at that queue: the queues after it kept their
     files of the deleted range until another segment expired. Every queue is cleaned; the first error is raised."""
-    from pathlib import Path as _Path
-
     config = StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 20)
     with MessageStore.open(tmp_path, config) as store:
         for i in range(300):
@@ -825,19 +828,12 @@ def test_a_queue_file_retention_cannot_unlink_keeps_no_other_queue_from_being_cl
         queue0 = tmp_path / "consumequeue" / "T" / "0"
         queue1 = tmp_path / "consumequeue" / "T" / "1"
         before0, before1 = sorted(queue0.iterdir()), sorted(queue1.iterdir())
-        real_unlink = _Path.unlink
-
-        def unlink(self, missing_ok=False):
-            if self == before0[0]:
-                raise OSError(errno.EIO, "Input/output error")
-            return real_unlink(self, missing_ok=missing_ok)
-
-        monkeypatch.setattr(_Path, "unlink", unlink)
+        failing = refuse_unlinks(monkeypatch, {before0[0]})
         with pytest.raises(StoreIOError, match="cannot delete"):
             store.delete_expired_files(now_ms=10 ** 13, immediately=True)
         assert before0[0] in sorted(queue0.iterdir()) and len(list(queue0.iterdir())) < len(before0)
         assert len(list(queue1.iterdir())) < len(before1)
-        monkeypatch.setattr(_Path, "unlink", real_unlink)
+        failing.clear()
         store.delete_expired_files(now_ms=10 ** 13, immediately=True)  # the next pass unlinks it: it waited for
         assert before0[0] not in sorted(queue0.iterdir())  # the next open before
         assert store.get_message("T", 0, store.get_min_offset_in_queue("T", 0), 1).messages
@@ -847,8 +843,6 @@ def test_an_index_file_retention_cannot_unlink_is_typed_and_deleted_on_the_next_
     """An index file whose unlink failed raised a bare OSError, and the doomed files after it were neither closed
     nor unlinked: out of the index, mapped, on disk until the next open. The others go, the error is typed, and
     the next pass unlinks the file."""
-    from pathlib import Path as _Path
-
     config = StoreConfig(mapped_file_size_commit_log=4096, mapped_file_size_consume_queue=20 * 20,
                          max_hash_slot_num=97, max_index_num=20)
     with MessageStore.open(tmp_path, config) as store:
@@ -857,15 +851,7 @@ def test_an_index_file_retention_cannot_unlink_is_typed_and_deleted_on_the_next_
         store.wait_for_dispatch()
         before = sorted((tmp_path / "index").iterdir())
         assert len(before) >= 4
-        real_unlink = _Path.unlink
-        failing = {before[0]}
-
-        def unlink(self, missing_ok=False):
-            if self in failing:
-                raise OSError(errno.EIO, "Input/output error")
-            return real_unlink(self, missing_ok=missing_ok)
-
-        monkeypatch.setattr(_Path, "unlink", unlink)
+        failing = refuse_unlinks(monkeypatch, {before[0]})
         far = 10 ** 13
         with pytest.raises(StoreIOError, match=r"cannot delete .*1 of \d+ index files"):
             store.delete_expired_files(now_ms=far, immediately=True)
