@@ -915,6 +915,50 @@ def test_a_table_larger_than_a_segment_is_refused_whole_when_the_disk_cannot_hol
         assert verify_store(tmp_path, config).clean
 
 
+@pytest.mark.parametrize("flush", [FlushDiskType.ASYNC_FLUSH, FlushDiskType.SYNC_FLUSH])
+def test_an_io_error_in_a_table_written_in_parts_says_which_rows_are_stored(tmp_path, monkeypatch, flush):
+    """An EIO after a table larger than a segment had written its first parts raised a plain StoreIOError, whose
+    docstring promised nothing partial was visible, with a prefix of rows stored and dispatched: a caller that put
+    the table again stored them twice. The error now names the stored rows and carries their result."""
+    from rocketstore.errors import TablePartlyStoredError
+
+    config = ASYNC.replace(flush_disk_type=flush)
+    segment = config.mapped_file_size_commit_log
+    with MessageStore.open(tmp_path, config) as store:
+        store.put_batch(_table(10))
+        real_write = mapped_file.MappedFile.write
+
+        def write(self, pos, data):
+            if self.file_from_offset == 2 * segment and "commitlog" in self.path_text:  # the third segment
+                raise StoreIOError(errno.EIO, f"write to {self.path} at {pos} failed: {os.strerror(errno.EIO)}")
+            return real_write(self, pos, data)
+
+        monkeypatch.setattr(mapped_file.MappedFile, "write", write)
+        table = _table(2000, start=10)  # ~370 KB: six 64 KiB segments
+        with pytest.raises(TablePartlyStoredError, match="Input/output error") as raised:
+            store.put_batch(table)
+        stored, result = raised.value.stored, raised.value.result
+        assert 0 < stored < 2000 and len(result) == stored and result.ok
+        assert isinstance(raised.value, StoreIOError) and f"put only rows {stored}-" in str(raised.value)
+        assert result.commit_log_offsets[-1] + result.store_sizes[-1] <= 2 * segment
+        assert len(result.msg_ids) == len(result.uniq_keys) == stored
+        store.wait_for_dispatch()
+        assert sum(store.get_max_offset_in_queue("Big", q) for q in range(3)) == 10 + stored
+        last = store.query_message("Big", f"k{10 + stored - 1}")
+        assert [m.commit_log_offset for m in last] == [int(result.commit_log_offsets[-1])]
+        assert [m.msg_id for m in last] == [result.msg_ids[-1].as_py()]
+        assert not store.query_message("Big", f"k{10 + stored}")
+        monkeypatch.setattr(mapped_file.MappedFile, "write", real_write)
+        rest = store.put_batch(table.slice(stored))  # as the error says: the rest, once
+        assert len(rest) == 2000 - stored
+        store.wait_for_dispatch()
+    with MessageStore.open(tmp_path, config, read_only=True) as store:
+        assert sum(store.get_max_offset_in_queue("Big", q) for q in range(3)) == 2010
+        for i in (10, 10 + stored - 1, 10 + stored, 2009):
+            assert [m.body[:7] for m in store.query_message("Big", f"k{i}")] == [b"b%06d" % i]
+        assert verify_store(tmp_path, config).clean
+
+
 @pytest.mark.parametrize("tmpfile", [True, False])
 def test_spare_segments_leave_nothing_behind_a_kill(tmp_path, tmpfile):
     """Spares are nameless (O_TMPFILE) or ``.tmp`` files in staging: a kill between the reservation and the rolls

@@ -605,3 +605,38 @@ def test_a_disk_failure_mid_batch_does_not_say_its_rows_are_not_stored(tmp_path,
     monkeypatch.setattr(MessageStore, "put_batch", real_put)
     import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
     assert [m.body for m in stored(tmp_path / "s")] == rows  # each row once
+
+
+def test_a_disk_failure_in_a_table_written_in_parts_names_the_rows_stored(tmp_path, monkeypatch):
+    """``put_batch`` now says how many rows of a table in parts a disk failure kept (``TablePartlyStoredError``):
+    the import names the first row not stored instead of "some may be", and counts the stored ones."""
+    import errno as _errno
+
+    from rocketstore.errors import StoreIOError, TablePartlyStoredError
+
+    rows = [f"row {i}".encode() for i in range(200)]
+    for n in range(2):
+        write(tmp_path / "d" / f"part-{n}.parquet", topic=["Imp"] * 100, body=rows[n * 100:n * 100 + 100])
+    monkeypatch.setattr(importing, "IMPORT_CHUNK_ROWS", 64)
+    real_put, calls = MessageStore.put_batch, []
+
+    def part_then_fail(store, table, **options):
+        calls.append(table.num_rows)
+        if len(calls) == 2:  # the second table keeps 10 rows, then the disk fails
+            kept = real_put(store, table.slice(0, 10), **options)
+            cause = StoreIOError(_errno.EIO, "write to commitlog/00000000000000131072 at 0 failed: Input/output error")
+            raise TablePartlyStoredError(_errno.EIO, "Input/output error; rows 0-9 are stored", 10, kept) from cause
+        return real_put(store, table, **options)
+
+    monkeypatch.setattr(MessageStore, "put_batch", part_then_fail)
+    with pytest.raises(StoreIOError) as failed:
+        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    text = str(failed.value)
+    assert text == ("[Errno 5] rows 74..99 not stored: write to commitlog/00000000000000131072 at 0 failed: "
+                    "Input/output error (the 74 rows before them are: run the same import again, without "
+                    "--from-row, and it goes on from row 74)")
+    assert "may be stored" not in text and failed.value.errno == _errno.EIO
+    assert [m.body for m in stored(tmp_path / "s")] == rows[:74]
+    monkeypatch.setattr(MessageStore, "put_batch", real_put)
+    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert [m.body for m in stored(tmp_path / "s")] == rows  # each row once

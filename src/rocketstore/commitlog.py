@@ -10,6 +10,7 @@ process killed at any instant leaves either the complete append or nothing that 
 
 from __future__ import annotations
 
+import errno
 import struct
 import time
 from collections.abc import Iterator
@@ -40,6 +41,8 @@ from .errors import (
     MessageTooLargeError,
     OffsetOutOfRangeError,
     SegmentDeletedError,
+    StoreIOError,
+    TablePartlyStoredError,
 )
 from .health import StoreHealth
 from .locks import YieldingLock
@@ -257,8 +260,8 @@ class CommitLog:
                 queue_offsets[taking] = taken
             if int(ends[-1]) > self._batch_limit:  # written in parts: every block it needs first (all or nothing)
                 self._reserve_for_parts(starts, ends)
+            i = 0
             try:
-                i = 0
                 while i < n:
                     try:
                         mapped = self.mapped_files.last_for_write()
@@ -304,6 +307,14 @@ class CommitLog:
                     self.last_store_timestamp = store_ts
                     self.last_append = (int(phys[j - 1] + sizes[j - 1]), store_ts)
                     i = j
+            except StoreIOError as exc:
+                if not i:
+                    raise
+                raise TablePartlyStoredError(
+                    exc.errno or errno.EIO,
+                    f"{exc.strerror or exc}; rows 0-{i - 1} of {n} are stored (written in parts, as a crash there "
+                    f"would leave them) and the rest are not: put only rows {i}- again", i,
+                    (phys[:i].copy(), queue_offsets[:i].copy(), store_ts)) from exc
             finally:
                 self.mapped_files.discard_spares()
             if self.warmer is not None:

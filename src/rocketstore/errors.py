@@ -49,8 +49,21 @@ class UnsupportedLayoutError(RocketStoreError):
 class StoreIOError(RocketStoreError, OSError):
     """The operating system refused an operation (disk full, permissions, read-only file system).
 
-    Raised after the store has put itself back into a consistent state: nothing partial is visible.
+    Raised after the store has put itself back into a consistent state: nothing partial is visible (one
+    exception says what was stored: ``TablePartlyStoredError``).
     """
+
+
+class TablePartlyStoredError(StoreIOError):
+    """The operating system failed a table larger than a segment after its first parts were written (an EIO, a
+    failed roll): rows ``0..stored-1`` are in the log, visible and dispatched, as a crash there would leave them;
+    the rest were not written. ``result`` is the ``PutBatchResult`` of the stored rows: put ``table[stored:]``
+    to store the rest once, never the whole table again."""
+
+    def __init__(self, code: int, message: str, stored: int, result: object = None) -> None:
+        super().__init__(code, message)
+        self.stored = stored
+        self.result = result
 
 
 class StoreNotVisibleError(StoreIOError):

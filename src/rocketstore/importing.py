@@ -40,6 +40,7 @@ from .errors import (
     RocketStoreError,
     StoredButNotClosedError,
     StoreIOError,
+    TablePartlyStoredError,
 )
 from .importjournal import ImportJournal, ImportProgress, describe_source, rows_stored
 from .message import SysFlag
@@ -375,6 +376,13 @@ def _put(store: MessageStore, table: pa.Table, report: ImportReport, progress: P
         first = report.skipped + report.rows  # rows are named by their place in the dataset
         where = (f"row {first + int(found[1])}: {text[found.end():]}" if found else
                  f"rows {first}..{first + table.num_rows - 1}: {text}")
+        if isinstance(exc, TablePartlyStoredError):  # the disk failed a table in parts: exactly what is stored
+            report.rows += exc.stored
+            done, cause = first + exc.stored, exc.__cause__
+            reason = getattr(cause, "strerror", None) or cause or text
+            raise StoreIOError(exc.errno or errno.EIO, f"rows {done}..{first + table.num_rows - 1} not stored: "
+                               f"{reason} (the {done} rows before them are: run the same import again, without "
+                               f"--from-row, and it goes on from row {done})") from exc
         if isinstance(exc, StoreIOError) and not isinstance(exc, StoredButNotClosedError):  # the disk, not a row: a
             # table over several segments may have kept a prefix
             where = f"rows {first}..{first + table.num_rows - 1}: {exc.strerror or text}"

@@ -62,6 +62,7 @@ from .errors import (
     SegmentDeletedError,
     StoreClosedError,
     StoreIOError,
+    TablePartlyStoredError,
     TopicNotExistError,
     TopicNotWritableError,
 )
@@ -953,21 +954,34 @@ class MessageStore:
             raise type(exc)(f"row {row}: {exc}") from None
         if missing is not None:  # only once every row passed: a refused table creates no topic (see _put)
             self._create_topics(missing)
-        phys, queue_offsets, store_ts = self.commit_log.append_batch(batch)
+        try:
+            phys, queue_offsets, store_ts = self.commit_log.append_batch(batch)
+        except TablePartlyStoredError as exc:  # the stored rows' result, as durable as a whole table's would be
+            phys, queue_offsets, store_ts = exc.result
+            exc.result = self._batch_stored(batch, phys, queue_offsets, store_ts)
+            raise
+        return self._batch_stored(batch, phys, queue_offsets, store_ts)
+
+    def _batch_stored(self, batch, phys, queue_offsets, store_ts: int) -> PutBatchResult:
+        """Dispatch, and under SYNC_FLUSH wait for, the first ``len(phys)`` rows of ``batch`` (all of them, or the
+        prefix a failed table in parts left); their result."""
         assert self.dispatcher is not None and self.flusher is not None
         self.dispatcher.wake()
         status = PutMessageStatus.PUT_OK
-        if len(batch) and self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH and batch.wait_store:
-            if not self.flusher.wait_flushed(int(phys[-1] + batch.sizes[-1])):
+        sizes = batch.sizes[: len(phys)]
+        if len(phys) and self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH and batch.wait_store:
+            if not self.flusher.wait_flushed(int(phys[-1] + sizes[-1])):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
         self.dispatcher.keep_up()
         from .codec.batch_encode import offset_msg_ids, uniq_key_strings
 
         # the ids are made on first read from what they need, not from the batch (its records stay unreferenced)
-        return PutBatchResult(status, phys, queue_offsets, batch.sizes, store_ts,
+        n = len(phys)
+        texts = batch.uniq_texts if batch.uniq_texts is None or n == len(batch) else batch.uniq_texts[:n]
+        return PutBatchResult(status, phys, queue_offsets, sizes, store_ts,
                               functools.partial(offset_msg_ids, self.encoder.store_host_raw, phys),
-                              functools.partial(uniq_key_strings, batch.uniq_raw, batch.uniq_texts))
+                              functools.partial(uniq_key_strings, batch.uniq_raw[:n], texts))
 
     def _batch_encoder(self):
         if self._batch is None:
