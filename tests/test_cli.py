@@ -167,6 +167,20 @@ def _library_json(msg) -> dict:
     return json.loads(json.dumps(message_json(msg)))
 
 
+def test_option_values_are_trimmed_as_mqadmin_trims_them(store):
+    """mqadmin trims every option value (``getOptionValue(..).trim()``): a pasted ``-k 'order-5 '`` found nothing
+    here and ``-s ' * '`` printed no message (the literal tag "*"); the semantics review."""
+    root, results = store
+    found = cli("query-by-key", "--store", str(root), "-t", " Topic1 ", "-k", "order-5 ", "--json").stdout
+    assert [json.loads(line)["msgId"] for line in found.splitlines()] == [results[5].msg_id]
+    rows = cli("print-msg", "--store", str(root), "-t", "Topic1", "-s", " * ", "--json").stdout.splitlines()
+    assert len(rows) == 60
+    rows = cli("print-msg", "--store", str(root), "-t", "Topic1", "-s", " Tag0 || Tag1 ", "--json").stdout
+    assert len(rows.splitlines()) == sum(1 for i in range(120) if i % 2 == 1 and i % 3 != 2)
+    found = cli("query-by-id", "--store", str(root), "-i", f" {results[7].msg_id} ", "-t", "Topic1 ", "--json").stdout
+    assert [json.loads(line)["msgId"] for line in found.splitlines()] == [results[7].msg_id]
+
+
 def test_print_msg_walks_every_queue_with_filters(store):
     root, results = store
     out = cli("print-msg", "--store", str(root), "-t", "Topic1", "-s", "Tag0").stdout.splitlines()
@@ -347,7 +361,7 @@ def test_put_from_options_and_stdin(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["query-by-key", "-t", "T", "-k", "k"], "holds no store"),
-    (["query-by-id", "-i", "zz"], "hexadecimal"),
+    (["query-by-id", "-i", "zz"], "message not found: zz"),  # no offset id: a UNIQ_KEY, as mqadmin
     (["query-by-id", "-i", "7F00000100002A9F00000000000FFFFF"], "not found"),
     (["query-by-key", "-t", "Topic0", "-k", "k", "-b", "yesterday"], "ISO-8601"),
     (["query-by-offset", "-t", "Topic0", "-q", "0", "-o", "999"], "OFFSET_OVERFLOW_BADLY"),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import time
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -117,18 +120,60 @@ def test_uniq_key_and_message_id_lookups(tmp_path, small_config):
         assert store.query_message_by_uniq_key("U", r.uniq_key) == []
         assert store.view_message_by_id(r.msg_id).body == b"hello"
         assert store.view_message_by_id(r.msg_id.lower()).body == b"hello"
-        assert store.view_message_by_id(dup.uniq_key).commit_log_offset in (r.commit_log_offset,
-                                                                             dup.commit_log_offset)
+        assert store.view_message_by_id(dup.uniq_key).commit_log_offset == r.commit_log_offset  # the oldest copy
         odd = store.put_message(Message("T", b"odd", properties={"UNIQ_KEY": "7F0000012BE17705E00568F469B49A2C"}))
         store.wait_for_dispatch()  # that UNIQ_KEY read as an offset id holds a negative offset
         assert store.view_message_by_id(odd.uniq_key).body == b"odd"
-        with pytest.raises(InvalidMessageIdError):
+        with pytest.raises(MessageNotFoundError):  # no offset id: looked for as a UNIQ_KEY (mqadmin's fallback)
             store.view_message_by_id("not-an-id")
+        for bad in ("", "  ", None, 5):
+            with pytest.raises(InvalidMessageIdError):
+                store.view_message_by_id(bad)
         bogus = r.msg_id[:-4] + "0003"  # an offset inside the first record
         with pytest.raises(MessageNotFoundError):
             store.view_message_by_id(bogus)
         with pytest.raises(MessageNotFoundError):
             store.view_message_by_id("7F00000100002A9F00000000FFFFFFFF")
+
+
+def test_a_uniq_key_by_id_is_the_oldest_copy_in_the_topic_asked_for(tmp_path, small_config):
+    """A UNIQ_KEY names every copy of a message. The lookup walked topics in name order and took the newest copy of
+    the first with one: a committed transaction's id answered with its half message (RMQ_SYS_TRANS_HALF_TOPIC sorts
+    first) and query-by-id -t TopicTest said not found; a message consumed once answered with its %RETRY% copy
+    (the semantics review). As mqadmin's queryMsgById: in the topic given only, the oldest of the newest 32; without
+    one, users' topics before retry and dead-letter ones, those before the system's."""
+    from rocketstore.cli.app import main as cli
+    from rocketstore.transaction import HALF_TOPIC, TransactionLog
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        transactions = TransactionLog(store, check_after_ms=60_000)
+        half, half_id = transactions.prepare(Message("Orders", b"paid", keys=["o-1"]))
+        transactions.end(half_id, half.uniq_key, "Orders", commit=True)
+        first = store.put_message(Message("TopicTest", b"original", keys=["k"]))
+        uniq = first.uniq_key
+        for topic, body in (("%RETRY%group", b"retry copy"), ("TopicTest", b"producer retry")):
+            store.put_message(Message(topic, body, properties={"UNIQ_KEY": uniq}))
+        only = store.put_message(Message("%RETRY%group", b"only retried", properties={"UNIQ_KEY": "U-ONLY"}))
+        store.wait_for_dispatch()
+        assert store.view_message_by_id(half.uniq_key).topic == "Orders"  # the commit, not its half
+        assert store.view_message_by_id(half.uniq_key, HALF_TOPIC).topic == HALF_TOPIC
+        assert store.view_message_by_id(uniq, "TopicTest").body == b"original"
+        assert store.view_message_by_id(uniq, "%RETRY%group").body == b"retry copy"
+        assert store.view_message_by_id(uniq).body == b"original"
+        store.put_message(Message("Aaa", b"another topic's", properties={"UNIQ_KEY": uniq}))
+        store.wait_for_dispatch()
+        assert store.view_message_by_id(uniq).body == b"another topic's"  # users' topics by name
+        assert store.view_message_by_id(" U-ONLY ").commit_log_offset == only.commit_log_offset
+        with pytest.raises(MessageNotFoundError, match="in topic TopicTest"):
+            store.view_message_by_id("U-ONLY", "TopicTest")
+        assert store.view_message_by_id(first.msg_id, "Aaa").body == b"original"  # an offset id names one record
+    runner = CliRunner()
+    store_args = ["--store", str(tmp_path), "--max-hash-slot-num", "97", "--max-index-num", "500"]
+    done = runner.invoke(cli, ["query-by-id", *store_args, "-i", uniq, "-t", " TopicTest ", "--json", "--body"])
+    assert done.exit_code == 0, done.output
+    assert [base64.b64decode(json.loads(line)["body"]) for line in done.output.splitlines()] == [b"original"]
+    done = runner.invoke(cli, ["query-by-id", *store_args, "-i", first.msg_id, "-t", "Aaa"])
+    assert done.exit_code == 1 and "of topic TopicTest, not Aaa" in done.output
 
 
 def test_view_message_by_id_finds_a_lower_case_uniq_key_as_given(tmp_path, small_config):

@@ -21,7 +21,7 @@ from .codec.record import decode_v4_at
 from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import EXT_ADDR_MAX, ConsumeQueueTable
-from .encoder import PARKED_TOPICS
+from .encoder import DLQ_GROUP_TOPIC_PREFIX, PARKED_TOPICS, RETRY_GROUP_TOPIC_PREFIX, is_system_topic
 from .errors import (
     CorruptDataError,
     InvalidMessageIdError,
@@ -561,26 +561,34 @@ class StoreReader:
         except (MessageNotFoundError, CorruptDataError):
             return None
 
-    def view_message_by_id(self, msg_id: str) -> MessageExt:
-        """The message with this offset msgId; a UNIQ_KEY is accepted too (as mqadmin falls back): as given
-        first (a producer may set a lower-case one), then in upper case (how RocketMQ's clients write them)."""
+    def view_message_by_id(self, msg_id: str, topic: str | None = None) -> MessageExt:
+        """The message with this offset msgId; a UNIQ_KEY is accepted too (as mqadmin's ``queryMsgById`` falls back
+        to ``queryMessageByUniqKey``): as given first (a producer may set a lower-case one), then in upper case
+        (how RocketMQ's clients write them). A UNIQ_KEY names every copy of a message (a producer's retry, a
+        consumer's retry, a transaction's half and its commit): the oldest of the newest 32 is the answer, as
+        mqadmin's, in ``topic`` only when given, else in the first topic that has one, users' topics before
+        retry and dead-letter ones and those before the system's."""
         given = msg_id.strip() if isinstance(msg_id, str) else ""
+        if not given:
+            raise InvalidMessageIdError(f"a message id or UNIQ_KEY is a non-empty string, not {msg_id!r}")
+        if topic is not None:
+            check_str("topic", topic)
         text = given.upper()
-        if len(text) not in (32, 56) or any(c not in "0123456789ABCDEF" for c in text):
-            raise InvalidMessageIdError(f"a message id is 32 or 56 hexadecimal characters, not {msg_id!r}")
-        try:
-            _host, phy = decode_offset_msg_id(text)
-            msg = self.commit_log.get_message(phy)
-            if msg.msg_id == text:
-                return msg
-        except (InvalidMessageIdError, MessageNotFoundError, CorruptDataError):
-            pass  # not an offset id of this store: try it as a UNIQ_KEY
+        if len(text) in (32, 56) and all(c in "0123456789ABCDEF" for c in text):
+            try:
+                _host, phy = decode_offset_msg_id(text)
+                msg = self.commit_log.get_message(phy)
+                if msg.msg_id == text:
+                    return msg
+            except (InvalidMessageIdError, MessageNotFoundError, CorruptDataError):
+                pass  # not an offset id of this store: try it as a UNIQ_KEY
+        topics = [topic] if topic is not None else sorted(self.queues.topics(), key=_lookup_order)
         for uniq_key in dict.fromkeys((given, text)):
-            for topic in self.queues.topics():
-                hits = self.query_by_uniq_key(topic, uniq_key, 1)
+            for one in topics:
+                hits = self.query_by_uniq_key(one, uniq_key, UNIQ_KEY_QUERY_MAX)
                 if hits:
                     return hits[0]
-        raise MessageNotFoundError(f"no message with id {msg_id}")
+        raise MessageNotFoundError(f"no message with id {msg_id}" + (f" in topic {topic}" if topic else ""))
 
     def iter_queue(self, topic: str, queue_id: int, start: int = 0) -> Iterator[MessageExt]:
         offset = start
@@ -592,6 +600,16 @@ class StoreReader:
                                      GetMessageStatus.OFFSET_TOO_SMALL):
                 return
             offset = result.next_begin_offset
+
+
+UNIQ_KEY_QUERY_MAX = 32  # MQAdminImpl.queryMessageByUniqKey's maxNum
+
+
+def _lookup_order(topic: str) -> tuple[int, str]:
+    """Users' topics, then retry and dead-letter topics, then the system's (a transaction's half, a parked delay)."""
+    if is_system_topic(topic):
+        return 2, topic
+    return int(topic.startswith((RETRY_GROUP_TOPIC_PREFIX, DLQ_GROUP_TOPIC_PREFIX))), topic
 
 
 def check_int(name: str, value: object, low: int | None = None, error: type[Exception] = InvalidQueryError) -> int:

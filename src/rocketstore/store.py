@@ -1234,11 +1234,11 @@ class MessageStore:
         return self._reader().query_by_uniq_key(topic, uniq_key)
 
     @_closed_under
-    def view_message_by_id(self, msg_id: str) -> MessageExt:
-        """The message with this offset msgId (or UNIQ_KEY). Raises ``MessageNotFoundError`` or
-        ``InvalidMessageIdError``."""
+    def view_message_by_id(self, msg_id: str, topic: str | None = None) -> MessageExt:
+        """The message with this offset msgId, or UNIQ_KEY (then its oldest copy, in ``topic`` when given, as
+        mqadmin's ``queryMsgById``). Raises ``MessageNotFoundError`` or ``InvalidMessageIdError``."""
         self._check_open()
-        return self._reader().view_message_by_id(msg_id)
+        return self._reader().view_message_by_id(msg_id, topic)
 
     def topics(self) -> list[str]:
         """Topics that have consume queues."""

@@ -57,6 +57,19 @@ STORE_ENV = "ROCKETSTORE_STORE"  # an operator's store for every command of a se
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
+class _Trimmed(click.ParamType):
+    """Text with the spaces around it dropped, as mqadmin's ``getOptionValue(..).trim()``: a pasted
+    ``-k 'order-1 '`` finds order-1, and ``-s ' * '`` is every tag."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        return value.strip() if isinstance(value, str) else value
+
+
+TRIMMED = _Trimmed()
+
+
 class Failure(click.ClickException):
     """One line on stderr, exit code 1."""
 
@@ -509,8 +522,8 @@ Examples:
   rocketstore query-by-key -t TopicTest --keys-file orders.txt --json     # one key per line; - is stdin
 """)
 @store_options
-@click.option("-t", "--topic", required=True, help="topic")
-@click.option("-k", "--key", "msg_key", help="message key")
+@click.option("-t", "--topic", type=TRIMMED, required=True, help="topic")
+@click.option("-k", "--key", "msg_key", type=TRIMMED, help="message key")
 @click.option("--keys-file", type=click.File("r", encoding="utf-8"),
               help="many keys, one per line ('-': stdin), looked up together in batches")
 @key_window_options("most messages per key")
@@ -588,9 +601,10 @@ Examples:
   rocketstore query-by-id -i ID1,ID2 --body
 """)
 @store_options
-@click.option("-i", "--msg-id", required=True, help="offset message id(s), comma-separated (a UNIQ_KEY works too)")
-@click.option("-t", "--topic", help="the messages' topic (mqadmin's queryMsgById takes it): one of another topic "
-              "is not found")
+@click.option("-i", "--msg-id", type=TRIMMED, required=True,
+              help="offset message id(s), comma-separated (a UNIQ_KEY works too: its oldest copy)")
+@click.option("-t", "--topic", type=TRIMMED, help="the messages' topic (mqadmin's queryMsgById takes it): a UNIQ_KEY "
+              "is looked for in it only, and a message of another topic is not found")
 @click.option("--body", is_flag=True, help="print the body")
 @json_option
 @fails_cleanly
@@ -604,7 +618,7 @@ def query_by_id(msg_id, topic, body, as_json, **kwargs) -> None:
         found = []
         for one in ids:
             try:
-                msg = store.view_message_by_id(one)
+                msg = store.view_message_by_id(one, topic)
             except MessageNotFoundError:
                 missing.append(one)
                 continue
@@ -622,8 +636,8 @@ Examples:
   rocketstore query-by-unique-key -i 7F0000012BE17705E00568F469B49A2C -t TopicTest
 """)
 @store_options
-@click.option("-i", "--msg-id", "uniq_key", required=True, help="the UNIQ_KEY (the producer's msgId)")
-@click.option("-t", "--topic", help="topic (default: search every topic)")
+@click.option("-i", "--msg-id", "uniq_key", type=TRIMMED, required=True, help="the UNIQ_KEY (the producer's msgId)")
+@click.option("-t", "--topic", type=TRIMMED, help="topic (default: search every topic)")
 @click.option("--body", is_flag=True, help="print the body")
 @json_option
 @fails_cleanly
@@ -650,7 +664,7 @@ Examples:
   rocketstore query-by-offset -t TopicTest -q 0 -o 42
 """)
 @store_options
-@click.option("-t", "--topic", required=True, help="topic")
+@click.option("-t", "--topic", type=TRIMMED, required=True, help="topic")
 @click.option("-i", "-q", "--queue", "queue_id", type=int, required=True, help="queue id (mqadmin's -i)")
 @click.option("-o", "--offset", type=int, required=True, help="queue offset")
 @click.option("--body", is_flag=True, help="print the body")
@@ -729,11 +743,11 @@ Examples:
   rocketstore print-msg -t TopicTest -b 2026-11-21T09:00 -e 2026-11-21T09:05 --body -s 'TagA || TagB'
 """)
 @store_options
-@click.option("-t", "--topic", required=True, help="topic")
+@click.option("-t", "--topic", type=TRIMMED, required=True, help="topic")
 @click.option("-b", "--begin", help="begin time, inclusive (epoch ms or ISO-8601)")
 @click.option("-e", "--end", help="end time, exclusive: messages stored before it (epoch ms or ISO-8601; as "
               "mqadmin's printMsg)")
-@click.option("-s", "--sub-expression", default="*", show_default=True, help="tags, e.g. 'TagA || TagB'")
+@click.option("-s", "--sub-expression", type=TRIMMED, default="*", show_default=True, help="tags, e.g. 'TagA || TagB'")
 @click.option("--sql", callback=lambda _ctx, _param, value: _sql_option(value),
               help="an SQL92 filter over the properties instead of tags, e.g. \"region = 'eu' AND amount > 100\"")
 @click.option("--body", is_flag=True, help="print bodies")
@@ -750,7 +764,7 @@ def print_msg(topic, begin, end, sub_expression, sql, body, print_body, charset,
 
     if print_body is not None:
         body = body or print_body.strip().lower() == "true"
-    if sql is not None and sub_expression not in ("", "*"):  # " * " is the tag "*", as RocketMQ reads it
+    if sql is not None and sub_expression not in ("", "*"):
         raise click.UsageError("filter by tags (-s) or by --sql, not both")
     start, stop = parse_time(begin, "--begin"), parse_time(end, "--end")
     parse_tags(sub_expression)  # a refused subscription ('||') before any output, not after a queue's header
@@ -992,7 +1006,7 @@ def topic_list(as_json, **kwargs) -> None:
 
 @topic.command("create", epilog="Example:\n  rocketstore topic create -t OrderPaid -w 8")
 @store_options
-@click.option("-t", "--topic", "name", required=True, help="topic")
+@click.option("-t", "--topic", "name", type=TRIMMED, required=True, help="topic")
 @click.option("-w", "--write-queues", type=click.IntRange(1, 1024), default=8, show_default=True)
 @click.option("-r", "--read-queues", type=click.IntRange(1, 1024), default=None, help="default: as many as -w")
 @fails_cleanly
@@ -1006,7 +1020,7 @@ def topic_create(name, write_queues, read_queues, **kwargs) -> None:
 
 @topic.command("delete", epilog="Example:\n  rocketstore topic delete -t OrderPaid")
 @store_options
-@click.option("-t", "--topic", "name", required=True, help="topic")
+@click.option("-t", "--topic", "name", type=TRIMMED, required=True, help="topic")
 @fails_cleanly
 def topic_delete(name, **kwargs) -> None:
     """Remove a topic from config/topics.json (its messages stay until retention removes them)."""
@@ -1023,7 +1037,7 @@ Examples:
   rocketstore consumer-progress -g please_rename_unique_group_name_4 --json
 """)
 @store_options
-@click.option("-g", "--group", help="consumer group (default: every group with committed offsets)")
+@click.option("-g", "--group", type=TRIMMED, help="consumer group (default: every group with committed offsets)")
 @json_option
 @fails_cleanly
 def consumer_progress(group, as_json, **kwargs) -> None:
@@ -1076,8 +1090,8 @@ Examples:
   rocketstore reset-offset -g my_group -t TopicTest -s earliest
 """)
 @store_options
-@click.option("-g", "--group", required=True, help="consumer group")
-@click.option("-t", "--topic", "topic_name", required=True, help="topic")
+@click.option("-g", "--group", type=TRIMMED, required=True, help="consumer group")
+@click.option("-t", "--topic", "topic_name", type=TRIMMED, required=True, help="topic")
 @click.option("-s", "--timestamp", required=True, help="epoch ms, ISO-8601, 'now', 'earliest' or 'latest' (or -1, "
               "as the broker takes it)")
 @fails_cleanly
@@ -1166,7 +1180,8 @@ Examples:
 @store_options
 @master_option
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory (Parquet)")
-@click.option("-t", "--topic", "topics", multiple=True, help="a topic to export (repeatable; default all)")
+@click.option("-t", "--topic", "topics", type=TRIMMED, multiple=True,
+              help="a topic to export (repeatable; default all)")
 @click.option("-b", "--begin", help="begin time, inclusive (epoch ms or ISO-8601)")
 @click.option("-e", "--end", help="end time, exclusive (epoch ms or ISO-8601)")
 @click.option("--overwrite", is_flag=True, help="replace what --out holds (only once the new export is complete); "
