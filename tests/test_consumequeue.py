@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.codec import java_string_hash
 from rocketstore.consumequeue import CQ_UNIT_SIZE, ConsumeQueue
-from rocketstore.errors import InvalidQueryError, InvalidTopicError
+from rocketstore.errors import InvalidQueryError, InvalidTopicError, StoreClosedError
 from rocketstore.reads import GetMessageStatus
 
 
@@ -119,6 +119,38 @@ def test_offset_too_small_and_message_was_removing_after_retention(tmp_path, sma
         assert store.get_message("T", 0, low).messages[0].commit_log_offset == results[low].commit_log_offset
         assert store.query_message("T", "k0") == [] and len(store.query_message("T", "k59")) == 1
         assert len(list((tmp_path / "consumequeue" / "T" / "0").iterdir())) >= 1
+
+
+def test_a_queue_units_offset_time_and_total_as_rocketmqs_store_answers(tmp_path, small_config):
+    """``getCommitLogOffsetInQueue`` (0 when none), ``getMessageStoreTimeStamp`` (-1 when none) and
+    ``getMessageTotalInQueue`` (-1 for no queue): the semantics review found them missing."""
+    config = small_config.replace(file_reserved_time=0)
+    with MessageStore.open(tmp_path, config) as store:
+        results = [store.put_message(Message("T", b"y" * 300, queue_id=i % 2)) for i in range(60)]
+        store.wait_for_dispatch()
+        queue0 = results[::2]
+        assert store.get_message_total_in_queue("T", 0) == 30 == store.get_message_total_in_queue("T", 1)
+        assert store.get_message_total_in_queue("T", 7) == store.get_message_total_in_queue("Nope", 0) == -1
+        for r in queue0:
+            assert store.get_commit_log_offset_in_queue("T", 0, r.queue_offset) == r.commit_log_offset
+            assert store.get_message_store_timestamp("T", 0, r.queue_offset) == r.store_timestamp
+        for offset in (-1, 30, 10 ** 12):
+            assert store.get_commit_log_offset_in_queue("T", 0, offset) == 0
+            assert store.get_message_store_timestamp("T", 0, offset) == -1
+        assert store.get_message_store_timestamp("Nope", 0, 0) == -1
+        store.delete_expired_files(immediately=True)
+        low = store.get_min_offset_in_queue("T", 0)
+        assert 0 < low < 30 and store.get_message_total_in_queue("T", 0) == 30 - low
+        assert store.get_commit_log_offset_in_queue("T", 0, low - 1) == 0  # expired: as ConsumeQueue.get's null
+        assert store.get_message_store_timestamp("T", 0, low - 1) == -1
+        assert store.get_message_store_timestamp("T", 0, low) == queue0[low].store_timestamp
+        for call in (lambda: store.get_commit_log_offset_in_queue("T", 0, 1.5),
+                     lambda: store.get_message_store_timestamp("T", "0", 0),
+                     lambda: store.get_message_total_in_queue(5, 0)):
+            with pytest.raises(InvalidQueryError):
+                call()
+    with pytest.raises(StoreClosedError):
+        store.get_message_total_in_queue("T", 0)
 
 
 def test_tag_filter_checks_real_tags_not_only_hash_codes(tmp_path, small_config):

@@ -36,7 +36,7 @@ from .codec.msgid import create_offset_msg_id
 from .codec.record import read_layout
 from .commitlog import CommitLog
 from .config import FlushDiskType, StoreConfig, detect_config
-from .consumequeue import PRE_BLANK_SIZE, ConsumeQueueTable
+from .consumequeue import PRE_BLANK_SIZE, ConsumeQueue, ConsumeQueueTable
 from .consumer import Consumer
 from .dispatch import Dispatcher, dispatch_request
 from .encoder import (
@@ -1183,6 +1183,40 @@ class MessageStore:
         self.queues.check_managed(topic)
         queue = self.queues.get(topic, queue_id)
         return queue.max_offset_in_queue if queue else 0
+
+    def get_message_total_in_queue(self, topic: str, queue_id: int) -> int:
+        """Messages a queue holds (its max offset less its min), -1 for a queue that does not exist
+        (``getMessageTotalInQueue``)."""
+        queue = self._queue(topic, queue_id)
+        return -1 if queue is None else queue.max_offset_in_queue - queue.min_offset_in_queue
+
+    @_closed_under
+    def get_commit_log_offset_in_queue(self, topic: str, queue_id: int, offset: int) -> int:
+        """Commit-log offset of the message at a queue offset, 0 when the queue holds none there (below its min
+        offset, at or past its max: ``getCommitLogOffsetInQueue``)."""
+        unit = self._unit(topic, queue_id, offset)
+        return 0 if unit is None else unit[0]
+
+    @_closed_under
+    def get_message_store_timestamp(self, topic: str, queue_id: int, offset: int) -> int:
+        """Store time (ms) of the message at a queue offset, -1 when there is none or its segment is gone
+        (``getMessageStoreTimeStamp``)."""
+        unit = self._unit(topic, queue_id, offset)
+        return -1 if unit is None else self.commit_log.store_time(unit[0], unit[1])
+
+    def _queue(self, topic: str, queue_id: int) -> ConsumeQueue | None:
+        self._check_open()
+        check_str("topic", topic)
+        queue_id = check_int("queue_id", queue_id)
+        self.queues.check_managed(topic)
+        return self.queues.get(topic, queue_id)
+
+    def _unit(self, topic: str, queue_id: int, offset: int) -> tuple[int, int, int] | None:
+        queue = self._queue(topic, queue_id)
+        offset = check_int("offset", offset)
+        if queue is None or offset < queue.min_offset_in_queue:  # below it: expired, as ConsumeQueue.get answers
+            return None
+        return queue.get_unit(offset)
 
     @_closed_under
     def get_earliest_message_time(self, topic: str | None = None, queue_id: int | None = None) -> int:
