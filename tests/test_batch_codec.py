@@ -8,10 +8,12 @@ and why that walk stops (END, BLANK, or DAMAGE with the same error class, offset
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import mmap
 import subprocess
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -456,12 +458,16 @@ def test_golden_v4_decompressed_bodies_fall_back_to_the_record_codec():
 CONFIG = StoreConfig(mapped_file_size_commit_log=16 << 10)
 
 
-def _store_rows(store: MessageStore, **kwargs) -> list[dict]:
+def _scan_rows(store: MessageStore, **kwargs) -> list[dict]:
     batches = list(scan_arrow(store.commit_log, **kwargs))
     return pa.Table.from_batches(batches, MESSAGE_SCHEMA).to_pylist()
 
 
-def test_scan_arrow_reads_a_store_as_iter_messages_does(tmp_path):
+@pytest.mark.parametrize("threads", [0, 1, 2, 3])
+def test_scan_arrow_reads_a_store_as_iter_messages_does(tmp_path, threads):
+    """With batches built by ``threads`` workers while the caller walks on (0: in the caller): the same rows in
+    the same order."""
+    _store_rows = functools.partial(_scan_rows, threads=threads)
     with MessageStore.open(tmp_path / "s", CONFIG) as store:
         for i in range(0, 300, 10):
             store.put_messages([Message(f"Topic{j % 3}", b"x" * (j % 97), tags=f"T{j % 2}", keys=[f"k{j}", "g"],
@@ -475,8 +481,10 @@ def test_scan_arrow_reads_a_store_as_iter_messages_does(tmp_path):
         assert [r["body"] for r in _store_rows(store, include_body=False)] == [None] * 300
 
 
-def test_scan_arrow_raises_the_record_codecs_error_after_the_good_records(tmp_path):
-    """Damage in an old segment (recovery re-checks only the newest) is met by the scan itself."""
+@pytest.mark.parametrize("threads", [0, 2])
+def test_scan_arrow_raises_the_record_codecs_error_after_the_good_records(tmp_path, threads):
+    """Damage in an old segment (recovery re-checks only the newest) is met by the scan itself, after every batch
+    before it (those the workers build too)."""
     with MessageStore.open(tmp_path / "s", CONFIG) as store:
         results = [store.put_message(Message("T", b"body %d" % i * 20)) for i in range(400)]
     assert len(list((tmp_path / "s" / "commitlog").iterdir())) > 4
@@ -489,13 +497,96 @@ def test_scan_arrow_raises_the_record_codecs_error_after_the_good_records(tmp_pa
     with MessageStore.open(tmp_path / "s", CONFIG, read_only=True) as store:
         seen = []
         with pytest.raises(ChecksumError) as raised:
-            for batch in scan_arrow(store.commit_log, max_rows=2):
+            for batch in scan_arrow(store.commit_log, max_rows=2, threads=threads):
                 seen += batch.column("commitLogOffset").to_pylist()
         with pytest.raises(ChecksumError) as reference_error:
             list(store.commit_log.iter_layouts(check_crc=True))
         assert _assert_iterations_agree(store.commit_log, check_crc=True) == 5
     assert seen == [r.commit_log_offset for r in results[:5]]
     assert (raised.value.offset, raised.value.reason) == (reference_error.value.offset, reference_error.value.reason)
+
+
+def _scan_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "rocketstore-scan-build"]
+
+
+def _many_batches(root) -> MessageStore:
+    store = MessageStore.open(root, CONFIG)
+    for i in range(0, 400, 50):
+        store.put_messages([Message("T", b"b%04d" % j, keys=[f"k{j}"]) for j in range(i, i + 50)])
+    return store
+
+
+def test_a_failed_build_is_raised_in_its_batchs_place_and_stops_the_workers(tmp_path, monkeypatch):
+    """A worker's error comes out where its batch would have, never after later batches; no worker outlives it."""
+    from rocketstore.codec import batch as batch_codec
+
+    with _many_batches(tmp_path / "s") as store:
+        real, calls = batch_codec._Walked.build, []
+
+        def build(self, **kwargs):
+            calls.append(int(self.f[0, 0]) if self.f.shape[1] else -1)
+            if len(calls) == 4:
+                raise MemoryError("no room for the fourth batch")
+            return real(self, **kwargs)
+
+        monkeypatch.setattr(batch_codec._Walked, "build", build)
+        seen = []
+        with pytest.raises(MemoryError, match="fourth"):
+            for batch in store.scan_arrow(max_rows=10, threads=2):
+                seen += batch.column("body").to_pylist()
+        assert seen == [b"b%04d" % j for j in range(30)]
+        assert _scan_threads() == []
+
+
+def test_a_scan_stopped_early_leaves_no_worker_and_no_view_of_the_log(tmp_path):
+    """Workers hold views of the segments: a caller that stops (break, close) waits for them, and the store's
+    mappings close cleanly afterwards; a scan of one batch starts no thread at all."""
+    store = _many_batches(tmp_path / "s")
+    try:
+        scan = store.scan_arrow(max_rows=10, threads=2)
+        first = next(scan)
+        assert first.column("body").to_pylist()[0] == b"b0000" and _scan_threads()
+        scan.close()
+        assert _scan_threads() == []
+        mappings = [mapped._mm for mapped in store.commit_log.mapped_files.files if mapped._mm is not None]
+    finally:
+        store.close()
+    assert mappings and all(mm.closed for mm in mappings)  # no exported view was left to refuse the close
+    started = []
+    real_start = threading.Thread.start
+    with MessageStore.open(tmp_path / "one", CONFIG) as store:
+        store.put_messages([Message("T", b"x")] * 5)
+        threading.Thread.start = lambda self: (started.append(self.name), real_start(self))[1]
+        try:
+            assert sum(b.num_rows for b in store.scan_arrow(threads=2)) == 5
+        finally:
+            threading.Thread.start = real_start
+    assert "rocketstore-scan-build" not in started
+
+
+def test_a_scan_that_cannot_start_its_workers_builds_in_the_callers_thread(tmp_path, monkeypatch):
+    with _many_batches(tmp_path / "s") as store:
+        expected = [b.to_pylist() for b in store.scan_arrow(max_rows=10, threads=0)]
+        real_start = threading.Thread.start
+
+        def start(self):
+            if self.name == "rocketstore-scan-build":
+                raise RuntimeError("can't start new thread")
+            return real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        assert [b.to_pylist() for b in store.scan_arrow(max_rows=10, threads=2)] == expected
+        assert len(expected) == 40 and _scan_threads() == []
+
+
+def test_scan_arrow_refuses_a_bad_thread_count(tmp_path):
+    from rocketstore.errors import InvalidQueryError
+
+    with MessageStore.open(tmp_path / "s", CONFIG) as store:
+        for bad in (-1, 1.5, True, "2", 65):
+            with pytest.raises(InvalidQueryError, match="threads"):
+                store.scan_arrow(threads=bad)
 
 
 # --- CommitLog.iter_messages: the compiled walk, one MessageExt per record -------------------------------

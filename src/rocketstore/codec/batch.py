@@ -21,6 +21,7 @@ Columns are RocketMQ's ``MessageExt`` as the Spark source names them (``MESSAGE_
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 from collections.abc import Collection, Iterable, Iterator
@@ -54,6 +55,8 @@ MESSAGE_FIELDS: list[tuple[str, pa.DataType]] = [
 MESSAGE_SCHEMA = pa.schema(MESSAGE_FIELDS)
 MESSAGE_COLUMNS: tuple[str, ...] = tuple(name for name, _ in MESSAGE_FIELDS)
 DEFAULT_MAX_ROWS = 8192  # measured: 4096-8192 rows keep a batch's buffers in cache (1.6x faster than 65536)
+SCAN_BUILD_THREADS = 2  # measured on 2 cores, 256 MB of 400-byte records: 0 -> 850-930 MB/s, 1 -> 1,190-1,250,
+# 2 -> 1,200-1,320, 3 -> 1,290-1,360 (the walk, 40% of the work, stays in the caller's thread)
 DEFAULT_MAX_BYTES = 64 << 20  # keeps every binary column far below Arrow's 2 GiB int32 offsets
 
 _NAMES = {name: np.frombuffer(name.encode(), dtype=np.uint8)
@@ -121,18 +124,57 @@ def decode_range(buf, start: int, end: int, *, base: int, check_crc: bool = True
         raise OffsetOutOfRangeError(f"cannot decode the range [{start}, {end}) with max_rows={max_rows}, "
                                     f"max_bytes={max_bytes}")
     names = message_columns(columns)
+    walked = _walk_range(buf, start, end, base=base, check_crc=check_crc, limit=limit, path=path, max_rows=max_rows,
+                         max_bytes=max_bytes)
+    try:
+        batch = walked.build(include_body=include_body, topics=topics, decompress=decompress,
+                             broker_name=broker_name, names=names)
+    finally:
+        walked.release()  # no view may outlive the call: an mmap cannot close while one is exported
+    return batch, walked.stop
+
+
+@dataclass
+class _Walked:
+    """One range walked (records validated, fixed fields read), its Arrow batch not built yet: ``scan_arrow``
+    builds it on another thread while the next range is walked. Holds a view of the segment until released."""
+
+    buf: object
+    arr: np.ndarray | None
+    f: np.ndarray
+    limit: int
+    base: int
+    path: str | None
+    stop: Stop
+
+    def build(self, *, include_body: bool, topics: Collection[str] | None, decompress: bool,
+              broker_name: str | None, names: tuple[str, ...]) -> pa.RecordBatch:
+        assert self.arr is not None
+        return _batch(self.buf, self.arr, self.f, include_body=include_body, topics=topics, limit=self.limit,
+                      decompress=decompress, broker_name=broker_name, path=self.path, base=self.base, names=names)
+
+    def __len__(self) -> int:
+        return self.f.shape[1]
+
+    def release(self) -> None:
+        self.arr = self.buf = None
+
+
+def _walk_range(buf, start: int, end: int, *, base: int, check_crc: bool, limit: int | None, path: str | None,
+                max_rows: int, max_bytes: int) -> _Walked:
     arr = as_array(buf)
     try:
         limit = len(arr) if limit is None else min(limit, len(arr))
         f, n, pos = k.walk(arr, start, min(end, limit), limit, check_crc, max_rows, max_bytes)
         stop = _classify(buf, pos, start, end, n, limit, base, check_crc, path, max_rows, max_bytes,
                          int(f[k.F_STORE_TS, n - 1]) if n else None)
-        f = np.ascontiguousarray(f[:, :n])  # C-contiguous rows: one compiled (and cached) kernel signature
-        batch = _batch(buf, arr, f, include_body=include_body, topics=topics, limit=limit,
-                       decompress=decompress, broker_name=broker_name, path=path, base=base, names=names)
-    finally:
-        del arr  # no view may outlive the call: an mmap cannot close while one is exported
-    return batch, stop
+    except BaseException:
+        del arr
+        raise
+    f = np.ascontiguousarray(f[:, :n])  # C-contiguous rows: one compiled (and cached) kernel signature
+    walked = _Walked(buf, arr, f, limit, base, path, stop)
+    del arr  # a damage's traceback keeps this frame, and with it any view left in it, alive
+    return walked
 
 
 def _intern_topics(buf, arr: np.ndarray, pos: np.ndarray, length: np.ndarray) -> tuple[list[str], np.ndarray]:
@@ -475,24 +517,118 @@ def decode_dispatch(buf, start: int, end: int, *, base: int, limit: int | None =
 def scan_arrow(commit_log: CommitLog, topics: Collection[str] | None = None, begin: int | None = None,
                end: int | None = None, check_crc: bool = True, include_body: bool = True, *,
                broker_name: str | None = None, max_rows: int = DEFAULT_MAX_ROWS,
-               columns: Iterable[str] | None = None) -> Iterator[pa.RecordBatch]:
+               columns: Iterable[str] | None = None, threads: int = SCAN_BUILD_THREADS) -> Iterator[pa.RecordBatch]:
     """Every record of ``commit_log`` from ``begin`` (a record start) to ``end``, as batches in log order
     (``columns`` only, when given).
 
     ``MessageStore.scan_arrow``: the same walk as ``CommitLog.iter_layouts`` (segments up to their
     write position, a BLANK ends a segment), one batch per ``max_rows`` records. Raises the
     ``CorruptDataError`` that ``read_layout`` raises for the first record that does not validate,
-    after yielding everything before it. At most one batch is held at a time.
+    after yielding everything before it. The walk runs in the caller's thread, and up to ``threads`` others
+    build the Arrow batches of the ranges walked before (``_built_in_order``); 0 builds each in the caller's.
     """
     wanted = None if topics is None else frozenset([topics] if isinstance(topics, str) else topics)
     names = message_columns(columns)
 
-    def decode(mapped, pos: int, seg_end: int, limit: int):
-        return decode_range(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, limit=limit,
-                            check_crc=check_crc, include_body=include_body, topics=wanted,
-                            broker_name=broker_name, path=str(mapped.path), max_rows=max_rows, columns=names)
+    def walk(mapped, pos: int, seg_end: int, limit: int) -> tuple[_Walked, Stop]:
+        walked = _walk_range(mapped.buffer, pos, seg_end, base=mapped.file_from_offset, check_crc=check_crc,
+                             limit=limit, path=str(mapped.path), max_rows=max_rows, max_bytes=DEFAULT_MAX_BYTES)
+        return walked, walked.stop
 
-    return _walk_log(commit_log, begin, end, decode)
+    def build(walked: _Walked) -> pa.RecordBatch:
+        try:
+            return walked.build(include_body=include_body, topics=wanted, decompress=False,
+                                broker_name=broker_name, names=names)
+        finally:
+            walked.release()
+
+    return _built_in_order(_walk_log(commit_log, begin, end, walk), build, threads)
+
+
+def _built_in_order(walked: Iterator[_Walked], build, threads: int) -> Iterator[pa.RecordBatch]:
+    """``build`` of each walked range, in order, by up to ``threads`` worker threads while the caller walks on.
+
+    At most ``threads + 2`` ranges are held (walked, being built, built and not yet taken). A range is handed to
+    a worker only once the next one is walked, so a scan of one batch starts no thread; a worker that cannot be
+    started leaves the building to the caller. An error of the walk (damage) is raised after every batch before
+    it; one of a build, in its place. Stopping early (``close``) cancels what is queued and waits for the
+    workers, which hold views of the segments."""
+    import queue
+    import threading
+    from concurrent.futures import Future
+
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    workers: list[threading.Thread] = []
+    pending: collections.deque[Future] = collections.deque()
+
+    def work() -> None:
+        while (job := jobs.get()) is not None:
+            future, item = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(build(item))
+                except BaseException as exc:  # handed to the caller with the batch in its place
+                    future.set_exception(exc)
+            else:
+                item.release()
+
+    def start_workers() -> None:
+        for _ in range(threads):
+            worker = threading.Thread(target=work, name="rocketstore-scan-build", daemon=True)
+            try:
+                worker.start()
+            except RuntimeError:  # no thread to be had (a thread limit): the caller builds what these would
+                break
+            workers.append(worker)
+
+    held: _Walked | None = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                item = next(walked)
+            except StopIteration:
+                break
+            except Exception as exc:  # the walk's (damage): raised after every batch before it
+                error = exc
+                break
+            if held is not None:
+                if threads and not workers:
+                    start_workers()
+                    threads = len(workers)
+                if workers:
+                    future: Future = Future()
+                    jobs.put((future, held))
+                    pending.append(future)
+                else:
+                    batch = build(held)
+                    if len(batch):
+                        yield batch
+                while len(pending) > len(workers):
+                    batch = pending.popleft().result()
+                    if len(batch):
+                        yield batch
+            held = item
+        while pending:
+            batch = pending.popleft().result()
+            if len(batch):
+                yield batch
+        if held is not None:
+            item, held = held, None
+            batch = build(item)
+            if len(batch):
+                yield batch
+        if error is not None:
+            raise error
+    finally:
+        for future in pending:
+            future.cancel()
+        for _ in workers:
+            jobs.put(None)
+        for worker in workers:
+            worker.join()
+        if held is not None:
+            held.release()
 
 
 def decode_at(commit_log: CommitLog, offsets, *, check_crc: bool = True, verify_prop_crc: bool = False,
