@@ -1024,7 +1024,9 @@ def test_an_index_roll_that_cannot_map_its_file_leaves_no_file_behind(tmp_path, 
         time.sleep(0.3)  # the dispatcher's retries
         assert sorted((tmp_path / "index").iterdir()) == files_before
         monkeypatch.setattr(index_file.mmap, "mmap", real)
-        store.wait_for_dispatch(10)
+        with contextlib.suppress(DispatchFailedError):  # a round begun before the restore may fail once more (CI)
+            store.wait_for_dispatch(10)
+        assert store.wait_for_dispatch(10)
         assert store.put_message(Message("T", b"x", keys=["after"])).ok
         store.wait_for_dispatch()
         assert len(list((tmp_path / "index").iterdir())) == len(files_before) + 1
