@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+import time
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -551,38 +552,50 @@ def _built_in_order(walked: Iterator[_Walked], build, threads: int) -> Iterator[
     At most ``threads + 2`` ranges are held (walked, being built, built and not yet taken). A range is handed to
     a worker only once the next one is walked, so a scan of one batch starts no thread; a worker that cannot be
     started leaves the building to the caller. An error of the walk (damage) is raised after every batch before
-    it; one of a build, in its place. Stopping early (``close``) cancels what is queued and waits for the
-    workers, which hold views of the segments."""
+    it; one of a build, in its place. The caller takes nothing but C ``SimpleQueue``s between the threads (no
+    Python lock a Ctrl-C could leave held: with ``concurrent.futures`` a KeyboardInterrupt inside a future's
+    ``with`` hung the worker and the scan's close for good). Stopping early drops what is queued and waits a
+    little for the workers; one that does not finish is a daemon holding a view of a segment, never a crash."""
     import queue
     import threading
-    from concurrent.futures import Future
 
     jobs: queue.SimpleQueue = queue.SimpleQueue()
-    workers: list[threading.Thread] = []
-    pending: collections.deque[Future] = collections.deque()
+    started: list[threading.Thread] = []
+    pending: collections.deque[queue.SimpleQueue] = collections.deque()
+    stopping = [False]
 
     def work() -> None:
         while (job := jobs.get()) is not None:
-            future, item = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(build(item))
-                except BaseException as exc:  # handed to the caller with the batch in its place
-                    future.set_exception(exc)
-            else:
+            slot, item = job
+            if stopping[0]:
                 item.release()
+                continue
+            try:
+                slot.put((True, build(item)))
+            except BaseException as exc:  # handed to the caller in its batch's place
+                slot.put((False, exc))
+            del job, slot, item  # no view of the segment kept while waiting for the next job
 
-    def start_workers() -> None:
+    def start_workers() -> int:
         for _ in range(threads):
             worker = threading.Thread(target=work, name="rocketstore-scan-build", daemon=True)
+            started.append(worker)  # listed first: a Ctrl-C inside start() leaves no running worker unlisted
             try:
                 worker.start()
             except RuntimeError:  # no thread to be had (a thread limit): the caller builds what these would
+                started.pop()
                 break
-            workers.append(worker)
+        return len(started)
+
+    def taken(slot: queue.SimpleQueue) -> pa.RecordBatch:
+        ok, value = slot.get()
+        if not ok:
+            raise value
+        return value
 
     held: _Walked | None = None
     error: BaseException | None = None
+    workers = 0
     try:
         while True:
             try:
@@ -593,24 +606,23 @@ def _built_in_order(walked: Iterator[_Walked], build, threads: int) -> Iterator[
                 error = exc
                 break
             if held is not None:
-                if threads and not workers:
-                    start_workers()
-                    threads = len(workers)
+                if threads and not started:
+                    workers = start_workers()
                 if workers:
-                    future: Future = Future()
-                    jobs.put((future, held))
-                    pending.append(future)
+                    slot: queue.SimpleQueue = queue.SimpleQueue()
+                    jobs.put((slot, held))
+                    pending.append(slot)
                 else:
                     batch = build(held)
                     if len(batch):
                         yield batch
-                while len(pending) > len(workers):
-                    batch = pending.popleft().result()
+                while len(pending) > workers:
+                    batch = taken(pending.popleft())
                     if len(batch):
                         yield batch
             held = item
         while pending:
-            batch = pending.popleft().result()
+            batch = taken(pending.popleft())
             if len(batch):
                 yield batch
         if held is not None:
@@ -621,14 +633,18 @@ def _built_in_order(walked: Iterator[_Walked], build, threads: int) -> Iterator[
         if error is not None:
             raise error
     finally:
-        for future in pending:
-            future.cancel()
-        for _ in workers:
+        stopping[0] = True
+        for _ in started:
             jobs.put(None)
-        for worker in workers:
-            worker.join()
+        deadline = time.monotonic() + SCAN_WORKER_GRACE
+        for worker in started:
+            if worker.is_alive():
+                worker.join(max(0.0, deadline - time.monotonic()))
         if held is not None:
             held.release()
+
+
+SCAN_WORKER_GRACE = 5.0  # seconds a closing scan waits for its workers' builds (a build takes milliseconds)
 
 
 def decode_at(commit_log: CommitLog, offsets, *, check_crc: bool = True, verify_prop_crc: bool = False,
