@@ -356,12 +356,18 @@ class CommitLog:
     def _roll(self, mapped: MappedFile) -> MappedFile:
         """Close ``mapped`` with a BLANK record and start the next segment.
 
-        The new segment is created first, so a failure (disk full) leaves the log unchanged.
+        The new segment is created first, so a failure (disk full) leaves the log unchanged; a BLANK that cannot
+        be written takes it back (a segment after an unclosed one is a torn tail to recovery: every message put
+        into it after the failure was set aside at the next open).
         """
         self.put_lock.io = True  # creating and fsyncing a segment: waiters sleep
         nxt = self.mapped_files.create_file(mapped.file_end_offset)
         pos = mapped.wrote_position
-        mapped.write(pos, blank_record(mapped.file_size - pos))
+        try:
+            mapped.write(pos, blank_record(mapped.file_size - pos))
+        except BaseException:
+            self.mapped_files.drop_last(nxt)
+            raise
         mapped.wrote_position = mapped.file_size
         mapped.seal()
         return nxt

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,8 @@ from .file import (
     segment_name,
     unlink_again,
 )
+
+log = logging.getLogger(__name__)
 
 
 class MappedFileQueue:
@@ -178,6 +181,19 @@ class MappedFileQueue:
         self.files.append(mapped)
         self._starts.append(start_offset)
         return mapped
+
+    def drop_last(self, mapped: MappedFile) -> None:
+        """Take back the segment ``create_file`` just appended (nothing written in it) when the roll that made it
+        failed: a segment after one that is not closed by a BLANK is a torn tail to recovery, which sets it and
+        every later one aside, acknowledged messages included."""
+        assert self.files and self.files[-1] is mapped, "only the newest, empty segment can be taken back"
+        self.files.pop()
+        self._starts.pop()
+        try:
+            mapped.destroy()
+            fsync_dir(self.directory)
+        except OSError as exc:  # left on disk: empty, after the log's end, the next roll's own name again
+            log.error("could not remove %s, made by a roll that failed: %s", mapped.path, exc)
 
     def reserve_spares(self, count: int) -> None:
         """Reserve the blocks of the next ``count`` segments now (``SpareFile``); the rolls that follow take them.
