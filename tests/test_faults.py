@@ -994,6 +994,33 @@ def test_an_io_error_in_a_table_written_in_parts_says_which_rows_are_stored(tmp_
         assert verify_store(tmp_path, config).clean
 
 
+def test_a_table_in_parts_keeps_its_stored_count_when_the_sync_flush_fails_too(tmp_path, monkeypatch):
+    """Under SYNC_FLUSH the wait for the stored rows' flush ran inside the partial-write handler: a failing flush
+    (the disk that failed the write fails the msync too) replaced TablePartlyStoredError with a plain FlushError,
+    its count and result lost (the review of this stop's changes)."""
+    from rocketstore.errors import FlushError, TablePartlyStoredError
+
+    config = ASYNC.replace(flush_disk_type=FlushDiskType.SYNC_FLUSH)
+    segment = config.mapped_file_size_commit_log
+    with MessageStore.open(tmp_path, config) as store:
+        real_write = mapped_file.MappedFile.write
+
+        def write(self, pos, data):
+            if self.file_from_offset == 2 * segment and "commitlog" in self.path_text:
+                raise StoreIOError(errno.EIO, f"write to {self.path} at {pos} failed: {os.strerror(errno.EIO)}")
+            return real_write(self, pos, data)
+
+        def wait_flushed(offset, timeout_ms=None):
+            raise FlushError(errno.EIO, "msync of the commit log failed: Input/output error")
+
+        monkeypatch.setattr(mapped_file.MappedFile, "write", write)
+        monkeypatch.setattr(store.flusher, "wait_flushed", wait_flushed)
+        with pytest.raises(TablePartlyStoredError, match="flushing the stored rows failed too") as raised:
+            store.put_batch(_table(2000))
+        assert 0 < raised.value.stored == len(raised.value.result) < 2000
+        assert raised.value.result.status is PutMessageStatus.FLUSH_DISK_TIMEOUT
+
+
 @pytest.mark.parametrize("tmpfile", [True, False])
 def test_spare_segments_leave_nothing_behind_a_kill(tmp_path, tmpfile):
     """Spares are nameless (O_TMPFILE) or ``.tmp`` files in staging: a kill between the reservation and the rolls

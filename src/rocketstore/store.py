@@ -16,6 +16,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -168,6 +169,8 @@ class MessageStore:
         self.encoder = MessageEncoder(config)
         self._store_host_hex = self.encoder.store_host_raw.hex().upper()  # offset msgIds: this + the offset
         self._batch = None  # the column-wise encoder, made on the first put_batch (it imports pyarrow)
+        self._scans: weakref.WeakSet = weakref.WeakSet()  # open scan_arrow iterators: their read-ahead holds views
+        self._scans_lock = threading.Lock()
         self.health = StoreHealth()  # why puts are refused, if they are (RocketMQ's RunningFlags)
         self.commit_log = CommitLog(root, config, read_only=read_only, health=self.health)
         self.checkpoint = StoreCheckpoint(root / CHECKPOINT_FILE, read_only=read_only)
@@ -781,6 +784,7 @@ class MessageStore:
                 except Exception as exc:
                     errors.append(exc)
             self._closed = True
+            self._end_scans()
 
             def step(action: Callable[[], object]) -> None:
                 try:
@@ -958,22 +962,28 @@ class MessageStore:
             phys, queue_offsets, store_ts = self.commit_log.append_batch(batch)
         except TablePartlyStoredError as exc:  # the stored rows' result, as durable as a whole table's would be
             phys, queue_offsets, store_ts = exc.result
-            exc.result = self._batch_stored(batch, phys, queue_offsets, store_ts)
+            try:
+                exc.result = self._batch_stored(batch, phys, queue_offsets, store_ts)
+            except StoreIOError as flush_error:  # SYNC_FLUSH's wait failed too: the count must not be lost with it
+                exc.result = self._batch_stored(batch, phys, queue_offsets, store_ts, flushed=False)
+                exc.strerror = f"{exc.strerror}; flushing the stored rows failed too: {flush_error}"
             raise
         return self._batch_stored(batch, phys, queue_offsets, store_ts)
 
-    def _batch_stored(self, batch, phys, queue_offsets, store_ts: int) -> PutBatchResult:
+    def _batch_stored(self, batch, phys, queue_offsets, store_ts: int, *, flushed: bool = True) -> PutBatchResult:
         """Dispatch, and under SYNC_FLUSH wait for, the first ``len(phys)`` rows of ``batch`` (all of them, or the
-        prefix a failed table in parts left); their result."""
+        prefix a failed table in parts left); their result. ``flushed=False``: no wait, FLUSH_DISK_TIMEOUT (the
+        flush failed)."""
         assert self.dispatcher is not None and self.flusher is not None
         self.dispatcher.wake()
         status = PutMessageStatus.PUT_OK
         sizes = batch.sizes[: len(phys)]
         if len(phys) and self.config.flush_disk_type is FlushDiskType.SYNC_FLUSH and batch.wait_store:
-            if not self.flusher.wait_flushed(int(phys[-1] + sizes[-1])):
+            if not flushed or not self.flusher.wait_flushed(int(phys[-1] + sizes[-1])):
                 status = PutMessageStatus.FLUSH_DISK_TIMEOUT
             self.dispatcher.wake()
-        self.dispatcher.keep_up()
+        if flushed:
+            self.dispatcher.keep_up()
         from .codec.batch_encode import offset_msg_ids, uniq_key_strings
 
         # the ids are made on first read from what they need, not from the batch (its records stay unreferenced)
@@ -1322,13 +1332,32 @@ class MessageStore:
         return self._while_open(self.commit_log.iter_messages(from_offset, to_offset))
 
     def _while_open(self, iterator: Iterator):
-        """``iterator``'s items; used after ``close()`` (its mappings unmapped), ``StoreClosedError``."""
+        """``iterator``'s items; used after ``close()`` (its mappings unmapped), ``StoreClosedError``, even where
+        the iterator had items made ahead (``scan_arrow``'s)."""
         try:
-            yield from iterator
+            for item in iterator:
+                if self._closed:
+                    break
+                yield item
         except (ValueError, StoreIOError):  # "mmap closed or invalid", "segment ... is closed"
             if self._closed:
                 raise StoreClosedError(f"store {self.root} was closed while this iterator was in use") from None
             raise
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+        if self._closed:
+            raise StoreClosedError(f"store {self.root} was closed while this iterator was in use")
+
+    def _end_scans(self) -> None:
+        """Close the scans left open (paused between batches): their read-ahead holds views of the segments,
+        which kept a mapping alive past ``close()`` (the session review). One running in another thread right
+        now is left to end itself: it raises ``StoreClosedError`` at its next batch."""
+        with self._scans_lock:
+            scans = list(self._scans)
+        for scan in scans:
+            scan.close()
 
     def scan_arrow(self, topics=None, begin: int | None = None, end: int | None = None, check_crc: bool = True,
                    include_body: bool = True, *, max_rows: int = 8192, columns: Iterable[str] | None = None,
@@ -1361,8 +1390,11 @@ class MessageStore:
                 self.commit_log.check_record_start(begin)  # as iter_messages: not a record start is no damage
         if end is not None:
             end = check_int("end", end, error=OffsetOutOfRangeError)
-        return self._while_open(scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body,
-                                           max_rows=max_rows, columns=names, threads=threads))
+        scan = _Scan(self, self._while_open(scan_arrow(self.commit_log, topics, begin, end, check_crc, include_body,
+                                                       max_rows=max_rows, columns=names, threads=threads)))
+        with self._scans_lock:
+            self._scans.add(scan)
+        return scan
 
     def queue_arrow(self, topic: str, queue_id: int, begin: int | None = None, end: int | None = None,
                     tags: str | Iterable[str] | None = None, *, include_body: bool = True, max_rows: int = 8192):
@@ -1400,6 +1432,36 @@ class MessageStore:
 
 
 MAX_BATCH_ROWS = 1 << 24  # rows a scan's batch may be asked to hold (its buffers are sized by it)
+
+
+class _Scan:
+    """``scan_arrow``'s iterator: the store's ``close()`` closes it (its read-ahead holds views of the segments,
+    which would keep a mapping alive), and it raises ``StoreClosedError`` when used after that."""
+
+    def __init__(self, store: MessageStore, batches: Iterator) -> None:
+        self._store = store
+        self._batches = batches
+        self._done = False
+
+    def __iter__(self) -> _Scan:
+        return self
+
+    def __next__(self):
+        if self._store._closed and not self._done:
+            self.close()
+            raise StoreClosedError(f"store {self._store.root} was closed while this iterator was in use")
+        try:
+            return next(self._batches)
+        except BaseException:
+            self._done = not self._store._closed
+            raise
+
+    def throw(self, *args):  # a generator's, as scan_arrow returned before
+        return self._batches.throw(*args)
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):  # "generator already executing": it ends at its next batch
+            self._batches.close()
 
 
 def _check_max_rows(max_rows: object) -> int:

@@ -594,8 +594,10 @@ def _built_in_order(walked: Iterator[_Walked], build, threads: int) -> Iterator[
         return value
 
     held: _Walked | None = None
+    item: _Walked | None = None
     error: BaseException | None = None
     workers = 0
+    tried = False
     try:
         while True:
             try:
@@ -606,7 +608,8 @@ def _built_in_order(walked: Iterator[_Walked], build, threads: int) -> Iterator[
                 error = exc
                 break
             if held is not None:
-                if threads and not started:
+                if threads and not tried:  # once: with no thread to be had, not again before every batch
+                    tried = True
                     workers = start_workers()
                 if workers:
                     slot: queue.SimpleQueue = queue.SimpleQueue()
@@ -620,19 +623,22 @@ def _built_in_order(walked: Iterator[_Walked], build, threads: int) -> Iterator[
                     batch = taken(pending.popleft())
                     if len(batch):
                         yield batch
-            held = item
+            held, item = item, None
         while pending:
             batch = taken(pending.popleft())
             if len(batch):
                 yield batch
         if held is not None:
-            item, held = held, None
-            batch = build(item)
+            last, held = held, None
+            batch = build(last)
             if len(batch):
                 yield batch
         if error is not None:
             raise error
     finally:
+        close_walk = getattr(walked, "close", None)
+        if close_walk is not None:
+            close_walk()
         stopping[0] = True
         for _ in started:
             jobs.put(None)
@@ -640,8 +646,9 @@ def _built_in_order(walked: Iterator[_Walked], build, threads: int) -> Iterator[
         for worker in started:
             if worker.is_alive():
                 worker.join(max(0.0, deadline - time.monotonic()))
-        if held is not None:
-            held.release()
+        for left in (held, item):  # an exception leaving the scan keeps this frame: no view may stay in it
+            if left is not None:
+                left.release()
 
 
 SCAN_WORKER_GRACE = 5.0  # seconds a closing scan waits for its workers' builds (a build takes milliseconds)
@@ -763,6 +770,9 @@ def _walk_log(commit_log: CommitLog, begin: int | None, end: int | None, decode)
                 yield batch
             if stop.kind is StopKind.DAMAGE:
                 assert stop.error is not None
+                if isinstance(batch, _Walked) and not len(batch):  # not yielded: its view goes before the error
+                    batch.release()  # keeps this frame (a segment stayed mapped after close, the session review)
+                batch = None
                 raise stop.error
             if stop.kind is not StopKind.LIMIT:
                 break
