@@ -574,42 +574,9 @@ def test_topics_are_made_for_the_whole_dataset_before_a_row_is_stored_and_a_resu
             [("T", q) for q in (0, 1, 2, 3, 11, 12)] + [("U", 20)])
 
 
-def test_a_disk_failure_mid_batch_does_not_say_its_rows_are_not_stored(tmp_path, monkeypatch):
-    """A table over several segments is one append per segment: a disk failure at the second kept the first's rows.
-    The error said the whole batch was not stored and named --from-row at its first row, which stored those rows
-    twice (216 duplicates in the consumer-and-faults review). It says some may be stored and to run the same import
-    again, which goes on from the first row the store does not hold."""
-    import errno as _errno
-
-    from rocketstore.errors import StoreIOError
-
-    rows = [f"row {i}".encode() for i in range(200)]
-    for n in range(2):
-        write(tmp_path / "d" / f"part-{n}.parquet", topic=["Imp"] * 100, body=rows[n * 100:n * 100 + 100])
-    monkeypatch.setattr(importing, "IMPORT_CHUNK_ROWS", 64)
-    real_put, calls = MessageStore.put_batch, []
-
-    def half_then_fail(store, table, **options):
-        calls.append(table.num_rows)
-        if len(calls) == 2:  # the first 10 rows reach the log, then the disk fails
-            real_put(store, table.slice(0, 10), **options)
-            raise StoreIOError(_errno.EIO, "fsync of directory commitlog failed: Input/output error")
-        return real_put(store, table, **options)
-
-    monkeypatch.setattr(MessageStore, "put_batch", half_then_fail)
-    with pytest.raises(StoreIOError) as failed:
-        import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
-    text = str(failed.value)
-    assert "some of these rows may be stored" in text and "without --from-row" in text and "not stored" not in text
-    assert failed.value.errno == _errno.EIO
-    monkeypatch.setattr(MessageStore, "put_batch", real_put)
-    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
-    assert [m.body for m in stored(tmp_path / "s")] == rows  # each row once
-
-
-def test_a_disk_failure_in_a_table_written_in_parts_names_the_rows_stored(tmp_path, monkeypatch):
-    """``put_batch`` now says how many rows of a table in parts a disk failure kept (``TablePartlyStoredError``):
-    the import names the first row not stored instead of "some may be", and counts the stored ones."""
+def _import_whose_second_table_keeps_10_rows(tmp_path, monkeypatch, says_how_many: bool):
+    """An import of 200 rows (tables of 64) whose second ``put_batch`` stores 10 rows and fails: as a plain disk
+    error, or as ``TablePartlyStoredError``. Returns the rows and the error; the same import again stores the rest."""
     import errno as _errno
 
     from rocketstore.errors import StoreIOError, TablePartlyStoredError
@@ -622,8 +589,10 @@ def test_a_disk_failure_in_a_table_written_in_parts_names_the_rows_stored(tmp_pa
 
     def part_then_fail(store, table, **options):
         calls.append(table.num_rows)
-        if len(calls) == 2:  # the second table keeps 10 rows, then the disk fails
+        if len(calls) == 2:  # the first 10 rows reach the log, then the disk fails
             kept = real_put(store, table.slice(0, 10), **options)
+            if not says_how_many:
+                raise StoreIOError(_errno.EIO, "fsync of directory commitlog failed: Input/output error")
             cause = StoreIOError(_errno.EIO, "write to commitlog/00000000000000131072 at 0 failed: Input/output error")
             raise TablePartlyStoredError(_errno.EIO, "Input/output error; rows 0-9 are stored", 10, kept) from cause
         return real_put(store, table, **options)
@@ -631,12 +600,30 @@ def test_a_disk_failure_in_a_table_written_in_parts_names_the_rows_stored(tmp_pa
     monkeypatch.setattr(MessageStore, "put_batch", part_then_fail)
     with pytest.raises(StoreIOError) as failed:
         import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
-    text = str(failed.value)
-    assert text == ("[Errno 5] rows 74..99 not stored: write to commitlog/00000000000000131072 at 0 failed: "
-                    "Input/output error (the 74 rows before them are: run the same import again, without "
-                    "--from-row, and it goes on from row 74)")
-    assert "may be stored" not in text and failed.value.errno == _errno.EIO
-    assert [m.body for m in stored(tmp_path / "s")] == rows[:74]
+    assert failed.value.errno == _errno.EIO
     monkeypatch.setattr(MessageStore, "put_batch", real_put)
+    return rows, failed.value
+
+
+def test_a_disk_failure_mid_batch_does_not_say_its_rows_are_not_stored(tmp_path, monkeypatch):
+    """A table over several segments is one append per segment: a disk failure at the second kept the first's rows.
+    The error said the whole batch was not stored and named --from-row at its first row, which stored those rows
+    twice (216 duplicates in the consumer-and-faults review). It says some may be stored and to run the same import
+    again, which goes on from the first row the store does not hold."""
+    rows, error = _import_whose_second_table_keeps_10_rows(tmp_path, monkeypatch, says_how_many=False)
+    text = str(error)
+    assert "some of these rows may be stored" in text and "without --from-row" in text and "not stored" not in text
+    import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
+    assert [m.body for m in stored(tmp_path / "s")] == rows  # each row once
+
+
+def test_a_disk_failure_in_a_table_written_in_parts_names_the_rows_stored(tmp_path, monkeypatch):
+    """``put_batch`` now says how many rows of a table in parts a disk failure kept (``TablePartlyStoredError``):
+    the import names the first row not stored instead of "some may be", and counts the stored ones."""
+    rows, error = _import_whose_second_table_keeps_10_rows(tmp_path, monkeypatch, says_how_many=True)
+    assert str(error) == ("[Errno 5] rows 74..99 not stored: write to commitlog/00000000000000131072 at 0 failed: "
+                          "Input/output error (the 74 rows before them are: run the same import again, without "
+                          "--from-row, and it goes on from row 74)")
+    assert [m.body for m in stored(tmp_path / "s")] == rows[:74]
     import_parquet(tmp_path / "d", tmp_path / "s", config=CONFIG)
     assert [m.body for m in stored(tmp_path / "s")] == rows  # each row once
