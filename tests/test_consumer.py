@@ -436,6 +436,7 @@ def test_delayed_messages_appear_when_due_and_are_findable_at_once(tmp_path):
         assert (delivered.topic, delivered.queue_id, delivered.uniq_key) == ("Pay", 1, sent.uniq_key)
         assert "DELAY" not in delivered.properties and "REAL_TOPIC" not in delivered.properties
         assert delivered.store_timestamp - sent.store_timestamp >= 2000
+        store.wait_for_dispatch()  # a dispatch round writes the queue unit a consumer sees before the index entry
         found = store.query_message("Pay", "order-77")
         assert [m.topic for m in found] == ["Pay"], "after delivery a query shows the delivered copy once"
     offsets = parse_fastjson((tmp_path / "config" / "delayOffset.json").read_text())["offsetTable"]
