@@ -176,6 +176,25 @@ def test_a_uniq_key_by_id_is_the_oldest_copy_in_the_topic_asked_for(tmp_path, sm
     assert done.exit_code == 1 and "of topic TopicTest, not Aaa" in done.output
 
 
+def test_a_uniq_key_is_found_before_its_topic_has_a_queue(tmp_path, small_config):
+    """A delayed message's topic, or a prepared transaction's, has no consume queue until delivery or commit, yet
+    its UNIQ_KEY is indexed under it: looked up without a topic (view_message_by_id, query-by-unique-key), it was
+    not found, as only topics with queues were searched (the model-based review). Topics in topics.json are too."""
+    from rocketstore.cli.app import main as cli
+
+    with MessageStore.open(tmp_path, small_config) as store:
+        delayed = store.put_message(Message("Orders", b"in 10 s", keys=["order-1"], properties={"DELAY": "3"}))
+        prepared = store.put_message(Message("Payments", b"half", keys=["pay-1"], sys_flag=0x4))
+        store.wait_for_dispatch()
+        assert "Orders" not in store.topics() and "Payments" not in store.topics()
+        assert store.view_message_by_id(delayed.uniq_key).commit_log_offset == delayed.commit_log_offset
+        assert store.view_message_by_id(prepared.uniq_key).commit_log_offset == prepared.commit_log_offset
+    done = CliRunner().invoke(cli, ["query-by-unique-key", "--store", str(tmp_path), "--max-hash-slot-num", "97",
+                                    "--max-index-num", "500", "-i", prepared.uniq_key, "--json"])
+    assert done.exit_code == 0, done.output
+    assert [json.loads(line)["commitLogOffset"] for line in done.output.splitlines()] == [prepared.commit_log_offset]
+
+
 def test_view_message_by_id_finds_a_lower_case_uniq_key_as_given(tmp_path, small_config):
     """A producer-given UNIQ_KEY in lower case: found as given first, upper case being only the fallback."""
     with MessageStore.open(tmp_path, small_config) as store:

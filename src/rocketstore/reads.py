@@ -116,6 +116,9 @@ class StoreReader:
         # units found pointing at another queue's record: (topic, queue id, queue offset) -> where they point
         self.damaged_units: dict[tuple[str, int, int], int] = {}
         self.repair_unit: Callable[[str, int, int], MessageExt | None] | None = None
+        # topics the store knows beyond those with queues (config/topics.json): a delayed message's topic or a
+        # prepared transaction's has none until delivery or commit, yet its UNIQ_KEY is indexed under it
+        self.known_topics: Callable[[], Iterable[str]] = lambda: ()
 
     # --- by queue offset ---------------------------------------------------------------------
 
@@ -582,7 +585,8 @@ class StoreReader:
                     return msg
             except (InvalidMessageIdError, MessageNotFoundError, CorruptDataError):
                 pass  # not an offset id of this store: try it as a UNIQ_KEY
-        topics = [topic] if topic is not None else sorted(self.queues.topics(), key=_lookup_order)
+        topics = [topic] if topic is not None else sorted({*self.queues.topics(), *self.known_topics()},
+                                                          key=_lookup_order)
         for uniq_key in dict.fromkeys((given, text)):
             for one in topics:
                 hits = self.query_by_uniq_key(one, uniq_key, UNIQ_KEY_QUERY_MAX)

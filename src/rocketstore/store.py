@@ -353,6 +353,7 @@ class MessageStore:
         self.commit_log.last_store_timestamp = self._last_store_timestamp()
         self._check_flushed_present()
         self.reader = StoreReader(self.commit_log, self.queues, self.index, self.config)
+        self.reader.known_topics = lambda: list(self.topic_config.topics)
         if not self.read_only:
             self.reader.repair_unit = self._repair_unit
         if not self.read_only:

@@ -648,7 +648,8 @@ def query_by_unique_key(uniq_key, topic, body, as_json, **kwargs) -> None:
     if topic is not None and not topic.strip():
         raise click.BadParameter("the topic is empty (leave -t out to search every topic)", param_hint="-t/--topic")
     with read_only_store(_store_args(kwargs)) as store:
-        topics = [topic] if topic else store.topics()
+        # every topic with queues, and those only topics.json names yet (a delayed message's, a prepared one's)
+        topics = [topic] if topic else sorted({*store.topics(), *store.topic_config.topics})
         # a UNIQ_KEY is any string a producer set, matched as given; a hex msgId typed in lower case is the fallback
         text = uniq_key.strip()
         found = [m for t in topics for m in store.query_message_by_uniq_key(t, text)]
