@@ -1369,7 +1369,7 @@ class MessageStore:
         a read-only open of a log damaged before intact records ends it at the damage (``recovery.resumes_at``
         says where they resume; ``StoreConfig.cut_damaged_log=False`` refuses such a log at the open). The store
         must stay open while the iterator is used. ``threads`` build batches while the caller's thread walks
-        the log on (1.4x on two cores); 0 does everything in the caller's thread."""
+        the log on (1.15-1.5x on two cores with 400-byte records); 0 does everything in the caller's thread."""
         self._check_open()
         from .codec.batch import message_columns, scan_arrow
 

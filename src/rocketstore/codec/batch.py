@@ -56,8 +56,9 @@ MESSAGE_FIELDS: list[tuple[str, pa.DataType]] = [
 MESSAGE_SCHEMA = pa.schema(MESSAGE_FIELDS)
 MESSAGE_COLUMNS: tuple[str, ...] = tuple(name for name, _ in MESSAGE_FIELDS)
 DEFAULT_MAX_ROWS = 8192  # measured: 4096-8192 rows keep a batch's buffers in cache (1.6x faster than 65536)
-SCAN_BUILD_THREADS = 2  # measured on 2 cores, 256 MB of 400-byte records: 0 -> 850-930 MB/s, 1 -> 1,190-1,250,
-# 2 -> 1,200-1,320, 3 -> 1,290-1,360 (the walk, 40% of the work, stays in the caller's thread)
+SCAN_BUILD_THREADS = 2  # 2 cores, 256 MB of 400-byte records, quiet prototype: 0 -> 850-930 MB/s, 1 -> 1,190-1,250,
+# 2 -> 1,200-1,320, 3 -> 1,290-1,360; `./dev bench scan` beside a busy core: 721 -> 829 (the walk, 40% of the work,
+# stays in the caller's thread); on 100-byte records no clear gain
 DEFAULT_MAX_BYTES = 64 << 20  # keeps every binary column far below Arrow's 2 GiB int32 offsets
 
 _NAMES = {name: np.frombuffer(name.encode(), dtype=np.uint8)
